@@ -1,0 +1,77 @@
+"""Reference attention backend in plain torch: pads the ragged batch to
+``[bs, max_q_len]`` queries x ``[bs, max_kv_len]`` keys, builds one boolean mask, one SDPA call per
+layer. Supports every mode (extend, chunked extend, decode, tree verify, tree draft decode)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from specmesh.runtime.attention.base import AttentionBackend, AttentionMetadata
+
+
+class TorchBackend(AttentionBackend):
+    name = "torch"
+    needs_cpu_metadata = True
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        self.meta = meta
+        q_lens = meta.q_lens_cpu or (meta.qo_indptr[1:] - meta.qo_indptr[:-1]).tolist()
+        kv_lens = meta.kv_lens_cpu or (meta.kv_indptr[1:] - meta.kv_indptr[:-1]).tolist()
+        dev = meta.qo_indptr.device
+        bs, max_q, max_kv = len(q_lens), max(q_lens), max(kv_lens)
+        q_len_t = torch.tensor(q_lens, device=dev)
+        kv_len_t = torch.tensor(kv_lens, device=dev)
+        q_pos = torch.arange(max_q, device=dev)
+        kv_pos = torch.arange(max_kv, device=dev)
+        q_valid = q_pos[None, :] < q_len_t[:, None]  # [bs, max_q]
+        kv_valid = kv_pos[None, :] < kv_len_t[:, None]  # [bs, max_kv]
+        self.q_valid = q_valid
+        kv_flat = (meta.kv_indptr[:-1, None] + kv_pos[None, :]).clamp(
+            max=max(meta.kv_indices.numel() - 1, 0)
+        )
+        self.kv_slots = torch.where(kv_valid, meta.kv_indices[kv_flat], 0)  # [bs, max_kv]
+        if meta.custom_mask is None:
+            offset = (kv_len_t - q_len_t)[:, None, None]
+            mask = kv_pos[None, None, :] <= q_pos[None, :, None] + offset
+        else:
+            mask = torch.zeros(bs, max_q, max_kv, dtype=torch.bool, device=dev)
+            start = meta.mask_indptr.tolist()
+            for b in range(bs):
+                m = meta.custom_mask[start[b] : start[b + 1]].view(q_lens[b], kv_lens[b])
+                mask[b, : q_lens[b], : kv_lens[b]] = m
+        mask = mask & kv_valid[:, None, :]
+        # Padded query rows see column 0 only, so softmax stays finite; they are dropped after.
+        mask[:, :, 0] |= ~q_valid
+        self.mask = mask[:, None]  # [bs, 1, max_q, max_kv]
+
+    def forward(self, q, k, v, k_pool, v_pool, scale):
+        bs, max_q = self.q_valid.shape
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        q_pad = q.new_zeros(bs, max_q, num_heads, head_dim)
+        q_pad[self.q_valid] = q
+        keys = k_pool[self.kv_slots].to(q.dtype)  # [bs, max_kv, kv_heads, head_dim]
+        values = v_pool[self.kv_slots].to(q.dtype)
+        group = num_heads // keys.shape[2]
+        if group > 1:
+            keys = keys.repeat_interleave(group, dim=2)
+            values = values.repeat_interleave(group, dim=2)
+        out = F.scaled_dot_product_attention(
+            q_pad.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+            attn_mask=self.mask, scale=scale,
+        )  # fmt: skip
+        return out.transpose(1, 2)[self.q_valid]  # [num_tokens, heads, head_dim]
+
+
+def make_backend(name: str) -> AttentionBackend:
+    """Backends by name; GPU-only ones are imported here, lazily, so CPU never touches them."""
+    if name == "torch":
+        return TorchBackend()
+    if name == "triton":
+        from specmesh.runtime.attention.triton_backend import TritonBackend
+
+        return TritonBackend()
+    if name == "flashinfer":
+        from specmesh.runtime.attention.flashinfer_backend import FlashInferBackend
+
+        return FlashInferBackend()
+    raise ValueError(f"unknown attention backend {name!r}; choose torch, triton or flashinfer")

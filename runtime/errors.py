@@ -1,0 +1,30 @@
+"""Errors a caller can act on. Each maps to one gRPC status code (see `GRPC_CODE_NAMES`)."""
+
+from __future__ import annotations
+
+
+class SpecmeshError(Exception):
+    grpc_code = "INTERNAL"
+
+
+class InvalidRequestError(SpecmeshError, ValueError):
+    """Bad user input: out-of-vocabulary ids, empty or too-long prompts, bad sampling values."""
+
+    grpc_code = "INVALID_ARGUMENT"
+
+
+class UnknownRequestError(SpecmeshError, KeyError):
+    grpc_code = "NOT_FOUND"
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else "unknown request"
+
+
+class DuplicateRequestError(SpecmeshError):
+    grpc_code = "ALREADY_EXISTS"
+
+
+class KVCacheFullError(SpecmeshError):
+    """Not enough free KV slots; the scheduler queues or preempts, never crashes."""
+
+    grpc_code = "RESOURCE_EXHAUSTED"

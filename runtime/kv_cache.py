@@ -1,0 +1,133 @@
+"""Paged KV cache: a token-slot pool per layer, a request-to-slot table and a page allocator.
+
+    req_to_slot[row] = [ committed tokens ........ | speculative tokens ... | unused capacity ]
+                         0                 committed_len            capacity (pages * page_size)
+
+Every token index of a request maps to a slot id of the pool; pages are the unit of allocation,
+slot ids (not pages) are what attention reads, so a row may list any slots in any order. That is
+what makes rollback structural: verification writes tree nodes at token indices
+``committed_len .. committed_len + N - 1``; accepting a path permutes those row entries so the
+accepted nodes come first and moves ``committed_len``. Rejected slots stay reserved by the request
+for its next round; no K/V is copied and nothing is freed per round.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from specmesh.runtime.errors import DuplicateRequestError, KVCacheFullError, UnknownRequestError
+from specmesh.runtime.models.layers import KVPair
+
+
+@dataclass
+class RequestSlots:
+    row: int
+    pages: list[int] = field(default_factory=list)
+    committed_len: int = 0
+
+
+class KVCache:
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_slots: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: str | torch.device = "cpu",
+        page_size: int = 1,
+        max_requests: int = 256,
+        max_context: int = 4096,
+    ) -> None:
+        if num_slots % page_size:
+            raise ValueError(f"num_slots {num_slots} is not a multiple of page_size {page_size}")
+        shape = (num_slots, num_kv_heads, head_dim)
+        self.pools = [
+            KVPair(
+                torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape, dtype=dtype, device=device),
+            )
+            for _ in range(num_layers)
+        ]
+        self.page_size, self.max_context = page_size, max_context
+        self.req_to_slot = torch.zeros(max_requests, max_context, dtype=torch.int64, device=device)
+        self.free_pages = list(range(num_slots // page_size - 1, -1, -1))
+        self.free_rows = list(range(max_requests - 1, -1, -1))
+        self.requests: dict[str, RequestSlots] = {}
+
+    # -- ask ----------------------------------------------------------------------------------
+    def pages_needed(self, rid: str | None, num_tokens: int) -> int:
+        """Extra pages request ``rid`` (or a new request) needs to hold ``num_tokens`` tokens."""
+        have = len(self.requests[rid].pages) if rid in self.requests else 0
+        return max(0, -(-num_tokens // self.page_size) - have)
+
+    def can_allocate(self, demands: dict[str | None, int]) -> bool:
+        pages = sum(self.pages_needed(rid, n) for rid, n in demands.items())
+        new_rows = sum(1 for rid in demands if rid not in self.requests)
+        return pages <= len(self.free_pages) and new_rows <= len(self.free_rows)
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self.free_pages) * self.page_size
+
+    # -- act ----------------------------------------------------------------------------------
+    def add(self, rid: str) -> None:
+        if rid in self.requests:
+            raise DuplicateRequestError(f"request {rid!r} already has KV state")
+        if not self.free_rows:
+            raise KVCacheFullError(f"all {self.req_to_slot.shape[0]} request rows are in use")
+        self.requests[rid] = RequestSlots(self.free_rows.pop())
+
+    def reserve(self, rid: str, num_tokens: int) -> None:
+        """Make sure ``rid`` owns slots for token indices ``[0, num_tokens)``."""
+        req = self.get(rid)
+        if num_tokens > self.max_context:
+            raise KVCacheFullError(
+                f"request {rid!r} needs {num_tokens} tokens, above max_context {self.max_context}"
+            )
+        need = self.pages_needed(rid, num_tokens)
+        if need > len(self.free_pages):
+            raise KVCacheFullError(
+                f"request {rid!r} needs {need} more KV pages of {self.page_size} tokens, "
+                f"{len(self.free_pages)} free"
+            )
+        ps = self.page_size
+        for _ in range(need):
+            page = self.free_pages.pop()
+            start = len(req.pages) * ps
+            self.req_to_slot[req.row, start : start + ps] = torch.arange(page * ps, (page + 1) * ps)
+            req.pages.append(page)
+
+    def release(self, rid: str) -> None:
+        req = self.requests.pop(rid, None)
+        if req is None:
+            raise UnknownRequestError(f"unknown request id {rid!r}")
+        self.free_pages.extend(reversed(req.pages))
+        self.free_rows.append(req.row)
+
+    def get(self, rid: str) -> RequestSlots:
+        req = self.requests.get(rid)
+        if req is None:
+            raise UnknownRequestError(f"unknown request id {rid!r}")
+        return req
+
+    def slots(self, rid: str, start: int, end: int) -> torch.Tensor:
+        return self.req_to_slot[self.get(rid).row, start:end]
+
+    def commit(self, rid: str, length: int) -> None:
+        self.get(rid).committed_len = length
+
+    def accept_path(self, rid: str, path: list[int], num_nodes: int) -> None:
+        """Keep the tree nodes on ``path`` (indices into the ``num_nodes`` speculative tokens,
+        root first) as committed tokens, by permuting slot ids; the rest stay reserved."""
+        req = self.get(rid)
+        base = req.committed_len
+        row = self.req_to_slot[req.row]
+        spec = row[base : base + num_nodes].clone()
+        kept = torch.tensor(path, dtype=torch.int64, device=row.device)
+        rest = torch.ones(num_nodes, dtype=torch.bool, device=row.device)
+        rest[kept] = False
+        row[base : base + num_nodes] = torch.cat([spec[kept], spec[rest]])
+        req.committed_len = base + len(path)

@@ -1,0 +1,116 @@
+"""Runs one forward over a ragged batch: reserves KV, builds attention metadata, calls the model.
+
+A `BatchItem` says where a request's new tokens go (token index ``start`` of its KV row) and what
+they may see (causal, or an explicit mask for tree verify / tree drafting). The runner knows
+nothing about speculation; callers commit lengths afterwards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from specmesh.runtime.attention.base import AttentionBackend, AttentionMetadata
+from specmesh.runtime.errors import KVCacheFullError
+from specmesh.runtime.kv_cache import KVCache
+from specmesh.runtime.models.causal_lm import ModelOutput
+from specmesh.runtime.models.layers import KVPair
+
+
+@dataclass
+class BatchItem:
+    rid: str
+    input_ids: torch.Tensor  # [q_len] int64
+    start: int  # token index of the first new token in the request's KV row
+    positions: torch.Tensor | None = None  # [q_len]; default start + arange(q_len)
+    mask: torch.Tensor | None = None  # [q_len, start + q_len] bool; None = causal
+    input_embeds: torch.Tensor | None = None  # [q_len, hidden]; replaces the token embedding
+
+    @property
+    def q_len(self) -> int:
+        return self.input_ids.numel()
+
+
+class ForwardModel(Protocol):
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor: ...
+
+    def __call__(self, **kwargs: object) -> ModelOutput: ...
+
+
+def build_metadata(cache: KVCache, items: list[BatchItem]) -> AttentionMetadata:
+    q_lens = [it.q_len for it in items]
+    kv_lens = [it.start + it.q_len for it in items]
+    dev = cache.req_to_slot.device
+    kv_indices = torch.cat([cache.slots(it.rid, 0, it.start + it.q_len) for it in items])
+    out_slots = torch.cat([cache.slots(it.rid, it.start, it.start + it.q_len) for it in items])
+    custom_mask = mask_indptr = None
+    if any(it.mask is not None for it in items):
+        masks = [_full_mask(it) for it in items]
+        custom_mask = torch.cat([m.flatten() for m in masks]).to(dev)
+        mask_indptr = _indptr([m.numel() for m in masks], dev)
+    return AttentionMetadata(
+        qo_indptr=_indptr(q_lens, dev), kv_indptr=_indptr(kv_lens, dev),
+        kv_indices=kv_indices, out_slots=out_slots,
+        custom_mask=custom_mask, mask_indptr=mask_indptr,
+        q_lens_cpu=q_lens, kv_lens_cpu=kv_lens, max_q_len=max(q_lens), max_kv_len=max(kv_lens),
+    )  # fmt: skip
+
+
+def _full_mask(it: BatchItem) -> torch.Tensor:
+    if it.mask is not None:
+        return it.mask.bool()
+    kv_len = it.start + it.q_len
+    return torch.arange(kv_len)[None, :] <= torch.arange(it.q_len)[:, None] + it.start
+
+
+def _indptr(lens: list[int], device: torch.device) -> torch.Tensor:
+    out = torch.zeros(len(lens) + 1, dtype=torch.int64)
+    out[1:] = torch.tensor(lens).cumsum(0)
+    return out.to(device)
+
+
+def reserve_batch(cache: KVCache, items: list[BatchItem]) -> None:
+    """Ask for every request's slots first, then take them: a batch that does not fit changes
+    nothing and raises `KVCacheFullError`."""
+    demands = {it.rid: it.start + it.q_len for it in items}
+    if not cache.can_allocate(demands):
+        need = sum(cache.pages_needed(r, n) for r, n in demands.items()) * cache.page_size
+        raise KVCacheFullError(f"batch needs {need} more KV slots, {cache.num_free_slots} free")
+    for rid, n in demands.items():
+        cache.reserve(rid, n)
+
+
+@torch.inference_mode()
+def run_batch(
+    model: ForwardModel,
+    cache: KVCache,
+    backend: AttentionBackend,
+    items: list[BatchItem],
+    kv_pools: list[KVPair] | None = None,
+) -> ModelOutput:
+    """Forward the new tokens of every item; outputs are flat rows in item order."""
+    reserve_batch(cache, items)
+    dev = cache.req_to_slot.device
+    backend.prepare(build_metadata(cache, items))
+    positions = torch.cat(
+        [
+            it.positions
+            if it.positions is not None
+            else torch.arange(it.start, it.start + it.q_len)
+            for it in items
+        ]
+    ).to(dev)
+    input_ids = torch.cat([it.input_ids for it in items]).to(dev)
+    embeds = None
+    if any(it.input_embeds is not None for it in items):
+        embeds = torch.cat(
+            [
+                e if (e := it.input_embeds) is not None else model.embed(it.input_ids.to(dev))
+                for it in items
+            ]
+        )
+    return model(
+        positions=positions, kv_pools=kv_pools if kv_pools is not None else cache.pools,
+        backend=backend, input_ids=None if embeds is not None else input_ids, input_embeds=embeds,
+    )  # fmt: skip

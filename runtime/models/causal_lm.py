@@ -1,0 +1,147 @@
+"""Llama-family decoder-only LM: Llama (incl. llama3 / linear RoPE scaling), Qwen2 (qkv bias),
+Qwen3 (q/k RMSNorm). One class: the three differ only by flags in `ModelConfig`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from specmesh.runtime.attention.base import AttentionBackend
+from specmesh.runtime.config import CheckpointError, ModelConfig, load_model_config
+from specmesh.runtime.loader import assign_parameters, load_tensors
+from specmesh.runtime.models.layers import AttentionShape, DecoderLayer, KVPair, RMSNorm, Rotary
+from torch import nn
+
+
+@dataclass(frozen=True)
+class AuxLayers:
+    """Which residual-stream states to capture for EAGLE-3, with the numbering made explicit.
+
+    ``convention="input"``: id i is the input of layer i (SGLang's default ``[2, L//2, L-3]``,
+    transformers ``hidden_states[i]``). ``convention="output"``: id i is the output of layer i (the
+    SpecForge / SGLang-config numbering), i.e. the input of layer i + 1. A capture point equal to
+    ``num_layers`` is the last layer's output, before the final norm.
+    """
+
+    layer_ids: tuple[int, ...]
+    convention: str = "input"
+
+    def capture_points(self, num_layers: int) -> tuple[int, ...]:
+        if self.convention not in ("input", "output"):
+            raise ValueError(
+                f"aux layer convention must be 'input' or 'output', got {self.convention!r}"
+            )
+        shift = 0 if self.convention == "input" else 1
+        points = tuple(i + shift for i in self.layer_ids)
+        bad = [p for p in points if not 0 <= p <= num_layers]
+        if bad:
+            raise ValueError(
+                f"aux layer ids {list(self.layer_ids)} ({self.convention} convention) fall outside "
+                f"a {num_layers}-layer model"
+            )
+        return points
+
+    @staticmethod
+    def default(num_layers: int) -> AuxLayers:
+        return AuxLayers((2, num_layers // 2, num_layers - 3), "input")
+
+
+@dataclass
+class ModelOutput:
+    """What one forward returns, per flat token row. Slicing every field is one call (invariant 2)."""
+
+    hidden: torch.Tensor  # [num_tokens, hidden], after the final norm (the LM head's input)
+    hidden_pre_norm: torch.Tensor  # [num_tokens, hidden], before the final norm (MTP chaining)
+    aux_hidden: torch.Tensor | None = None  # [num_tokens, n_aux * hidden], EAGLE-3 captures
+    mm_input_embeds: torch.Tensor | None = None  # [num_tokens, hidden], multimodal prefill only
+
+    def select(self, index: torch.Tensor | slice) -> ModelOutput:
+        """Apply one row selection to every tensor field, so no field can be forgotten."""
+        fields = {
+            k: (v[index] if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()
+        }
+        return ModelOutput(**fields)
+
+
+class _Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        shape = AttentionShape(
+            cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+            cfg.qkv_bias, cfg.qk_norm, cfg.rms_norm_eps,
+        )  # fmt: skip
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(shape, cfg.intermediate_size) for _ in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, aux: AuxLayers | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = _Backbone(cfg)
+        self.rotary = Rotary(cfg.rope, cfg.head_dim)
+        if cfg.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.set_aux_layers(aux)
+
+    def set_aux_layers(self, aux: AuxLayers | None) -> None:
+        self.aux_points = aux.capture_points(self.config.num_layers) if aux else ()
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return (hidden @ self.head_weight.t()).float()  # [rows, vocab] fp32
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        kv_pools: list[KVPair],
+        backend: AttentionBackend,
+        input_ids: torch.Tensor | None = None,  # [num_tokens]
+        input_embeds: torch.Tensor | None = None,  # [num_tokens, hidden], e.g. merged image embeds
+    ) -> ModelOutput:
+        h = self.embed(input_ids) if input_embeds is None else input_embeds
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.model.layers):
+            if i in self.aux_points:
+                captured[i] = h
+            h = layer(h, positions, self.rotary, kv_pools[i], backend)
+        captured[len(self.model.layers)] = h
+        aux = torch.cat([captured[p] for p in self.aux_points], -1) if self.aux_points else None
+        mm = input_embeds if input_embeds is not None and input_ids is None else None
+        return ModelOutput(self.model.norm(h), h, aux, mm)
+
+
+def load_causal_lm(
+    model_dir: str | Path, *, dtype: torch.dtype | None = None, device: str = "cpu"
+) -> CausalLM:
+    """Build the model from ``config.json`` and fill it from safetensors; errors name the tensor."""
+    cfg = load_model_config(model_dir)
+    if dtype is not None:
+        cfg = replace(cfg, dtype=dtype)
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    model = model.to_empty(device=device).to(cfg.dtype)
+    model.rotary.inv_freq = Rotary(cfg.rope, cfg.head_dim).inv_freq.to(device)
+    tensors = load_tensors(model_dir)
+    if cfg.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    elif "lm_head.weight" not in tensors:
+        raise CheckpointError(f"{model_dir}: untied checkpoint is missing tensor 'lm_head.weight'")
+    assign_parameters(model, tensors, what=str(model_dir))
+    return model.eval()

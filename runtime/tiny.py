@@ -1,0 +1,90 @@
+"""Tiny random checkpoints with a locally trained tokenizer: no download, seconds on CPU.
+
+Used by `specmesh make-tiny` and the tests. Models are written with `transformers`'
+``save_pretrained`` so they are ordinary Hugging Face checkpoints.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+_CORPUS = """
+specmesh serves language models with speculative decoding. A router batches requests and
+drives a target service and a draft service over gRPC streams. The draft proposes a tree of
+tokens, the target verifies the tree in one forward pass and keeps the accepted path.
+def add(a, b):
+    return a + b
+for i in range(10):
+    print(i, add(i, i))
+The quick brown fox jumps over the lazy dog. 0123456789 !?.,;:()[]{}<>=+-*/ "'
+"""
+
+TINY_DIMS = {
+    "vocab_size": 320,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 1024,
+}
+
+
+def build_tokenizer(vocab_size: int = 320):
+    """A byte-level BPE trained on a built-in corpus; ids 0..2 are bos / eos / pad."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|bos|>", "<|eos|>", "<|pad|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([_CORPUS] * 4, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>"
+    )
+
+
+def make_tiny_target(
+    out_dir: str | Path,
+    *,
+    arch: str = "llama",
+    seed: int = 0,
+    tie_word_embeddings: bool = False,
+    dtype: torch.dtype = torch.float32,
+    **overrides: object,
+) -> Path:
+    """Write a random ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM``."""
+    import transformers
+
+    classes = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }
+    if arch not in classes:
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose from {sorted(classes)}")
+    out = Path(out_dir)
+    tokenizer = build_tokenizer(int(overrides.get("vocab_size", TINY_DIMS["vocab_size"])))
+    config_cls, model_cls = classes[arch]
+    dims = {**TINY_DIMS, **overrides}
+    config = config_cls(
+        **dims,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        initializer_range=0.1,
+    )
+    torch.manual_seed(seed)
+    model = model_cls(config).to(dtype)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out

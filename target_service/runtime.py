@@ -1,0 +1,297 @@
+"""The target model's runtime: prefill, plain decode and tree verification over a paged KV cache.
+
+Per request the target holds ``committed_len`` cached tokens plus one *pending* token (the last
+token it emitted, not yet forwarded). Decode forwards the pending token; verify forwards a tree
+whose root is the pending token. Both end with a new pending token. The router owns everything
+else about a request and can rebuild this state by prefilling prompt + emitted tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from specmesh.kernels.compaction import compact_accepted
+from specmesh.kernels.tree_verify import verify_tree_greedy, verify_tree_sampling
+from specmesh.runtime.attention.torch_backend import make_backend
+from specmesh.runtime.errors import InvalidRequestError, SpecmeshError
+from specmesh.runtime.kv_cache import KVCache
+from specmesh.runtime.model_runner import BatchItem, run_batch
+from specmesh.runtime.models.causal_lm import AuxLayers, CausalLM, ModelOutput, load_causal_lm
+from specmesh.runtime.sampling import SamplingParams, processed_probs, sample_tokens, uniforms
+from specmesh.runtime.tree import Tree
+
+FEATURES = ("none", "aux", "hidden", "hidden_pre_norm")
+
+
+@dataclass(frozen=True)
+class TargetConfig:
+    model_dir: str
+    dtype: str | None = None  # None = the checkpoint's dtype
+    device: str = "cpu"
+    attention_backend: str = "torch"
+    num_kv_slots: int = 65536
+    page_size: int = 1
+    max_requests: int = 256
+    max_context: int = 4096
+    max_prefill_tokens: int = 8192  # chunk size of one extend
+    aux_layer_ids: tuple[int, ...] | None = None  # None = [2, L//2, L-3]
+    aux_convention: str = "input"
+
+
+@dataclass
+class PrefillInput:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    sample_offset: int = 0  # tokens already generated (a replay after failover)
+    input_embeds: torch.Tensor | None = None  # [len(input_ids), hidden], merged multimodal embeds
+
+
+@dataclass
+class VerifyInput:
+    rid: str
+    tree: Tree
+    params: SamplingParams
+    sample_offset: int
+
+
+@dataclass
+class StepOutput:
+    """Per-request tokens plus per-row features, rows grouped request by request."""
+
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    features: torch.Tensor | None = None  # [sum row_counts, feature_dim]
+    mm_input_embeds: torch.Tensor | None = None  # [sum row_counts, hidden], prefill only
+    row_counts: dict[str, int] = field(default_factory=dict)
+    errors: dict[str, SpecmeshError] = field(default_factory=dict)
+
+
+class TargetRuntime:
+    def __init__(self, cfg: TargetConfig, model: CausalLM | None = None) -> None:
+        self.cfg = cfg
+        dtype = None if cfg.dtype is None else {"fp32": torch.float32, "bf16": torch.bfloat16,
+                                                 "fp16": torch.float16}[cfg.dtype]  # fmt: skip
+        self.model = model or load_causal_lm(cfg.model_dir, dtype=dtype, device=cfg.device)
+        mc = self.model.config
+        self.model_config = mc
+        ids = cfg.aux_layer_ids
+        self.aux_layers = (
+            AuxLayers(ids, cfg.aux_convention) if ids else AuxLayers.default(mc.num_layers)
+        )
+        self.feature = "none"
+        self.cache = KVCache(
+            num_layers=mc.num_layers, num_slots=cfg.num_kv_slots, num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim, dtype=mc.dtype, device=cfg.device, page_size=cfg.page_size,
+            max_requests=cfg.max_requests, max_context=cfg.max_context,
+        )  # fmt: skip
+        self.backend = make_backend(cfg.attention_backend)
+        self.pending: dict[str, int] = {}
+
+    @staticmethod
+    def from_dir(model_dir: str | Path, **kw: object) -> TargetRuntime:
+        return TargetRuntime(TargetConfig(model_dir=str(model_dir), **kw))  # type: ignore[arg-type]
+
+    def set_feature(self, feature: str) -> None:
+        """What the draft needs per token: EAGLE-3 aux states, the final hidden state, or none."""
+        if feature not in FEATURES:
+            raise ValueError(f"feature must be one of {FEATURES}, got {feature!r}")
+        self.feature = feature
+        self.model.set_aux_layers(self.aux_layers if feature == "aux" else None)
+
+    @property
+    def feature_dim(self) -> int:
+        h = self.model_config.hidden_size
+        return {"none": 0, "aux": h * len(self.aux_layers.layer_ids)}.get(self.feature, h)
+
+    # -- validation ----------------------------------------------------------------------------
+    def check_ids(self, rid: str, ids: list[int], *, what: str) -> None:
+        vocab = self.model_config.vocab_size
+        if not ids:
+            raise InvalidRequestError(f"request {rid!r}: empty {what}")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(
+                f"request {rid!r}: {what} has ids outside vocab [0, {vocab}): {bad[:5]}"
+            )
+
+    # -- prefill -------------------------------------------------------------------------------
+    def prefill(self, inputs: list[PrefillInput]) -> StepOutput:
+        out = StepOutput()
+        ok: list[PrefillInput] = []
+        for inp in inputs:
+            try:
+                self._admit(inp)
+                ok.append(inp)
+            except SpecmeshError as e:
+                out.errors[inp.rid] = e
+        if not ok:
+            return out
+        outputs = self._extend_chunked(ok)
+        last_rows = torch.tensor(list(_cumsum([len(i.input_ids) for i in ok]))) - 1
+        logits = self.model.compute_logits(outputs.hidden[last_rows])
+        first = sample_tokens(logits, [i.params for i in ok], [i.sample_offset for i in ok])
+        for inp, tok in zip(ok, first.tolist(), strict=True):
+            self.cache.commit(inp.rid, len(inp.input_ids))
+            self.pending[inp.rid] = tok
+            out.tokens[inp.rid] = [tok]
+            out.row_counts[inp.rid] = len(inp.input_ids)
+        out.features = self._features(outputs)
+        out.mm_input_embeds = outputs.mm_input_embeds
+        return out
+
+    def _admit(self, inp: PrefillInput) -> None:
+        self.check_ids(inp.rid, inp.input_ids, what="prompt")
+        inp.params.validate()
+        limit = self.cfg.max_context - 1
+        if len(inp.input_ids) > limit:
+            raise InvalidRequestError(
+                f"request {inp.rid!r}: prompt of {len(inp.input_ids)} tokens exceeds the limit of {limit}"
+            )
+        self.cache.add(inp.rid)
+
+    def _extend_chunked(self, inputs: list[PrefillInput]) -> ModelOutput:
+        """Extend in chunks of ``max_prefill_tokens`` per request; each chunk sits on top of the
+        prefix the earlier chunks cached. Outputs are re-assembled in request order."""
+        chunk = self.cfg.max_prefill_tokens
+        per_req: dict[str, list[ModelOutput]] = {i.rid: [] for i in inputs}
+        longest = max(len(i.input_ids) for i in inputs)
+        try:
+            for start in range(0, longest, chunk):
+                items = [
+                    BatchItem(
+                        i.rid,
+                        torch.tensor(i.input_ids[start : start + chunk]),
+                        start,
+                        input_embeds=None
+                        if i.input_embeds is None
+                        else i.input_embeds[start : start + chunk],
+                    )  # fmt: skip
+                    for i in inputs
+                    if start < len(i.input_ids)
+                ]
+                res = run_batch(self.model, self.cache, self.backend, items)
+                for it, rows in zip(
+                    items, _split_rows(res, [it.q_len for it in items]), strict=True
+                ):
+                    per_req[it.rid].append(rows)
+        except SpecmeshError:
+            for i in inputs:
+                self.cache.release(i.rid)
+            raise
+        parts = [p for i in inputs for p in per_req[i.rid]]
+        return _concat_outputs(parts)
+
+    # -- decode / verify ------------------------------------------------------------------------
+    def decode(
+        self, rids: list[str], params: list[SamplingParams], offsets: list[int]
+    ) -> StepOutput:
+        """Plain decoding: one token per request."""
+        trees = [
+            VerifyInput(rid, Tree.chain([self._pending(rid)]), p, o)
+            for rid, p, o in zip(rids, params, offsets, strict=True)
+        ]
+        return self.verify(trees)
+
+    def verify(self, inputs: list[VerifyInput]) -> StepOutput:
+        """Forward every tree (prefix + ancestors + self mask, positions ``committed + depth``),
+        accept a path greedily or by lossless tree sampling, keep the path's KV by length."""
+        for inp in inputs:
+            if int(inp.tree.tokens[0]) != self._pending(inp.rid):
+                raise InvalidRequestError(
+                    f"request {inp.rid!r}: tree root {int(inp.tree.tokens[0])} is not the pending token {self.pending[inp.rid]}"
+                )
+            self.check_ids(inp.rid, inp.tree.tokens.tolist(), what="draft tree")
+        items = []
+        for inp in inputs:
+            base = self.cache.get(inp.rid).committed_len
+            n = inp.tree.num_nodes
+            mask = torch.cat([torch.ones(n, base, dtype=torch.bool), inp.tree.mask], dim=1)
+            items.append(BatchItem(inp.rid, inp.tree.tokens, base, base + inp.tree.depths, mask))
+        res = run_batch(self.model, self.cache, self.backend, items)
+        n_max = max(i.tree.num_nodes for i in inputs)
+        result = self._accept(inputs, self.model.compute_logits(res.hidden), n_max)
+        flat, _ = compact_accepted(result.accept_path, result.accept_len)
+        row_of = _padded_row_index([i.tree.num_nodes for i in inputs], n_max)
+        out = StepOutput(features=self._features(res.select(row_of[flat])))
+        for b, inp in enumerate(inputs):
+            path = result.accept_path[b, : result.accept_len[b]].tolist()
+            self.cache.accept_path(inp.rid, path, inp.tree.num_nodes)
+            bonus = int(result.bonus[b])
+            out.tokens[inp.rid] = inp.tree.tokens[path[1:]].tolist() + [bonus]
+            out.row_counts[inp.rid] = len(path)
+            self.pending[inp.rid] = bonus
+        return out
+
+    def _accept(self, inputs: list[VerifyInput], logits: torch.Tensor, n_max: int):
+        bs = len(inputs)
+        tokens = torch.zeros(bs, n_max, dtype=torch.int64)
+        first_child = torch.full((bs, n_max), -1, dtype=torch.int64)
+        next_sibling = torch.full((bs, n_max), -1, dtype=torch.int64)
+        for b, inp in enumerate(inputs):
+            n = inp.tree.num_nodes
+            tokens[b, :n], first_child[b, :n], next_sibling[b, :n] = (
+                inp.tree.tokens,
+                inp.tree.first_child,
+                inp.tree.next_sibling,
+            )
+        counts = [i.tree.num_nodes for i in inputs]
+        padded = _pad_rows(logits, counts, n_max)  # [bs, n_max, vocab]
+        if all(i.params.greedy for i in inputs):
+            return verify_tree_greedy(tokens, first_child, next_sibling, padded.argmax(-1))
+        params = [i.params for i in inputs for _ in range(n_max)]
+        probs = processed_probs(padded.flatten(0, 1), params).view(bs, n_max, -1)
+        rand = [uniforms(i.params.seed or 0, i.sample_offset, n_max + 1) for i in inputs]
+        accept_u = torch.stack([r[:n_max] for r in rand])
+        final_u = torch.stack([r[n_max] for r in rand])
+        return verify_tree_sampling(tokens, first_child, next_sibling, probs, accept_u, final_u)
+
+    def _features(self, res: ModelOutput) -> torch.Tensor | None:
+        return {
+            "aux": res.aux_hidden,
+            "hidden": res.hidden,
+            "hidden_pre_norm": res.hidden_pre_norm,
+        }.get(self.feature)
+
+    def _pending(self, rid: str) -> int:
+        self.cache.get(rid)  # NOT_FOUND for an unknown id
+        return self.pending[rid]
+
+    def release(self, rid: str) -> None:
+        self.cache.release(rid)
+        self.pending.pop(rid, None)
+
+
+def _cumsum(xs: list[int]) -> list[int]:
+    total, out = 0, []
+    for x in xs:
+        total += x
+        out.append(total)
+    return out
+
+
+def _split_rows(res: ModelOutput, counts: list[int]) -> list[ModelOutput]:
+    bounds = [0, *_cumsum(counts)]
+    return [res.select(slice(a, b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+def _concat_outputs(parts: list[ModelOutput]) -> ModelOutput:
+    cat = lambda name: (
+        None if getattr(parts[0], name) is None else torch.cat([getattr(p, name) for p in parts])
+    )
+    return ModelOutput(**{name: cat(name) for name in vars(parts[0])})
+
+
+def _padded_row_index(counts: list[int], n_max: int) -> torch.Tensor:
+    """Map padded position ``b * n_max + i`` to the flat row of node i of request b."""
+    starts = [0, *_cumsum(counts)][:-1]
+    idx = torch.zeros(len(counts) * n_max, dtype=torch.int64)
+    for b, (s, n) in enumerate(zip(starts, counts, strict=True)):
+        idx[b * n_max : b * n_max + n] = torch.arange(s, s + n)
+    return idx
+
+
+def _pad_rows(x: torch.Tensor, counts: list[int], n_max: int) -> torch.Tensor:
+    idx = _padded_row_index(counts, n_max)
+    return x[idx].view(len(counts), n_max, *x.shape[1:])
