@@ -50,11 +50,17 @@ def build_metadata(cache: KVCache, items: list[BatchItem]) -> AttentionMetadata:
         custom_mask = torch.cat([m.flatten() for m in masks]).to(dev)
         mask_indptr = _indptr([m.numel() for m in masks], dev)
     return AttentionMetadata(
-        qo_indptr=_indptr(q_lens, dev), kv_indptr=_indptr(kv_lens, dev),
-        kv_indices=kv_indices, out_slots=out_slots,
-        custom_mask=custom_mask, mask_indptr=mask_indptr,
-        q_lens_cpu=q_lens, kv_lens_cpu=kv_lens, max_q_len=max(q_lens), max_kv_len=max(kv_lens),
-    )  # fmt: skip
+        qo_indptr=_indptr(q_lens, dev),
+        kv_indptr=_indptr(kv_lens, dev),
+        kv_indices=kv_indices,
+        out_slots=out_slots,
+        custom_mask=custom_mask,
+        mask_indptr=mask_indptr,
+        q_lens_cpu=q_lens,
+        kv_lens_cpu=kv_lens,
+        max_q_len=max(q_lens),
+        max_kv_len=max(kv_lens),
+    )
 
 
 def _full_mask(it: BatchItem) -> torch.Tensor:
@@ -111,6 +117,9 @@ def run_batch(
             ]
         )
     return model(
-        positions=positions, kv_pools=kv_pools if kv_pools is not None else cache.pools,
-        backend=backend, input_ids=None if embeds is not None else input_ids, input_embeds=embeds,
-    )  # fmt: skip
+        positions=positions,
+        kv_pools=kv_pools if kv_pools is not None else cache.pools,
+        backend=backend,
+        input_ids=None if embeds is not None else input_ids,
+        input_embeds=embeds,
+    )

@@ -8,6 +8,7 @@ else about a request and can rebuild this state by prefilling prompt + emitted t
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -71,8 +72,11 @@ class StepOutput:
 class TargetRuntime:
     def __init__(self, cfg: TargetConfig, model: CausalLM | None = None) -> None:
         self.cfg = cfg
-        dtype = None if cfg.dtype is None else {"fp32": torch.float32, "bf16": torch.bfloat16,
-                                                 "fp16": torch.float16}[cfg.dtype]  # fmt: skip
+        dtype = (
+            None
+            if cfg.dtype is None
+            else {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.dtype]
+        )
         self.model = model or load_causal_lm(cfg.model_dir, dtype=dtype, device=cfg.device)
         mc = self.model.config
         self.model_config = mc
@@ -82,10 +86,16 @@ class TargetRuntime:
         )
         self.feature = "none"
         self.cache = KVCache(
-            num_layers=mc.num_layers, num_slots=cfg.num_kv_slots, num_kv_heads=mc.num_kv_heads,
-            head_dim=mc.head_dim, dtype=mc.dtype, device=cfg.device, page_size=cfg.page_size,
-            max_requests=cfg.max_requests, max_context=cfg.max_context,
-        )  # fmt: skip
+            num_layers=mc.num_layers,
+            num_slots=cfg.num_kv_slots,
+            num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim,
+            dtype=mc.dtype,
+            device=cfg.device,
+            page_size=cfg.page_size,
+            max_requests=cfg.max_requests,
+            max_context=cfg.max_context,
+        )
         self.backend = make_backend(cfg.attention_backend)
         self.pending: dict[str, int] = {}
 
@@ -167,7 +177,7 @@ class TargetRuntime:
                         input_embeds=None
                         if i.input_embeds is None
                         else i.input_embeds[start : start + chunk],
-                    )  # fmt: skip
+                    )
                     for i in inputs
                     if start < len(i.input_ids)
                 ]
@@ -219,7 +229,7 @@ class TargetRuntime:
             path = result.accept_path[b, : result.accept_len[b]].tolist()
             self.cache.accept_path(inp.rid, path, inp.tree.num_nodes)
             bonus = int(result.bonus[b])
-            out.tokens[inp.rid] = inp.tree.tokens[path[1:]].tolist() + [bonus]
+            out.tokens[inp.rid] = [*inp.tree.tokens[path[1:]].tolist(), bonus]
             out.row_counts[inp.rid] = len(path)
             self.pending[inp.rid] = bonus
         return out
@@ -273,7 +283,7 @@ def _cumsum(xs: list[int]) -> list[int]:
 
 def _split_rows(res: ModelOutput, counts: list[int]) -> list[ModelOutput]:
     bounds = [0, *_cumsum(counts)]
-    return [res.select(slice(a, b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    return [res.select(slice(a, b)) for a, b in itertools.pairwise(bounds)]
 
 
 def _concat_outputs(parts: list[ModelOutput]) -> ModelOutput:

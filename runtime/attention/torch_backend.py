@@ -56,9 +56,12 @@ class TorchBackend(AttentionBackend):
             keys = keys.repeat_interleave(group, dim=2)
             values = values.repeat_interleave(group, dim=2)
         out = F.scaled_dot_product_attention(
-            q_pad.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-            attn_mask=self.mask, scale=scale,
-        )  # fmt: skip
+            q_pad.transpose(1, 2),
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=self.mask,
+            scale=scale,
+        )
         return out.transpose(1, 2)[self.q_valid]  # [num_tokens, heads, head_dim]
 
 

@@ -68,9 +68,14 @@ class _Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         shape = AttentionShape(
-            cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-            cfg.qkv_bias, cfg.qk_norm, cfg.rms_norm_eps,
-        )  # fmt: skip
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.qkv_bias,
+            cfg.qk_norm,
+            cfg.rms_norm_eps,
+        )
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(shape, cfg.intermediate_size) for _ in range(cfg.num_layers)
