@@ -1,0 +1,10 @@
+"""A small target + EAGLE-3 draft pair trained on CPU from the Python standard library's sources.
+
+`make_demo(out_dir)` writes `out_dir/target/` (a `LlamaForCausalLM`), `out_dir/draft/` (a
+SpecForge/SGLang-format EAGLE-3 draft) and a model card; the committed pair is `models/demo/`.
+"""
+
+from specmesh.demo.card import DemoReport
+from specmesh.demo.make import make_demo
+
+__all__ = ["DemoReport", "make_demo"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
 from specmesh.runtime.errors import DuplicateRequestError, KVCacheFullError, UnknownRequestError
 from specmesh.runtime.models.layers import KVPair
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+
 from specmesh.runtime.config import CheckpointError
 
 

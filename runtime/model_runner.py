@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
 from specmesh.runtime.attention.base import AttentionBackend, AttentionMetadata
 from specmesh.runtime.errors import KVCacheFullError
 from specmesh.runtime.kv_cache import KVCache

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
 from specmesh.runtime.errors import InvalidRequestError
 
 _MIX = 0x9E3779B97F4A7C15

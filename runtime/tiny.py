@@ -88,3 +88,67 @@ def make_tiny_target(
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return out
+
+
+def make_tiny_eagle3(
+    out_dir: str | Path,
+    target_dir: str | Path,
+    *,
+    seed: int = 0,
+    draft_vocab_size: int | None = None,
+) -> Path:
+    """A random EAGLE-3 draft in the SpecForge / SGLang format, matching ``target_dir``."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from specmesh.runtime.config import load_model_config
+
+    t = load_model_config(target_dir)
+    h, vocab = t.hidden_size, t.vocab_size
+    vd = draft_vocab_size or vocab
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=g) * 0.1
+    heads, kv_heads, head_dim, inter = t.num_heads, t.num_kv_heads, t.head_dim, t.intermediate_size
+    used = torch.randperm(vocab, generator=g)[:vd].sort().values
+    tensors = {
+        "fc.weight": rand(h, 3 * h),
+        "midlayer.self_attn.q_proj.weight": rand(heads * head_dim, 2 * h),
+        "midlayer.self_attn.k_proj.weight": rand(kv_heads * head_dim, 2 * h),
+        "midlayer.self_attn.v_proj.weight": rand(kv_heads * head_dim, 2 * h),
+        "midlayer.self_attn.o_proj.weight": rand(h, heads * head_dim),
+        "midlayer.mlp.gate_proj.weight": rand(inter, h),
+        "midlayer.mlp.up_proj.weight": rand(inter, h),
+        "midlayer.mlp.down_proj.weight": rand(h, inter),
+        "midlayer.input_layernorm.weight": torch.ones(h),
+        "midlayer.hidden_norm.weight": torch.ones(h),
+        "midlayer.post_attention_layernorm.weight": torch.ones(h),
+        "norm.weight": torch.ones(h),
+        "lm_head.weight": rand(vd, h),
+        "d2t": used - torch.arange(vd),
+        "t2d": torch.zeros(vocab, dtype=torch.bool).index_fill_(0, used, True),
+    }
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"))
+    n = t.num_layers
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": h,
+        "intermediate_size": inter,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": t.max_position,
+        "rope_theta": 10000.0,
+        "vocab_size": vocab,
+        "draft_vocab_size": vd,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, n // 2 - 1, n - 4]},
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out

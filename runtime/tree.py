@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from specmesh.runtime.errors import InvalidRequestError
 
 

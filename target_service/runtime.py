@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
 from specmesh.kernels.compaction import compact_accepted
 from specmesh.kernels.tree_verify import verify_tree_greedy, verify_tree_sampling
 from specmesh.runtime.attention.torch_backend import make_backend
@@ -48,6 +49,7 @@ class PrefillInput:
     params: SamplingParams
     sample_offset: int = 0  # tokens already generated (a replay after failover)
     input_embeds: torch.Tensor | None = None  # [len(input_ids), hidden], merged multimodal embeds
+    images: list[bytes] = field(default_factory=list)  # encoded images, for a multimodal target
 
 
 @dataclass

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
 from specmesh.runtime.attention.base import AttentionBackend, AttentionMetadata
 
 

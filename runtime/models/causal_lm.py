@@ -7,11 +7,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+from torch import nn
+
 from specmesh.runtime.attention.base import AttentionBackend
 from specmesh.runtime.config import CheckpointError, ModelConfig, load_model_config
 from specmesh.runtime.loader import assign_parameters, load_tensors
 from specmesh.runtime.models.layers import AttentionShape, DecoderLayer, KVPair, RMSNorm, Rotary
-from torch import nn
 
 
 @dataclass(frozen=True)
@@ -149,4 +150,4 @@ def load_causal_lm(
     elif "lm_head.weight" not in tensors:
         raise CheckpointError(f"{model_dir}: untied checkpoint is missing tensor 'lm_head.weight'")
     assign_parameters(model, tensors, what=str(model_dir))
-    return model.eval()
+    return model.requires_grad_(False).eval()

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from specmesh.runtime.attention.base import AttentionBackend, store_kv
 from specmesh.runtime.config import RopeConfig
-from torch import nn
 
 
 class RMSNorm(nn.Module):

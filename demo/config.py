@@ -1,0 +1,75 @@
+"""Sizes and training settings of the demo pair, one frozen dataclass for the full and quick runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    # Data and tokenizer.
+    vocab_size: int = 4096  # byte-level BPE, 3 special tokens included
+    draft_vocab_size: int = 2048  # hot vocabulary of the draft head (d2t / t2d)
+    heldout_percent: int = 5  # share of stdlib files held out, chosen by path hash
+    max_train_bytes: int | None = None  # cap on the training text (quick mode)
+    max_heldout_bytes: int | None = None
+    # Target: a Llama with tied input/output embeddings.
+    hidden_size: int = 256
+    num_layers: int = 8  # >= 7 so the three EAGLE-3 taps [2, L//2, L-3] are distinct
+    num_heads: int = 8
+    num_kv_heads: int = 4
+    intermediate_size: int = 688
+    rope_theta: float = 10_000.0
+    max_position_embeddings: int = 512
+    # Draft: one EAGLE-3 layer, same width and heads as the target, its own RoPE base.
+    draft_intermediate_size: int = 688
+    draft_rope_theta: float = 100_000.0  # deliberately unlike the target's (eagle.md §1.1)
+    num_draft_steps: int = 4  # training-time-test depth K
+    step_loss_decay: float = 0.8  # step j is weighted decay**j
+    # Optimisation (AdamW, warm-up then cosine over the time budget).
+    batch_tokens: int = 2048  # tokens per optimiser step
+    short_context: int = 256  # window length for most of training
+    long_context: int = 512  # window length for the last part (max_position_embeddings)
+    long_context_from: float = 0.75  # progress fraction where long windows start
+    target_lr: float = 2e-3
+    draft_lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 50
+    weight_decay: float = 0.1
+    target_time_share: float = 0.62  # of the training time; the draft gets the rest
+    target_max_steps: int | None = None  # quick mode ends on steps, not on the clock
+    draft_max_steps: int | None = None
+    eval_reserve_s: float = 45.0  # kept back from the budget for evaluation and saving
+    # Evaluation.
+    eval_windows: int = 48  # held-out windows of short_context for loss / step accuracy
+    chain_prompts: int = 8  # held-out prompts for the greedy chain simulation
+    chain_prompt_len: int = 96
+    chain_new_tokens: int = 96
+
+
+FULL = DemoConfig()
+
+QUICK = DemoConfig(
+    vocab_size=512,
+    draft_vocab_size=256,
+    max_train_bytes=300_000,
+    max_heldout_bytes=40_000,
+    hidden_size=64,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=128,
+    max_position_embeddings=128,
+    draft_intermediate_size=128,
+    num_draft_steps=3,
+    batch_tokens=512,
+    short_context=64,
+    long_context=128,
+    warmup_steps=2,
+    target_max_steps=12,
+    draft_max_steps=8,
+    eval_reserve_s=0.0,
+    eval_windows=4,
+    chain_prompts=2,
+    chain_prompt_len=24,
+    chain_new_tokens=16,
+)

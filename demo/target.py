@@ -1,0 +1,80 @@
+"""The demo target: a small `LlamaForCausalLM` (tied embeddings) trained from scratch."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from specmesh.demo.config import DemoConfig
+
+
+def build_target(cfg: DemoConfig, tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rope_theta=cfg.rope_theta,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        do_sample=False,
+    )
+    return model
+
+
+def target_loss(model: LlamaForCausalLM, windows: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy (nats) over a batch of windows [batch, length]."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(input_ids=windows).logits  # [batch, length, vocab]
+    return torch.nn.functional.cross_entropy(
+        logits[:, :-1].float().flatten(0, 1), windows[:, 1:].flatten()
+    )
+
+
+@torch.no_grad()
+def eval_loss(model: LlamaForCausalLM, windows: torch.Tensor, batch_size: int = 8) -> float:
+    """Mean per-token cross-entropy in fp32 over held-out windows [num_windows, length]."""
+    model.eval()
+    total, count = 0.0, 0
+    for chunk in windows.split(batch_size):
+        logits = model(input_ids=chunk).logits.float()  # [batch, length, vocab]
+        nll = torch.nn.functional.cross_entropy(
+            logits[:, :-1].flatten(0, 1), chunk[:, 1:].flatten(), reduction="sum"
+        )
+        total += nll.item()
+        count += chunk[:, 1:].numel()
+    return total / count
+
+
+def save_target(
+    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, target_dir: Path
+) -> None:
+    model.to(torch.bfloat16).save_pretrained(target_dir, safe_serialization=True)
+    tokenizer.save_pretrained(target_dir)
+    # The class name every transformers release knows (5.x writes its own "TokenizersBackend").
+    config_path = target_dir / "tokenizer_config.json"
+    tokenizer_config = json.loads(config_path.read_text())
+    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_path.write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+
+
+def load_target_fp32(target_dir: Path) -> LlamaForCausalLM:
+    """The shipped bf16 target, upcast to fp32 and frozen (the draft trains against this)."""
+    model = LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    model.eval().requires_grad_(False)
+    return model

@@ -1,0 +1,194 @@
+"""Tree drafting over a draft network with its own paged KV cache.
+
+Per request the drafter keeps the state of its last extend row ("the root's row"):
+
+    draft KV row: [ committed rows 0 .. C-1 | root row (standalone only) | step 1 nodes | step 2 ... ]
+                                            ^ spec_base: speculative nodes start here
+
+EAGLE-style drafts commit every extend row (row p pairs target feature p with token p + 1, so the
+last row already encodes the root). The standalone draft forwards the root as an uncommitted row.
+Either way the root's children are the top-k of the last row's logits, and a node at depth j has
+position ``last_pos + j``. Speculative rows are overwritten by the next extend: rollback moves no
+KV.
+
+Proposing runs ``num_steps - 1`` forwards of ``topk`` frontier nodes per request, each seeing the
+prefix plus its own ancestors (tree mask), expands every frontier node to ``topk`` children scored
+by cumulative log-probability, keeps the best ``topk`` as the next frontier, and reranks the whole
+pool to ``num_draft_tokens - 1`` nodes (`specmesh.kernels.tree_build`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specmesh.draft_service.sizes import DraftSizes
+from specmesh.kernels.tree_build import build_tree
+from specmesh.runtime.attention.base import AttentionBackend
+from specmesh.runtime.kv_cache import KVCache
+from specmesh.runtime.model_runner import BatchItem, run_batch
+from specmesh.runtime.models.layers import KVPair
+from specmesh.runtime.tree import Tree
+
+
+@dataclass(frozen=True)
+class SpecParams:
+    num_steps: int = 3
+    topk: int = 1
+    num_draft_tokens: int = 4
+
+    def validate(self) -> None:
+        if self.num_steps < 1 or self.topk < 1 or self.num_draft_tokens < 2:
+            raise ValueError(
+                f"need num_steps >= 1, topk >= 1, num_draft_tokens >= 2; got {self.num_steps}, "
+                f"{self.topk}, {self.num_draft_tokens}"
+            )
+        pool = self.topk + (self.num_steps - 1) * self.topk**2
+        if self.num_draft_tokens - 1 > pool:
+            raise ValueError(
+                f"num_draft_tokens {self.num_draft_tokens} needs {self.num_draft_tokens - 1} "
+                f"draft nodes but (num_steps={self.num_steps}, topk={self.topk}) proposes {pool}"
+            )
+
+
+@dataclass
+class RootState:
+    """A request's drafting state after its last extend."""
+
+    last_pos: int  # position of the root's row
+    spec_base: int  # KV token index where speculative nodes start
+    hidden: torch.Tensor  # [hidden], the root row's output, input of its children's forward
+    logits: torch.Tensor  # [draft_vocab], the root row's logits
+
+
+class TreeDrafter:
+    """Generic tree search; subclasses say how a step forwards (`step_forward`) and which KV
+    pool each step uses (`pools_for_step`, explicit so multi-layer drafts cannot share one)."""
+
+    def __init__(self, cache: KVCache, backend: AttentionBackend, spec: SpecParams) -> None:
+        spec.validate()
+        self.cache, self.backend, self.spec = cache, backend, spec
+        self.sizes = DraftSizes(
+            cache.req_to_slot.shape[0], spec.topk, spec.num_steps, cache.max_context
+        )
+        self.roots: dict[str, RootState] = {}
+
+    # -- hooks ---------------------------------------------------------------------------------
+    def pools_for_step(self, step: int) -> list[KVPair]:
+        return self.cache.pools
+
+    def step_forward(
+        self, step: int, items: list[BatchItem], hidden_in: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward ``items`` at draft step ``step``; returns (hidden_out [rows, H], logits
+        [rows, draft_vocab])."""
+        raise NotImplementedError
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids
+
+    # -- propose -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, rids: list[str], roots: list[int]) -> list[Tree]:
+        k, steps = self.spec.topk, self.spec.num_steps
+        states = [self.roots[r] for r in rids]
+        bs = len(rids)
+        logp = torch.log_softmax(torch.stack([s.logits for s in states]).float(), -1)
+        top_logp, top_ids = logp.topk(k, dim=-1)  # [bs, k]
+        tokens = self.to_target_ids(top_ids)
+        pool_tokens, pool_scores = [tokens], [top_logp]
+        pool_parents = [torch.full((bs, k), -1, dtype=torch.int64)]
+        frontier = _Frontier(
+            tokens,
+            top_logp,
+            torch.arange(k).expand(bs, k).clone(),
+            torch.stack([s.hidden for s in states])[:, None].expand(bs, k, -1).clone(),
+            [[[] for _ in range(k)] for _ in range(bs)],
+        )
+        for step in range(1, steps):
+            self.sizes.check_kv_entries(sum(s.spec_base for s in states), bs, step)
+            frontier = self._expand(
+                step, rids, states, frontier, pool_tokens, pool_scores, pool_parents
+            )
+        tree = build_tree(
+            torch.tensor(roots, dtype=torch.int64),
+            torch.cat(pool_scores, 1),
+            torch.cat(pool_tokens, 1),
+            torch.cat(pool_parents, 1),
+            self.spec.num_draft_tokens,
+        )
+        return [Tree.from_parents(tree.tokens[b], tree.parents[b]) for b in range(bs)]
+
+    def _expand(self, step, rids, states, fr, pool_tokens, pool_scores, pool_parents):
+        k = self.spec.topk
+        bs = len(rids)
+        items = []
+        for b, (rid, st) in enumerate(zip(rids, states, strict=True)):
+            start = st.spec_base + (step - 1) * k
+            mask = torch.zeros(k, start + k, dtype=torch.bool)
+            mask[:, : st.spec_base] = True
+            for i in range(k):
+                mask[i, fr.ancestors[b][i]] = True
+                mask[i, start + i] = True
+            items.append(
+                BatchItem(rid, fr.tokens[b], start, torch.full((k,), st.last_pos + step), mask)
+            )
+        hidden_out, logits = self.step_forward(step, items, fr.hidden.flatten(0, 1))
+        logp = torch.log_softmax(logits.float(), -1)
+        child_logp, child_ids = logp.topk(k, dim=-1)  # [bs * k, k]
+        cum = (fr.scores.reshape(bs * k, 1) + child_logp).view(bs, k * k)
+        child_tokens = self.to_target_ids(child_ids).view(bs, k * k)
+        base = sum(t.shape[1] for t in pool_tokens)
+        pool_tokens.append(child_tokens)
+        pool_scores.append(cum)
+        pool_parents.append(fr.pool_idx.repeat_interleave(k, dim=1))
+        best_scores, best = cum.topk(k, dim=-1)  # next frontier: [bs, k] indices into k * k
+        parent = best // k
+        hidden = hidden_out.view(bs, k, -1)
+        ancestors = [
+            [fr.ancestors[b][p] + [items[b].start + p] for p in parent[b].tolist()]
+            for b in range(bs)
+        ]
+        return _Frontier(
+            child_tokens.gather(1, best),
+            best_scores,
+            base + best,
+            hidden.gather(1, parent[..., None].expand(-1, -1, hidden.shape[-1])),
+            ancestors,
+        )
+
+
+@dataclass
+class _Frontier:
+    tokens: torch.Tensor  # [bs, k] target ids
+    scores: torch.Tensor  # [bs, k] cumulative log-probabilities
+    pool_idx: torch.Tensor  # [bs, k] index in the candidate pool
+    hidden: torch.Tensor  # [bs, k, hidden] input hidden for each node's forward
+    ancestors: list[list[list[int]]]  # KV token indices of each node's forwarded ancestors
+
+
+def forward_draft(
+    model: torch.nn.Module,
+    cache: KVCache,
+    backend: AttentionBackend,
+    items: list[BatchItem],
+    pools: list[KVPair],
+    hidden_in: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run a draft network (``model(positions=..., kv_pools=..., backend=..., input_ids=...,
+    input_embeds=..., hidden_in=...)`` returning (hidden_out, logits)) over a ragged batch."""
+    return run_batch(_BoundHidden(model, hidden_in), cache, backend, items, kv_pools=pools)
+
+
+class _BoundHidden:
+    """Adapts a draft network to `run_batch`'s model interface by binding the hidden input."""
+
+    def __init__(self, model: torch.nn.Module, hidden_in: torch.Tensor) -> None:
+        self.model, self.hidden_in = model, hidden_in
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed(input_ids)
+
+    def __call__(self, **kwargs: object):
+        return self.model(hidden_in=self.hidden_in, **kwargs)

@@ -1,0 +1,103 @@
+"""Drafters fed by target features (EAGLE-3 aux states, EAGLE-1 final hidden states).
+
+Extend pairs target feature p with token p + 1: the committed ids are rotated left by one per
+request and the request's pending token fills the last row (DESIGN.md §2). For a multimodal
+request the embedding rows are the target's ``mm_input_embeds`` rotated the same way, and only the
+pending token is embedded by the draft: placeholder ids are never looked up (invariant 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specmesh.draft_service.drafter import RootState, SpecParams, TreeDrafter, forward_draft
+from specmesh.runtime.attention.base import AttentionBackend
+from specmesh.runtime.errors import InvalidRequestError
+from specmesh.runtime.kv_cache import KVCache
+from specmesh.runtime.model_runner import BatchItem
+
+
+@dataclass
+class ExtendInput:
+    rid: str
+    committed_ids: list[int]  # tokens the target just committed (prompt, or root + accepted)
+    next_token: int  # the target's pending token: the root of the next tree
+    features: torch.Tensor | None = None  # [len(committed_ids), feature_dim]
+    mm_input_embeds: torch.Tensor | None = None  # [len(committed_ids), hidden], multimodal prefill
+    is_multimodal: bool = False  # the request has images: mm_input_embeds is mandatory on prefill
+    new: bool = False  # first extend of the request (after prefill)
+
+
+def rotated_rows(
+    inp: ExtendInput, embed: torch.nn.Module
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Token ids ``committed[1:] + [next]`` and, for multimodal input, embeddings
+    ``mm_input_embeds[1:] ++ embed(next)``, for ONE request."""
+    ids = torch.tensor([*inp.committed_ids[1:], inp.next_token], dtype=torch.int64)
+    if inp.mm_input_embeds is None:
+        if inp.is_multimodal and inp.new:
+            raise InvalidRequestError(
+                f"request {inp.rid!r} has images but its extend carries no mm_input_embeds"
+            )
+        return ids, None
+    if inp.mm_input_embeds.shape[0] != len(inp.committed_ids):
+        raise InvalidRequestError(
+            f"request {inp.rid!r}: mm_input_embeds has {inp.mm_input_embeds.shape[0]} rows for "
+            f"{len(inp.committed_ids)} tokens"
+        )
+    nxt = embed(torch.tensor([inp.next_token])).to(inp.mm_input_embeds.dtype)
+    return ids, torch.cat([inp.mm_input_embeds[1:], nxt])
+
+
+class FeatureDrafter(TreeDrafter):
+    def __init__(
+        self,
+        net: torch.nn.Module,
+        cache: KVCache,
+        backend: AttentionBackend,
+        spec: SpecParams,
+        feature: str,
+    ) -> None:
+        super().__init__(cache, backend, spec)
+        self.net, self.feature = net, feature
+
+    @torch.inference_mode()
+    def extend(self, inputs: list[ExtendInput]) -> None:
+        items, feats = [], []
+        for inp in inputs:
+            if inp.new:
+                self.cache.add(inp.rid)
+            if inp.features is None or inp.features.shape[0] != len(inp.committed_ids):
+                got = None if inp.features is None else inp.features.shape[0]
+                raise InvalidRequestError(
+                    f"request {inp.rid!r}: extend needs {len(inp.committed_ids)} feature rows "
+                    f"({self.feature}), got {got}"
+                )
+            ids, embeds = rotated_rows(inp, self.net.embed)
+            start = self.cache.get(inp.rid).committed_len
+            items.append(BatchItem(inp.rid, ids, start, input_embeds=embeds))
+            feats.append(inp.features)
+        hidden, logits = forward_draft(
+            self.net, self.cache, self.backend, items, self.pools_for_step(0), torch.cat(feats)
+        )
+        last = torch.tensor([it.q_len for it in items]).cumsum(0) - 1
+        for it, row in zip(items, last.tolist(), strict=True):
+            end = it.start + it.q_len
+            self.cache.commit(it.rid, end)
+            self.roots[it.rid] = RootState(end - 1, end, hidden[row], logits[row])
+
+    def step_forward(
+        self, step: int, items: list[BatchItem], hidden_in: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return forward_draft(
+            self.net, self.cache, self.backend, items, self.pools_for_step(step), hidden_in
+        )
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return self.net.to_target_ids(draft_ids)
+
+    def release(self, rid: str) -> None:
+        self.cache.release(rid)
+        self.roots.pop(rid, None)

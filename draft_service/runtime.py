@@ -1,0 +1,98 @@
+"""The draft service's runtime: one drafter of a configured kind, behind `step` and `release`.
+
+Draft kinds (``--draft-kind``): ``eagle3`` (SpecForge / SGLang EAGLE-3), ``eagle`` (EAGLE-1/2),
+``mtp`` (multi-layer EAGLE: one layer and one KV pool per step), ``standalone`` (a small causal LM
+with the target's tokenizer) and ``ngram`` (prompt lookup, no model).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from specmesh.draft_service.drafter import SpecParams
+from specmesh.draft_service.feature_drafter import ExtendInput
+from specmesh.runtime.errors import SpecmeshError
+from specmesh.runtime.tree import Tree
+
+DRAFT_KINDS = ("eagle3", "eagle", "mtp", "standalone", "ngram")
+
+
+class Drafter(Protocol):
+    feature: str
+    spec: SpecParams
+
+    def extend(self, inputs: list[ExtendInput]) -> None: ...
+    def propose(self, rids: list[str], roots: list[int]) -> list[Tree]: ...
+    def release(self, rid: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    kind: str
+    draft_dir: str | None  # None for ngram
+    target_dir: str  # embeddings / LM head / tokenizer come from the target checkpoint
+    spec: SpecParams = SpecParams()
+    dtype: str | None = None
+    device: str = "cpu"
+    attention_backend: str = "torch"
+    num_kv_slots: int = 65536
+    max_requests: int = 256
+    max_context: int = 4096
+    aux_convention: str = "output"  # how the checkpoint numbers eagle_aux_hidden_state_layer_ids
+
+
+class DraftRuntime:
+    def __init__(self, cfg: DraftConfig, drafter: Drafter) -> None:
+        self.cfg, self.drafter = cfg, drafter
+
+    def info(self):
+        from specmesh.router.clients import DraftInfo
+
+        aux = getattr(self.drafter, "aux_layers", None)
+        s = self.cfg.spec
+        return DraftInfo(
+            kind=self.cfg.kind,
+            feature=self.drafter.feature,
+            aux_layer_ids=tuple(aux.layer_ids) if aux else (),
+            aux_convention=aux.convention if aux else "input",
+            num_steps=s.num_steps,
+            topk=s.topk,
+            num_draft_tokens=s.num_draft_tokens,
+        )
+
+    def step(self, extends: list[ExtendInput], propose: bool = True):
+        """Extend every request over its newly committed tokens, then (optionally) propose the
+        next tree for each. One bad request does not fail the others."""
+        from specmesh.router.clients import DraftStepResult
+
+        result = DraftStepResult()
+        good = []
+        for inp in extends:
+            try:
+                self.drafter.extend([inp])
+                good.append(inp)
+            except SpecmeshError as e:
+                result.errors[inp.rid] = e
+        if propose and good:
+            trees = self.drafter.propose([i.rid for i in good], [i.next_token for i in good])
+            result.trees = {i.rid: t for i, t in zip(good, trees, strict=True)}
+        return result
+
+    def release(self, rid: str) -> None:
+        self.drafter.release(rid)
+
+
+def load_draft(cfg: DraftConfig, target_model: torch.nn.Module | None = None) -> DraftRuntime:
+    """Build the drafter for ``cfg.kind``. ``target_model`` (in-process) shares the target's
+    embedding and head; otherwise they are read from ``cfg.target_dir``."""
+    from specmesh.draft_service import kinds
+
+    if cfg.kind not in DRAFT_KINDS:
+        raise ValueError(f"unknown draft kind {cfg.kind!r}; choose from {', '.join(DRAFT_KINDS)}")
+    if cfg.kind != "ngram" and not (cfg.draft_dir and Path(cfg.draft_dir).is_dir()):
+        raise ValueError(f"draft kind {cfg.kind!r} needs --draft-model DIR, got {cfg.draft_dir!r}")
+    return DraftRuntime(cfg, kinds.build_drafter(cfg, target_model))

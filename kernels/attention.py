@@ -1,0 +1,167 @@
+"""Paged attention over a ragged batch (extend, decode, tree verify, tree draft decode).
+
+Contract (see ``runtime/attention/base.py`` for the layout): request b owns query rows
+``qo_indptr[b]:qo_indptr[b+1]`` and KV slots ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``, its new
+tokens last and already written into the pools. Row i of request b sees kv column j iff
+``j <= kv_len_b - q_len_b + i`` (no custom mask), else iff its row of the custom mask says so.
+Softmax in fp32, output in q's dtype. GQA: query head h reads kv head ``h // (heads // kv_heads)``.
+
+Triton launch (sync-free): one program per (query row, kv head), grid
+``(num_tokens, num_kv_heads)`` -- both known from tensor shapes, so no ``q_lens_cpu`` / ``max_*``
+is needed and no program is wasted. A program finds its request by counting the requests whose
+rows end at or before its row (a vectorised scan of ``qo_indptr``), then runs an online softmax
+over that request's kv in ``BLOCK_N`` tiles for all ``group`` query heads sharing the kv head.
+Products are elementwise fp32 (no ``tl.dot``): exact fp32, any head_dim (padded to a power of
+two and masked), any group size. Correctness first: decode and verify rows are few per request;
+long prefills on a GPU belong to the FlashInfer backend.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from specmesh.kernels.common import next_pow2, pick_impl
+from specmesh.runtime.attention.base import AttentionMetadata
+
+
+def paged_attention_ref(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_pool: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
+    v_pool: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Plain torch, one request at a time."""
+    group = q.shape[1] // k_pool.shape[1]
+    out = torch.empty_like(q)
+    qo, kv = meta.qo_indptr.tolist(), meta.kv_indptr.tolist()
+    for b in range(meta.batch_size):
+        q_len, kv_len = qo[b + 1] - qo[b], kv[b + 1] - kv[b]
+        slots = meta.kv_indices[kv[b] : kv[b + 1]]
+        keys = k_pool[slots].float().repeat_interleave(group, dim=1)  # [kv_len, heads, head_dim]
+        values = v_pool[slots].float().repeat_interleave(group, dim=1)
+        queries = q[qo[b] : qo[b + 1]].float()  # [q_len, heads, head_dim]
+        if meta.custom_mask is None:
+            rows = torch.arange(q_len, device=q.device)[:, None]
+            cols = torch.arange(kv_len, device=q.device)[None, :]
+            visible = cols <= kv_len - q_len + rows  # [q_len, kv_len]
+        else:
+            start = int(meta.mask_indptr[b])
+            visible = meta.custom_mask[start : start + q_len * kv_len].view(q_len, kv_len)
+        scores = torch.einsum("qhd,khd->hqk", queries, keys) * scale  # [heads, q_len, kv_len]
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+        out[qo[b] : qo[b + 1]] = torch.einsum("hqk,khd->qhd", probs, values).to(q.dtype)
+    return out
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr,
+    qo_indptr, kv_indptr, kv_indices, mask_ptr, mask_indptr,
+    batch_size, scale,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_BS: tl.constexpr, HAS_MASK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1).to(tl.int64)
+    # Owning request = number of requests whose query rows end at or before `row`.
+    b = tl.zeros((), tl.int64)
+    for start in range(0, batch_size, BLOCK_BS):
+        offs = start + tl.arange(0, BLOCK_BS)
+        ends = tl.load(qo_indptr + 1 + offs, mask=offs < batch_size, other=row + 1)
+        b += tl.sum((ends <= row).to(tl.int64), axis=0)
+    q_start = tl.load(qo_indptr + b)
+    q_len = tl.load(qo_indptr + b + 1) - q_start
+    kv_start = tl.load(kv_indptr + b)
+    kv_len = tl.load(kv_indptr + b + 1) - kv_start
+    i = row - q_start
+
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, DIM_PAD)
+    heads = kv_head * GROUP + g
+    qd_mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
+    q_offs = row * stride_qt + heads[:, None] * stride_qh + d[None, :]
+    queries = tl.load(q_ptr + q_offs, mask=qd_mask, other=0.0).to(tl.float32)  # [G, D]
+
+    if HAS_MASK:
+        mask_row = mask_ptr + tl.load(mask_indptr + b) + i * kv_len
+        kv_end = kv_len
+    else:
+        kv_end = kv_len - q_len + i + 1
+    # A finite start keeps exp(m_old - m_new) defined when a whole tile is masked.
+    m_i = tl.full((GROUP_PAD,), -1.0e30, tl.float32)
+    l_i = tl.zeros((GROUP_PAD,), tl.float32)
+    acc = tl.zeros((GROUP_PAD, DIM_PAD), tl.float32)
+    for start in range(0, kv_end, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        col_ok = cols < kv_end
+        slots = tl.load(kv_indices + kv_start + cols, mask=col_ok, other=0)
+        kd_mask = col_ok[:, None] & (d < HEAD_DIM)[None, :]
+        k_offs = slots[:, None] * stride_kt + kv_head * stride_kh + d[None, :]
+        keys = tl.load(k_ptr + k_offs, mask=kd_mask, other=0.0).to(tl.float32)  # [N, D]
+        v_offs = slots[:, None] * stride_vt + kv_head * stride_vh + d[None, :]
+        values = tl.load(v_ptr + v_offs, mask=kd_mask, other=0.0).to(tl.float32)  # [N, D]
+        scores = tl.sum(queries[:, None, :] * keys[None, :, :], axis=2) * scale  # [G, N]
+        visible = col_ok
+        if HAS_MASK:
+            visible = visible & (tl.load(mask_row + cols, mask=col_ok, other=0) != 0)
+        scores = tl.where(visible[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(scores - m_new[:, None])  # [G, N]
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * values[None, :, :], axis=1)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    o_offs = row * stride_ot + heads[:, None] * stride_oh + d[None, :]
+    tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=qd_mask)
+
+
+def paged_attention_triton(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_pool: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
+    v_pool: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Triton; reads no CPU metadata (grid from shapes, see the module docstring)."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_pool.shape[1]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    group = num_heads // num_kv_heads
+    q, k_pool, v_pool = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k_pool, v_pool))
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [num_tokens, heads, head_dim]
+    if num_tokens == 0:
+        return out
+    has_mask = meta.custom_mask is not None
+    mask = meta.custom_mask.view(torch.uint8) if has_mask else meta.kv_indices
+    mask_indptr = meta.mask_indptr if has_mask else meta.kv_indptr
+    group_pad, dim_pad = next_pow2(group), next_pow2(head_dim)
+    # Keep the [G, BLOCK_N, D] product tile near 8k elements (registers on a GPU).
+    block_n = min(64, max(16, next_pow2(8192 // (group_pad * dim_pad))))
+    _paged_attention_kernel[(num_tokens, num_kv_heads)](
+        q, k_pool, v_pool, out,
+        meta.qo_indptr, meta.kv_indptr, meta.kv_indices, mask, mask_indptr,
+        meta.batch_size, float(scale),
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1),
+        v_pool.stride(0), v_pool.stride(1), out.stride(0), out.stride(1),
+        GROUP=group, HEAD_DIM=head_dim, GROUP_PAD=group_pad, DIM_PAD=dim_pad,
+        BLOCK_N=block_n, BLOCK_BS=128, HAS_MASK=has_mask,
+    )  # fmt: skip
+    return out
+
+
+def paged_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_pool: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
+    v_pool: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
+    meta: AttentionMetadata,
+    scale: float,
+    impl: str = "torch",
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    fn = pick_impl(impl, paged_attention_ref, paged_attention_triton)
+    return fn(q, k_pool, v_pool, meta, scale)

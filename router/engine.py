@@ -1,0 +1,124 @@
+"""`Engine`: the whole system in one process (target + optional draft + router loop).
+
+engine = Engine("models/demo/target", draft_model="models/demo/draft", draft_kind="eagle3")
+results = engine.generate(["def fib(n):"], SamplingParams(max_new_tokens=32))
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from specmesh.draft_service.drafter import SpecParams
+from specmesh.draft_service.runtime import DraftConfig, load_draft
+from specmesh.router.clients import InProcessDraft, InProcessTarget
+from specmesh.router.core import RouterConfig, RouterCore
+from specmesh.router.detokenizer import Detokenizer
+from specmesh.router.request import Request
+from specmesh.runtime.sampling import SamplingParams
+from specmesh.runtime.tokenizer import load_tokenizer, resolve_seed
+from specmesh.target_service.runtime import TargetConfig, TargetRuntime
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    accept_lens: list[int] = field(default_factory=list)
+
+    @property
+    def mean_accept_len(self) -> float:
+        return sum(self.accept_lens) / len(self.accept_lens) if self.accept_lens else 0.0
+
+
+class Engine:
+    def __init__(
+        self,
+        target_model: str | Path,
+        *,
+        draft_model: str | Path | None = None,
+        draft_kind: str | None = None,
+        spec: SpecParams = SpecParams(),
+        target_config: dict | None = None,
+        draft_config: dict | None = None,
+        router_config: RouterConfig = RouterConfig(),
+    ) -> None:
+        self.target = TargetRuntime(
+            TargetConfig(model_dir=str(target_model), **(target_config or {}))
+        )
+        self.tokenizer = load_tokenizer(target_model)
+        self.draft = None
+        if draft_kind is not None:
+            dcfg = DraftConfig(
+                kind=draft_kind,
+                draft_dir=None if draft_model is None else str(draft_model),
+                target_dir=str(target_model),
+                spec=spec,
+                **(draft_config or {}),
+            )
+            self.draft = load_draft(dcfg, target_model=self.target.model)
+        self.router_config = router_config
+
+    def generate(
+        self,
+        prompts: list[str | list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] = SamplingParams(),
+        *,
+        disable_speculation: bool = False,
+    ) -> list[GenerationResult]:
+        params = (
+            sampling_params
+            if isinstance(sampling_params, list)
+            else [sampling_params] * len(prompts)
+        )
+        return asyncio.run(self._generate_all(prompts, params, disable_speculation))
+
+    async def _generate_all(self, prompts, params, disable_speculation):
+        drafts = [InProcessDraft(self.draft)] if self.draft else []
+        core = RouterCore([InProcessTarget(self.target)], drafts, self.router_config)
+        await core.start()
+        try:
+            reqs = [
+                self.make_request(p, sp, not disable_speculation)
+                for p, sp in zip(prompts, params, strict=True)
+            ]
+            return list(await asyncio.gather(*(self._collect(core, r) for r in reqs)))
+        finally:
+            await core.stop()
+
+    def make_request(
+        self, prompt: str | list[int], params: SamplingParams, speculate: bool
+    ) -> Request:
+        ids = (
+            prompt
+            if isinstance(prompt, list)
+            else self.tokenizer.encode(prompt, add_special_tokens=True)
+        )
+        params = replace(params, seed=resolve_seed(params.seed))
+        rid = uuid.uuid4().hex
+        return Request(
+            rid,
+            list(ids),
+            params,
+            self.target.model_config.eos_token_ids,
+            speculate and self.draft is not None,
+            detok=Detokenizer(self.tokenizer, list(ids)),
+        )
+
+    @staticmethod
+    async def _collect(core: RouterCore, req: Request) -> GenerationResult:
+        async for _ in core.generate(req):
+            pass
+        return GenerationResult(
+            req.rid,
+            req.prompt_ids,
+            req.output_ids,
+            req.text,
+            req.finish_reason or "abort",
+            req.accept_lens,
+        )

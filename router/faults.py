@@ -1,0 +1,35 @@
+"""Failure handling: which errors mean "this service is gone", and the draft circuit breaker."""
+
+from __future__ import annotations
+
+import time
+
+from specmesh.runtime.errors import SpecmeshError
+
+
+class ServiceDownError(SpecmeshError):
+    """A replica did not answer (connection lost, deadline passed). Maps to UNAVAILABLE when no
+    other replica can take over."""
+
+    grpc_code = "UNAVAILABLE"
+
+
+class CircuitBreaker:
+    """Closed: the draft is used. A failure opens it for ``cooldown_s``; afterwards one attempt is
+    let through (half-open) and a success closes it again."""
+
+    def __init__(self, cooldown_s: float) -> None:
+        self.cooldown_s = cooldown_s
+        self.open_until = 0.0
+        self.failures = 0
+
+    def allows(self) -> bool:
+        return time.monotonic() >= self.open_until
+
+    def record_failure(self) -> None:
+        self.failures += 1
+        self.open_until = time.monotonic() + self.cooldown_s
+
+    def record_success(self) -> None:
+        self.failures = 0
+        self.open_until = 0.0
