@@ -1,8 +1,54 @@
-"""The `specmesh` command."""
+"""The `specmesh` command: one subcommand per module, each with ``add_parser`` and ``run``."""
 
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
 import sys
+
+# subcommand -> module (relative to the `specmesh` package) that defines add_parser(sub) / run(args)
+COMMANDS = {
+    "generate": "specmesh.cmd_generate",
+    "make-tiny": "specmesh.cmd_models",
+    "make-demo": "specmesh.cmd_models",
+    "target": "specmesh.cmd_serve",
+    "draft": "specmesh.cmd_serve",
+    "router": "specmesh.cmd_serve",
+    "up": "specmesh.cmd_serve",
+    "health": "specmesh.cmd_serve",
+    "bench": "specmesh.cmd_bench",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specmesh", description=__doc__)
+    parser.add_argument("--log-level", default="WARNING", help="Python logging level")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    seen: set[str] = set()
+    for module_name in dict.fromkeys(COMMANDS.values()):
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name != module_name:
+                raise
+            continue  # a subcommand module not written yet
+        module.add_parser(sub)
+        seen.update(sub.choices)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    print("specmesh", argv or sys.argv[1:])
-    return 0
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        return int(args.run(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, FileNotFoundError) as e:
+        print(f"specmesh {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -88,6 +88,26 @@ class TreeDrafter:
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids
 
+    def step_item(
+        self,
+        step: int,
+        rid: str,
+        st: RootState,
+        tokens: torch.Tensor,  # [topk] the request's frontier tokens
+        ancestors: list[list[int]],  # per frontier node: KV token indices of forwarded ancestors
+    ) -> BatchItem:
+        """One request's ``topk`` frontier nodes at draft step ``step``: KV token indices
+        ``spec_base + (step - 1) * topk + i``, position ``last_pos + step``, each seeing the
+        committed prefix, its forwarded ancestors and itself."""
+        k = self.spec.topk
+        start = st.spec_base + (step - 1) * k
+        mask = torch.zeros(k, start + k, dtype=torch.bool)
+        mask[:, : st.spec_base] = True
+        for i in range(k):
+            mask[i, ancestors[i]] = True
+            mask[i, start + i] = True
+        return BatchItem(rid, tokens, start, torch.full((k,), st.last_pos + step), mask)
+
     # -- propose -------------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, rids: list[str], roots: list[int]) -> list[Tree]:
@@ -123,17 +143,10 @@ class TreeDrafter:
     def _expand(self, step, rids, states, fr, pool_tokens, pool_scores, pool_parents):
         k = self.spec.topk
         bs = len(rids)
-        items = []
-        for b, (rid, st) in enumerate(zip(rids, states, strict=True)):
-            start = st.spec_base + (step - 1) * k
-            mask = torch.zeros(k, start + k, dtype=torch.bool)
-            mask[:, : st.spec_base] = True
-            for i in range(k):
-                mask[i, fr.ancestors[b][i]] = True
-                mask[i, start + i] = True
-            items.append(
-                BatchItem(rid, fr.tokens[b], start, torch.full((k,), st.last_pos + step), mask)
-            )
+        items = [
+            self.step_item(step, rid, st, fr.tokens[b], fr.ancestors[b])
+            for b, (rid, st) in enumerate(zip(rids, states, strict=True))
+        ]
         hidden_out, logits = self.step_forward(step, items, fr.hidden.flatten(0, 1))
         logp = torch.log_softmax(logits.float(), -1)
         child_logp, child_ids = logp.topk(k, dim=-1)  # [bs * k, k]

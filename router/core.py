@@ -132,7 +132,7 @@ class RouterCore:
     def requeue(self, req: Request) -> None:
         """Send a request whose target died back to admission: it is re-placed and replayed."""
         self.unplace(req)
-        req.phase = Phase.WAITING
+        req.phase, req.worker = Phase.WAITING, None
         self.waiting.put_nowait(req)
 
     # -- placement -----------------------------------------------------------------------------
@@ -168,16 +168,22 @@ class RouterCore:
     async def _worker(self, index: int) -> None:
         running: list[Request] = []
         while True:
-            new = self._admit(running)
+            new = self._admit(running, index)
             if new:
                 await self._guarded(self.rounds.prefill, new)
-                running.extend(r for r in new if not r.finished and r.phase is Phase.RUNNING)
+                running.extend(r for r in new if self._owns(index, r))
             if not running:
                 req = await self.waiting.get()
                 self.waiting.put_nowait(req)  # re-queued: _admit takes it with its siblings
                 continue
             await self._guarded(self.rounds.step, running)
-            running[:] = [r for r in running if not r.finished and r.phase is Phase.RUNNING]
+            running[:] = [r for r in running if self._owns(index, r)]
+
+    @staticmethod
+    def _owns(index: int, r: Request) -> bool:
+        """Still this worker's: not finished and not sent back to the queue (and maybe picked up
+        by another worker) by a failover or a full KV cache."""
+        return not r.finished and r.phase is Phase.RUNNING and r.worker == index
 
     async def _guarded(self, fn, reqs: list[Request]) -> None:
         """A bug in one round fails that round's requests (INTERNAL), never the worker."""
@@ -190,7 +196,7 @@ class RouterCore:
                     self.fail(r, SpecmeshError(f"internal error: {type(e).__name__}: {e}"))
                     await self.finish(r)
 
-    def _admit(self, running: list[Request]) -> list[Request]:
+    def _admit(self, running: list[Request], index: int) -> list[Request]:
         new = []
         while len(running) + len(new) < self.cfg.max_batch_size and not self.waiting.empty():
             req = self.waiting.get_nowait()
@@ -201,6 +207,6 @@ class RouterCore:
             except ServiceDownError as e:
                 self.fail(req, e)
                 continue
-            req.phase = Phase.RUNNING
+            req.phase, req.worker = Phase.RUNNING, index
             new.append(req)
         return new

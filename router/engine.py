@@ -70,44 +70,46 @@ class Engine:
         sampling_params: SamplingParams | list[SamplingParams] = SamplingParams(),
         *,
         disable_speculation: bool = False,
+        images: list[list[bytes]] | None = None,
     ) -> list[GenerationResult]:
-        params = (
-            sampling_params
-            if isinstance(sampling_params, list)
-            else [sampling_params] * len(prompts)
-        )
-        return asyncio.run(self._generate_all(prompts, params, disable_speculation))
+        """Run every prompt to completion (continuous batching); results in prompt order.
+        ``images[i]`` are the encoded images of prompt i (multimodal targets)."""
+        n = len(prompts)
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n
+        reqs = [
+            self.make_request(p, sp, not disable_speculation, imgs)
+            for p, sp, imgs in zip(prompts, params, images or [[]] * n, strict=True)
+        ]
+        return asyncio.run(self._generate_all(reqs))
 
-    async def _generate_all(self, prompts, params, disable_speculation):
+    async def _generate_all(self, reqs: list[Request]) -> list[GenerationResult]:
         drafts = [InProcessDraft(self.draft)] if self.draft else []
         core = RouterCore([InProcessTarget(self.target)], drafts, self.router_config)
         await core.start()
         try:
-            reqs = [
-                self.make_request(p, sp, not disable_speculation)
-                for p, sp in zip(prompts, params, strict=True)
-            ]
             return list(await asyncio.gather(*(self._collect(core, r) for r in reqs)))
         finally:
             await core.stop()
 
     def make_request(
-        self, prompt: str | list[int], params: SamplingParams, speculate: bool
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        speculate: bool = True,
+        images: list[bytes] | None = None,
     ) -> Request:
-        ids = (
-            prompt
-            if isinstance(prompt, list)
-            else self.tokenizer.encode(prompt, add_special_tokens=True)
-        )
-        params = replace(params, seed=resolve_seed(params.seed))
-        rid = uuid.uuid4().hex
+        if isinstance(prompt, list):
+            ids = list(prompt)
+        else:
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
         return Request(
-            rid,
-            list(ids),
-            params,
+            uuid.uuid4().hex,
+            ids,
+            replace(params, seed=resolve_seed(params.seed)),
             self.target.model_config.eos_token_ids,
             speculate and self.draft is not None,
-            detok=Detokenizer(self.tokenizer, list(ids)),
+            images=list(images or []),
+            detok=Detokenizer(self.tokenizer, ids),
         )
 
     @staticmethod

@@ -50,6 +50,7 @@ class Request:
     draft: Any = None
     tree: Any = None
     replays: int = 0
+    worker: int | None = None  # the micro-batch worker running it
     arrival_s: float = field(default_factory=time.monotonic)
     first_token_s: float | None = None
     finish_s: float | None = None

@@ -20,7 +20,7 @@ import torch
 from specmesh.draft_service.feature_drafter import ExtendInput
 from specmesh.router.faults import ServiceDownError
 from specmesh.router.request import Request
-from specmesh.runtime.errors import SpecmeshError
+from specmesh.runtime.errors import KVCacheFullError, SpecmeshError
 from specmesh.runtime.tree import Tree
 from specmesh.target_service.runtime import PrefillInput, StepOutput, VerifyInput
 
@@ -92,8 +92,7 @@ class RoundRunner:
         extends: list[tuple[Request, ExtendInput]] = []
         for r in reqs:
             if r.rid in out.errors:
-                self.core.fail(r, out.errors[r.rid])
-                await self.core.finish(r)
+                await self._on_error(r, out.errors[r.rid])
                 continue
             ids = committed(r)  # read before emit() appends this step's tokens
             self.core.push(r, r.emit(out.tokens[r.rid], accepted_round=not new))
@@ -112,6 +111,16 @@ class RoundRunner:
             else:
                 r.tree = None
         await asyncio.gather(*(self._draft_group(group) for group in _by_draft(extends)))
+
+    async def _on_error(self, r: Request, error: Exception) -> None:
+        """A full KV cache while other requests hold it means "wait": the request goes back to
+        the queue (it is retried once those finish). Anything else fails the request."""
+        busy = r.target is not None and self.core.load[r.target.name] > 1
+        if isinstance(error, KVCacheFullError) and busy:
+            self.core.requeue(r)
+            return
+        self.core.fail(r, error)
+        await self.core.finish(r)
 
     # -- draft ---------------------------------------------------------------------------------
     async def _draft_group(self, group: list[tuple[Request, ExtendInput]]) -> None:

@@ -17,7 +17,12 @@ import torch
 from specmesh.kernels.compaction import compact_accepted
 from specmesh.kernels.tree_verify import verify_tree_greedy, verify_tree_sampling
 from specmesh.runtime.attention.torch_backend import make_backend
-from specmesh.runtime.errors import InvalidRequestError, SpecmeshError
+from specmesh.runtime.errors import (
+    DuplicateRequestError,
+    InvalidRequestError,
+    KVCacheFullError,
+    SpecmeshError,
+)
 from specmesh.runtime.kv_cache import KVCache
 from specmesh.runtime.model_runner import BatchItem, run_batch
 from specmesh.runtime.models.causal_lm import AuxLayers, CausalLM, ModelOutput, load_causal_lm
@@ -134,7 +139,7 @@ class TargetRuntime:
         ok: list[PrefillInput] = []
         for inp in inputs:
             try:
-                self._admit(inp)
+                self._admit(inp, {i.rid: len(i.input_ids) for i in ok})
                 ok.append(inp)
             except SpecmeshError as e:
                 out.errors[inp.rid] = e
@@ -153,13 +158,22 @@ class TargetRuntime:
         out.mm_input_embeds = outputs.mm_input_embeds
         return out
 
-    def _admit(self, inp: PrefillInput) -> None:
+    def _admit(self, inp: PrefillInput, admitted: dict[str, int]) -> None:
+        """Validate one request and reserve its row, if its whole prompt fits in the KV cache
+        beside the requests ``admitted`` before it in this batch (ask first, then act)."""
         self.check_ids(inp.rid, inp.input_ids, what="prompt")
         inp.params.validate()
         limit = self.cfg.max_context - 1
         if len(inp.input_ids) > limit:
             raise InvalidRequestError(
                 f"request {inp.rid!r}: prompt of {len(inp.input_ids)} tokens exceeds the limit of {limit}"
+            )
+        if inp.rid in self.cache.requests:
+            raise DuplicateRequestError(f"request {inp.rid!r} already has KV state")
+        if not self.cache.can_allocate({**admitted, inp.rid: len(inp.input_ids) + 1}):
+            raise KVCacheFullError(
+                f"request {inp.rid!r}: prompt of {len(inp.input_ids)} tokens does not fit; "
+                f"{self.cache.num_free_slots} KV slots free"
             )
         self.cache.add(inp.rid)
 

@@ -1,0 +1,5 @@
+import sys
+
+from specmesh.main import main
+
+sys.exit(main())

@@ -1,0 +1,41 @@
+"""``specmesh make-tiny`` (random tiny checkpoints) and ``specmesh make-demo`` (the trained pair)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("make-tiny", help="write a tiny random target (and draft) checkpoint")
+    p.add_argument("out_dir", metavar="OUT_DIR")
+    p.add_argument("--arch", choices=["llama", "qwen2", "qwen3"], default="llama")
+    p.add_argument("--draft-kind", choices=["eagle3", "eagle", "mtp", "standalone", "ngram"])
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(run=run_tiny)
+    p = sub.add_parser("make-demo", help="train the demo target + EAGLE-3 pair on the stdlib sources (CPU)")
+    p.add_argument("out_dir", metavar="OUT_DIR")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--time-budget", type=float, default=900.0, help="seconds for both models")
+    p.add_argument("--quick", action="store_true", help="a seconds-long smoke version")
+    p.set_defaults(run=run_demo)
+
+
+def run_tiny(args: argparse.Namespace) -> int:
+    from specmesh.runtime.tiny import make_tiny_draft, make_tiny_target
+
+    out = Path(args.out_dir)
+    paths = {"target": str(make_tiny_target(out / "target", arch=args.arch, seed=args.seed))}
+    if args.draft_kind and args.draft_kind != "ngram":
+        paths["draft"] = str(make_tiny_draft(out / "draft", out / "target", args.draft_kind, seed=args.seed))
+    print(json.dumps(paths))
+    return 0
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from specmesh.demo import make_demo
+
+    report = make_demo(Path(args.out_dir), seed=args.seed, time_budget_s=args.time_budget, quick=args.quick)
+    print(report)
+    return 0

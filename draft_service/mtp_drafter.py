@@ -1,0 +1,168 @@
+"""Multi-layer EAGLE / MTP drafting: draft step j runs MTP layer ``j % L`` in that layer's own KV pool.
+
+Each layer owns one pool of the drafter's `KVCache` (all pools share the request-to-slot table, so
+token index p is the same slot in every pool). `pools_for_step` hands a step its layer's pool and
+`_pool` checks it is exactly that one: two layers can never write into one pool (DESIGN.md §4,
+invariant 4, SGLang PR #22954).
+
+Extend over a request's new rows p = start .. end-1 (T = end; the pending token x_T is known):
+
+    layer 0:  (target pre-norm hidden p, token p+1)              -> h0[p], greedy g0[p]
+    layer i:  (h_{i-1}[p],               token p+1+i)            -> h_i[p], greedy g_i[p]
+
+Layer i's token column is layer i-1's shifted left by one, with layer i-1's greedy prediction at
+the last row appended (SGLang's multi-layer EAGLE chain). So its last i rows use guessed tokens
+(x_{T+1} .. x_{T+i} are not known yet), and the guesses are the greedy chain g0[T-1], g1[T-1], ...
+Those rows stay committed after the real tokens arrive: an approximation of the layers' context
+that only costs acceptance, never correctness, since verification is lossless.
+
+Propose. Step 0's children are the top-k of layer 0's last row. A node forwarded at step j >= 1
+pairs its parent's output hidden with its own token, which is exactly what layer l = j % L does at
+row ``last_pos`` (while j < L: the same row as the extend's greedy guess), or, after wrapping
+around the layers, at row ``last_pos + L * (j // L)``; that row is its RoPE position. Its KV goes to
+the speculative indices of step j (``spec_base + (j-1)*topk + i``) in pool l, and it sees:
+
+    - pool l's committed rows 0 .. T-1, except row ``last_pos`` while j < L: that row is the
+      extend's greedy version of this very node (a sibling, not an ancestor);
+    - those of its ancestors that were forwarded through the same pool (steps j - L, j - 2L, ...;
+      none when L >= num_steps: the node sees the prefix and itself);
+    - itself.
+
+With topk = 1 the tree is therefore the extend's greedy chain g0, g1, ... (tested).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specmesh.draft_service.drafter import RootState, SpecParams, TreeDrafter, forward_draft
+from specmesh.draft_service.feature_drafter import ExtendInput, rotated_rows
+from specmesh.draft_service.models.mtp import MTPDraft
+from specmesh.runtime.attention.base import AttentionBackend
+from specmesh.runtime.errors import InvalidRequestError
+from specmesh.runtime.kv_cache import KVCache
+from specmesh.runtime.model_runner import BatchItem
+from specmesh.runtime.models.layers import KVPair
+
+
+class MTPDrafter(TreeDrafter):
+    feature = "hidden_pre_norm"
+
+    def __init__(
+        self, net: MTPDraft, cache: KVCache, backend: AttentionBackend, spec: SpecParams
+    ) -> None:
+        super().__init__(cache, backend, spec)
+        self.net = net
+        self.num_layers = net.config.num_layers  # L
+        if len(cache.pools) != self.num_active_layers(self.num_layers, spec):
+            raise ValueError(
+                f"MTP drafter needs one KV pool per used layer "
+                f"({self.num_active_layers(self.num_layers, spec)}), the cache has {len(cache.pools)}"
+            )
+        if len({p.k.data_ptr() for p in cache.pools}) != len(cache.pools):
+            raise ValueError("MTP layers must not share a KV pool")
+
+    @staticmethod
+    def num_active_layers(num_layers: int, spec: SpecParams) -> int:
+        """Layers a round runs: steps beyond L wrap around, layers beyond num_steps never run."""
+        return min(num_layers, spec.num_steps)
+
+    def layer_of(self, step: int) -> int:
+        return step % self.num_layers
+
+    # -- KV pools (invariant 4) ----------------------------------------------------------------
+    def pools_for_step(self, step: int) -> list[KVPair]:
+        return [self.cache.pools[self.layer_of(step)]]
+
+    def _pool(self, step: int) -> list[KVPair]:
+        """`pools_for_step`, checked: step ``step`` must get its own layer's pool and no other."""
+        pools, layer = self.pools_for_step(step), self.layer_of(step)
+        own = self.cache.pools[layer]
+        if (
+            len(pools) != 1
+            or pools[0].k.data_ptr() != own.k.data_ptr()
+            or pools[0].v.data_ptr() != own.v.data_ptr()
+        ):
+            raise RuntimeError(
+                f"MTP draft step {step} (layer {layer}) was handed a KV pool that is not layer "
+                f"{layer}'s own: each layer writes only its own pool (DESIGN.md §4 invariant 4)"
+            )
+        return pools
+
+    # -- extend --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def extend(self, inputs: list[ExtendInput]) -> None:
+        items, feats = [], []
+        for inp in inputs:
+            if inp.features is None or inp.features.shape[0] != len(inp.committed_ids):
+                got = None if inp.features is None else inp.features.shape[0]
+                raise InvalidRequestError(
+                    f"request {inp.rid!r}: extend needs {len(inp.committed_ids)} feature rows "
+                    f"({self.feature}), got {got}"
+                )
+            if inp.new:
+                self.cache.add(inp.rid)
+            ids, embeds = rotated_rows(inp, self.net.embed)
+            start = self.cache.get(inp.rid).committed_len
+            items.append(BatchItem(inp.rid, ids, start, input_embeds=embeds))
+            feats.append(inp.features)
+        last = (torch.tensor([it.q_len for it in items]).cumsum(0) - 1).tolist()
+        hidden = torch.cat(feats)  # [rows, H] target pre-norm hidden
+        for layer in range(self.num_active_layers(self.num_layers, self.spec)):
+            if layer:
+                greedy = logits[last].argmax(-1).tolist()
+                items = [self._shift(it, tok) for it, tok in zip(items, greedy, strict=True)]
+            hidden, logits = forward_draft(
+                self.net.layer_net(layer), self.cache, self.backend, items, self._pool(layer), hidden
+            )
+            if layer == 0:
+                roots = [(hidden[row], logits[row]) for row in last]
+        for it, (h, lg) in zip(items, roots, strict=True):
+            end = it.start + it.q_len
+            self.cache.commit(it.rid, end)
+            self.roots[it.rid] = RootState(end - 1, end, h, lg)
+
+    def _shift(self, it: BatchItem, token: int) -> BatchItem:
+        """The next layer's rows: tokens one further ahead, the guess ``token`` appended."""
+        ids = torch.cat([it.input_ids[1:], torch.tensor([token])])
+        embeds = None
+        if it.input_embeds is not None:
+            new = self.net.embed(torch.tensor([token], device=it.input_embeds.device))
+            embeds = torch.cat([it.input_embeds[1:], new.to(it.input_embeds.dtype)])
+        return BatchItem(it.rid, ids, it.start, input_embeds=embeds)
+
+    # -- propose -------------------------------------------------------------------------------
+    def step_item(
+        self,
+        step: int,
+        rid: str,
+        st: RootState,
+        tokens: torch.Tensor,
+        ancestors: list[list[int]],
+    ) -> BatchItem:
+        k, layer = self.spec.topk, self.layer_of(step)
+        start = st.spec_base + (step - 1) * k
+        mask = torch.zeros(k, start + k, dtype=torch.bool)
+        mask[:, : st.spec_base] = True
+        if step < self.num_layers:
+            mask[:, st.last_pos] = False  # the extend's greedy twin of this node
+        for i in range(k):
+            same_pool = [a for a in ancestors[i] if self._layer_at(a, st) == layer]
+            mask[i, same_pool] = True
+            mask[i, start + i] = True
+        position = st.last_pos + self.num_layers * (step // self.num_layers)
+        return BatchItem(rid, tokens, start, torch.full((k,), position), mask)
+
+    def _layer_at(self, kv_index: int, st: RootState) -> int:
+        """The layer that wrote speculative KV index ``kv_index``."""
+        return self.layer_of((kv_index - st.spec_base) // self.spec.topk + 1)
+
+    def step_forward(
+        self, step: int, items: list[BatchItem], hidden_in: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        net = self.net.layer_net(self.layer_of(step))
+        return forward_draft(net, self.cache, self.backend, items, self._pool(step), hidden_in)
+
+    def release(self, rid: str) -> None:
+        self.cache.release(rid)
+        self.roots.pop(rid, None)

@@ -1,0 +1,273 @@
+"""Plumbing shared by the three gRPC services (target, draft, router) and their clients.
+
+- `ServiceHost`: a ``grpc.aio`` server with explicit message limits, ``grpc.health.v1``
+  (``""`` = the process is up, the service's full name = ready to serve) and reflection; on
+  SIGTERM / SIGINT it turns NOT_SERVING, refuses new work, drains in-flight work for a grace
+  period, then stops (DESIGN.md §3).
+- Errors <-> statuses, both directions: an exception's ``grpc_code`` (runtime/errors.py) names
+  its status; a status read back becomes the matching exception, so the router core handles a
+  remote failure exactly like an in-process one.
+- Step framing: a logical batch travels as consecutive chunks (chunk_index 0, 1, ...;
+  more_chunks on all but the last); `frame` stamps them, `Reassembler` checks and regroups them.
+- Sampling parameters: wire message <-> runtime dataclass, with the wire's zero defaults.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from specmesh.router.faults import ServiceDownError
+from specmesh.runtime.codec import GRPC_MAX_MESSAGE_BYTES, grpc_message_options
+from specmesh.runtime.errors import (
+    DuplicateRequestError,
+    InvalidRequestError,
+    KVCacheFullError,
+    SpecmeshError,
+    UnknownRequestError,
+)
+from specmesh.runtime.sampling import SamplingParams
+from specmesh.v1 import common_pb2, generation_pb2
+
+log = logging.getLogger(__name__)
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+# Servers accept pings as often as clients send them (clients ping every 30 s, idle or not).
+SERVER_OPTIONS = [
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+]
+# Fast reconnects: a restarted replica is usable again within ~1 s, not after a 120 s backoff.
+CHANNEL_OPTIONS = [
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1_000),
+]
+# A failed RPC with these codes means "the replica is gone or unreachable", not "bad request".
+DOWN_CODES = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+)
+_ERROR_BY_CODE: dict[grpc.StatusCode, type[SpecmeshError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequestError,
+    grpc.StatusCode.NOT_FOUND: UnknownRequestError,
+    grpc.StatusCode.ALREADY_EXISTS: DuplicateRequestError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: KVCacheFullError,
+    **dict.fromkeys(DOWN_CODES, ServiceDownError),
+}
+
+
+def channel_options(max_message_bytes: int = GRPC_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    return grpc_message_options(max_message_bytes) + CHANNEL_OPTIONS
+
+
+# -- errors ------------------------------------------------------------------------------------
+def status_code(exc: BaseException) -> grpc.StatusCode:
+    """The status an exception travels as: its ``grpc_code``, INVALID_ARGUMENT for any other
+    ``ValueError`` (codec and config errors), else INTERNAL."""
+    if isinstance(exc, SpecmeshError):
+        return grpc.StatusCode[exc.grpc_code]
+    if isinstance(exc, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    return grpc.StatusCode.INTERNAL
+
+
+def status_pb(exc: BaseException) -> common_pb2.Status:
+    return common_pb2.Status(code=status_code(exc).value[0], message=str(exc))
+
+
+def error_from_status(code: int | grpc.StatusCode, message: str) -> SpecmeshError:
+    """The exception a status stands for; a code without its own class keeps its name in the
+    instance's ``grpc_code`` so the router passes it on unchanged."""
+    if isinstance(code, int):
+        code = next(c for c in grpc.StatusCode if c.value[0] == code)
+    err = _ERROR_BY_CODE.get(code, SpecmeshError)(message)
+    err.grpc_code = code.name
+    return err
+
+
+def error_from_rpc(e: grpc.RpcError, peer: str) -> SpecmeshError:
+    return error_from_status(e.code(), f"{peer}: {e.details() or e.code().name}")
+
+
+async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    """End the RPC with the exception's status (raises, like ``context.abort``)."""
+    code = status_code(exc)
+    if code is grpc.StatusCode.INTERNAL:
+        log.error("internal error", exc_info=exc)
+    await context.abort(code, str(exc))
+
+
+# -- Step framing ------------------------------------------------------------------------------
+class FramingError(ValueError):
+    """Chunks out of order or interleaved across batches: the stream itself is broken."""
+
+
+def frame(messages: Sequence, batch_id: int) -> list:
+    """Stamp one batch's chunks with its id, their index and the more_chunks flag."""
+    for i, msg in enumerate(messages):
+        msg.batch_id, msg.chunk_index, msg.more_chunks = batch_id, i, i + 1 < len(messages)
+    return list(messages)
+
+
+class Reassembler:
+    """Collects the chunks of the batch in progress; `add` returns them all on the last."""
+
+    def __init__(self) -> None:
+        self.chunks: list = []
+
+    def add(self, msg) -> list | None:
+        expected = len(self.chunks)
+        if msg.chunk_index != expected or (
+            self.chunks and msg.batch_id != self.chunks[0].batch_id
+        ):
+            head = self.chunks[0].batch_id if self.chunks else msg.batch_id
+            raise FramingError(
+                f"chunk {msg.chunk_index} of batch {msg.batch_id} arrived while chunk "
+                f"{expected} of batch {head} was expected"
+            )
+        self.chunks.append(msg)
+        if msg.more_chunks:
+            return None
+        done, self.chunks = self.chunks, []
+        return done
+
+
+async def step_batches(request_iterator, context: grpc.aio.ServicerContext) -> AsyncIterator[list]:
+    """Server side of a Step stream: yield each batch's chunks once complete; broken framing
+    ends the stream with INVALID_ARGUMENT."""
+    reassembler = Reassembler()
+    async for msg in request_iterator:
+        try:
+            chunks = reassembler.add(msg)
+        except FramingError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if chunks is not None:
+            yield chunks
+
+
+# -- sampling ----------------------------------------------------------------------------------
+def sampling_from_pb(msg: generation_pb2.SamplingParams, default_max_new: int) -> SamplingParams:
+    """Wire -> runtime, applying the wire's zero defaults; range checks raise
+    `InvalidRequestError`."""
+    if msg.top_k < -1:
+        raise InvalidRequestError(f"top_k must be >= -1, got {msg.top_k}")
+    params = SamplingParams(
+        max_new_tokens=msg.max_new_tokens or default_max_new,
+        temperature=msg.temperature,
+        top_p=msg.top_p or 1.0,
+        top_k=max(msg.top_k, 0),
+        seed=msg.seed if msg.HasField("seed") else None,
+        stop=tuple(msg.stop),
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+    )
+    params.validate()
+    return params
+
+
+def sampling_to_pb(params: SamplingParams) -> generation_pb2.SamplingParams:
+    return generation_pb2.SamplingParams(
+        max_new_tokens=params.max_new_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        seed=params.seed,
+        stop=list(params.stop),
+        stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=params.ignore_eos,
+    )
+
+
+# -- the server host ---------------------------------------------------------------------------
+class ServiceHost:
+    """A grpc.aio server with health, reflection and a drain-then-stop shutdown.
+
+    Servicers wrap every unit of work in ``async with host.work(context)``: it refuses new work
+    with UNAVAILABLE once draining, and counts what is in flight so shutdown can wait for it.
+    """
+
+    def __init__(
+        self,
+        service_name: str,
+        address: str,
+        max_message_bytes: int = GRPC_MAX_MESSAGE_BYTES,
+    ) -> None:
+        self.service_name = service_name
+        self.max_message_bytes = max_message_bytes
+        self.server = grpc.aio.server(
+            options=grpc_message_options(max_message_bytes) + SERVER_OPTIONS
+        )
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (service_name, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
+        )
+        self.port = self.server.add_insecure_port(address)
+        if not self.port:
+            raise ValueError(f"cannot listen on {address}")
+        self.draining = False
+        self._inflight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    async def start(self) -> None:
+        await self.server.start()
+        await self.health.set(self.service_name, NOT_SERVING)  # "" is SERVING from the start
+
+    async def set_ready(self) -> None:
+        await self.health.set(self.service_name, SERVING)
+
+    @contextlib.asynccontextmanager
+    async def work(self, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.service_name} is shutting down")
+        self._inflight += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self._inflight -= 1
+            if not self._inflight:
+                self._idle.set()
+
+    async def shutdown(self, grace_s: float) -> None:
+        """NOT_SERVING first, then refuse new work, wait for in-flight work, then stop."""
+        self.draining = True
+        await self.health.enter_graceful_shutdown()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), grace_s)
+        await self.server.stop(grace=min(1.0, grace_s))
+
+    async def run_until_signal(self, grace_s: float) -> None:
+        """Serve until SIGTERM or SIGINT, then shut down gracefully."""
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        log.info("%s: signal received, draining for up to %.0f s", self.service_name, grace_s)
+        await self.shutdown(grace_s)
+
+
+def check_health(address: str, service: str = "", timeout_s: float = 5.0) -> bool:
+    """True when ``service`` at ``address`` reports SERVING (a blocking probe)."""
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+        except grpc.RpcError:
+            return False
+    return reply.status == SERVING

@@ -1,0 +1,54 @@
+"""Shared fixtures: tiny checkpoints built once per session, and the transformers oracle."""
+
+from __future__ import annotations
+
+import os
+from functools import cache
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama target and a matching random EAGLE-3 draft (reduced draft vocab)."""
+    from specmesh.runtime.tiny import make_tiny_eagle3, make_tiny_target
+
+    root = tmp_path_factory.mktemp("tiny")
+    make_tiny_target(root / "target")
+    make_tiny_eagle3(root / "draft", root / "target", draft_vocab_size=200)
+    return root
+
+
+@cache
+def _hf_model(model_dir: str):  # noqa: ANN202
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def hf_greedy(
+    model_dir: str | Path, prompt: list[int], max_new_tokens: int, stop_ids: tuple[int, ...] = ()
+) -> list[int]:
+    """transformers greedy generation, cut after the first stop id (inclusive)."""
+    model = _hf_model(str(model_dir))
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+            eos_token_id=None, pad_token_id=0,
+        )  # fmt: skip
+    tokens = out[0, len(prompt) :].tolist()
+    for i, t in enumerate(tokens):
+        if t in stop_ids:
+            return tokens[: i + 1]
+    return tokens
+
+
+@pytest.fixture(scope="session")
+def oracle():  # noqa: ANN201
+    return hf_greedy
