@@ -23,7 +23,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_tiny(args: argparse.Namespace) -> int:
-    from specmesh.runtime.tiny import make_tiny_draft, make_tiny_target
+    from specmesh.runtime.tiny import make_tiny_target
+    from specmesh.runtime.tiny_drafts import make_tiny_draft
 
     out = Path(args.out_dir)
     paths = {"target": str(make_tiny_target(out / "target", arch=args.arch, seed=args.seed))}

@@ -53,7 +53,73 @@ def build_eagle3(cfg: DraftConfig, target_model: torch.nn.Module | None) -> Tree
     return drafter
 
 
-BUILDERS = {"eagle3": build_eagle3}
+def target_shared_head(cfg: DraftConfig, target_model: torch.nn.Module | None):
+    """The target's embedding and LM head (EAGLE-1 and MTP drafts ship neither): shared in
+    process, else read from the target checkpoint (``lm_head.weight``, or the tied embedding)."""
+    from specmesh.draft_service.models.eagle1 import SharedHead
+
+    if target_model is not None:
+        return SharedHead(target_model.embed_tokens, target_model.head_weight)
+    names = ["model.embed_tokens.weight", "lm_head.weight"]
+    tensors = {k: v.to(cfg.device) for k, v in load_tensors(cfg.target_dir, names).items()}
+    embed = torch.nn.Embedding.from_pretrained(tensors[names[0]], freeze=True)
+    return SharedHead(embed, tensors.get("lm_head.weight", tensors[names[0]]))
+
+
+def build_eagle(cfg: DraftConfig, target_model: torch.nn.Module | None) -> TreeDrafter:
+    from specmesh.draft_service.models.eagle1 import load_eagle1
+
+    dtype = parse_dtype(cfg.dtype) if cfg.dtype else None
+    net = load_eagle1(cfg.draft_dir, target_shared_head(cfg, target_model), dtype=dtype)
+    b = net.config.base
+    cache = make_cache(cfg, 1, b.num_kv_heads, b.head_dim, b.dtype)
+    backend = make_backend(cfg.attention_backend)
+    return FeatureDrafter(net.to(cfg.device), cache, backend, cfg.spec, "hidden")
+
+
+def build_mtp(cfg: DraftConfig, target_model: torch.nn.Module | None) -> TreeDrafter:
+    from specmesh.draft_service.models.mtp import load_mtp
+    from specmesh.draft_service.mtp_drafter import MTPDrafter
+
+    dtype = parse_dtype(cfg.dtype) if cfg.dtype else None
+    net = load_mtp(cfg.draft_dir, target_shared_head(cfg, target_model), dtype=dtype)
+    b = net.config.base
+    num_pools = MTPDrafter.num_active_layers(net.config.num_layers, cfg.spec)
+    cache = make_cache(cfg, num_pools, b.num_kv_heads, b.head_dim, b.dtype)
+    return MTPDrafter(net.to(cfg.device), cache, make_backend(cfg.attention_backend), cfg.spec)
+
+
+def build_standalone(cfg: DraftConfig, target_model: torch.nn.Module | None) -> TreeDrafter:
+    from specmesh.draft_service.standalone import StandaloneDrafter
+    from specmesh.runtime.config import load_model_config
+    from specmesh.runtime.models.causal_lm import load_causal_lm
+
+    dtype = parse_dtype(cfg.dtype) if cfg.dtype else None
+    model = load_causal_lm(cfg.draft_dir, dtype=dtype, device=cfg.device)
+    c = model.config
+    target_vocab = (
+        target_model.config.vocab_size
+        if target_model is not None
+        else load_model_config(cfg.target_dir).vocab_size
+    )
+    cache = make_cache(cfg, c.num_layers, c.num_kv_heads, c.head_dim, c.dtype)
+    backend = make_backend(cfg.attention_backend)
+    return StandaloneDrafter(model, cache, backend, cfg.spec, target_vocab)
+
+
+def build_ngram(cfg: DraftConfig, target_model: torch.nn.Module | None):
+    from specmesh.draft_service.ngram import NgramDrafter
+
+    return NgramDrafter(cfg.spec)
+
+
+BUILDERS = {
+    "eagle3": build_eagle3,
+    "eagle": build_eagle,
+    "mtp": build_mtp,
+    "standalone": build_standalone,
+    "ngram": build_ngram,
+}
 
 
 def build_drafter(cfg: DraftConfig, target_model: torch.nn.Module | None):

@@ -262,6 +262,91 @@ class ServiceHost:
         await self.shutdown(grace_s)
 
 
+class ModelServicer:
+    """What the target and draft servicers share: the ready gate, Release and the Step loop.
+
+    Subclasses put their generated ``*Servicer`` base after this one and implement the hooks
+    `info`, `run_batch` (a batch's chunks -> response messages) and `release_one`. Hooks run in
+    a worker thread, one at a time (``self.lock``), so the event loop keeps reading the stream
+    and answering health checks while a forward runs.
+    """
+
+    response_type: type  # TargetStepResponse / DraftStepResponse
+
+    def __init__(self, host: ServiceHost) -> None:
+        self.host = host
+        self.runtime = None  # set by `attach` once weights are loaded and warmed up
+        self.lock = asyncio.Lock()
+
+    async def attach(self, runtime, warm_up=None) -> None:
+        if warm_up is not None:
+            await asyncio.to_thread(warm_up, runtime)
+        self.runtime = runtime
+        await self.host.set_ready()
+
+    # -- hooks ---------------------------------------------------------------------------------
+    def info(self, runtime):
+        raise NotImplementedError
+
+    def run_batch(self, runtime, chunks: list) -> list:
+        raise NotImplementedError
+
+    def release_one(self, runtime, rid: str) -> bool:
+        raise NotImplementedError
+
+    # -- RPCs ----------------------------------------------------------------------------------
+    async def GetInfo(self, request, context):
+        return self.info(await self._ready(context))
+
+    async def Release(self, request, context) -> common_pb2.ReleaseResponse:
+        runtime = await self._ready(context)
+        rids = list(request.request_ids)
+        async with self.host.work(context), self.lock:
+            known = await asyncio.to_thread(lambda: [self.release_one(runtime, r) for r in rids])
+        unknown = [r for r, k in zip(rids, known, strict=True) if not k]
+        return common_pb2.ReleaseResponse(
+            num_released=len(rids) - len(unknown), unknown_request_ids=unknown
+        )
+
+    async def Step(self, request_iterator, context):
+        runtime = await self._ready(context)
+        async for chunks in step_batches(request_iterator, context):
+            async with self.host.work(context):
+                answer = await self._answer(runtime, chunks)
+            for msg in frame(answer, chunks[0].batch_id):
+                yield msg
+
+    async def _answer(self, runtime, chunks: list) -> list:
+        try:
+            async with self.lock:
+                return await asyncio.to_thread(self.run_batch, runtime, chunks)
+        except Exception as e:  # the whole batch fails; the stream and the service live on
+            if not isinstance(e, (SpecmeshError, ValueError)):
+                log.exception("%s: step failed", self.host.service_name)
+            return [self.response_type(status=status_pb(e))]
+
+    async def _ready(self, context: grpc.aio.ServicerContext):
+        if self.runtime is None:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"{self.host.service_name} is still loading"
+            )
+        return self.runtime
+
+
+async def serve_model(
+    servicer: ModelServicer, add_to_server, load, warm_up, *, grace_s: float = 10.0
+) -> None:
+    """Process entry of a model service: listen at once (liveness), load and warm up in a
+    thread (then readiness), serve until SIGTERM / SIGINT, drain, stop."""
+    host = servicer.host
+    add_to_server(servicer, host.server)
+    await host.start()
+    log.info("%s listening on port %d; loading", host.service_name, host.port)
+    await servicer.attach(await asyncio.to_thread(load), warm_up)
+    log.info("%s ready on port %d", host.service_name, host.port)
+    await host.run_until_signal(grace_s)
+
+
 def check_health(address: str, service: str = "", timeout_s: float = 5.0) -> bool:
     """True when ``service`` at ``address`` reports SERVING (a blocking probe)."""
     with grpc.insecure_channel(address) as channel:

@@ -39,7 +39,11 @@ class ForwardModel(Protocol):
     def __call__(self, **kwargs: object) -> ModelOutput: ...
 
 
-def build_metadata(cache: KVCache, items: list[BatchItem]) -> AttentionMetadata:
+def build_metadata(
+    cache: KVCache, items: list[BatchItem], *, with_cpu: bool = True
+) -> AttentionMetadata:
+    """Ragged metadata for ``items``. ``with_cpu=False`` leaves the CPU-side fields ``None``, as
+    the sync-free GPU path does (invariant 3); backends that need them must cope."""
     q_lens = [it.q_len for it in items]
     kv_lens = [it.start + it.q_len for it in items]
     dev = cache.req_to_slot.device
@@ -57,10 +61,10 @@ def build_metadata(cache: KVCache, items: list[BatchItem]) -> AttentionMetadata:
         out_slots=out_slots,
         custom_mask=custom_mask,
         mask_indptr=mask_indptr,
-        q_lens_cpu=q_lens,
-        kv_lens_cpu=kv_lens,
-        max_q_len=max(q_lens),
-        max_kv_len=max(kv_lens),
+        q_lens_cpu=q_lens if with_cpu else None,
+        kv_lens_cpu=kv_lens if with_cpu else None,
+        max_q_len=max(q_lens) if with_cpu else None,
+        max_kv_len=max(kv_lens) if with_cpu else None,
     )
 
 
@@ -99,7 +103,7 @@ def run_batch(
     """Forward the new tokens of every item; outputs are flat rows in item order."""
     reserve_batch(cache, items)
     dev = cache.req_to_slot.device
-    backend.prepare(build_metadata(cache, items))
+    backend.prepare(build_metadata(cache, items, with_cpu=backend.needs_cpu_metadata))
     positions = torch.cat(
         [
             it.positions

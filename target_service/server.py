@@ -1,7 +1,6 @@
 """The target service: `specmesh.v1.Target` around one `TargetRuntime`.
 
-Step answers each batch once, in arrival order. Runtime calls run in a worker thread, one at a
-time (a lock), so the event loop keeps reading the stream and answering health checks. A bad
+Step answers each batch once, in arrival order (the shared loop is `ModelServicer`). A bad
 request fails alone (a Status in its TargetResult, and the target drops its state); a bad batch
 fails with TargetStepResponse.status; the stream itself fails only on broken framing.
 
@@ -11,28 +10,16 @@ parameters and the offset of the next sampled token (prefill's sample_offset + t
 
 from __future__ import annotations
 
-import asyncio
-import logging
 from dataclasses import dataclass
 
-import grpc
-
 from specmesh import __version__
-from specmesh.router.service_common import (
-    ServiceHost,
-    frame,
-    sampling_from_pb,
-    status_pb,
-    step_batches,
-)
+from specmesh.router.service_common import ModelServicer, ServiceHost, sampling_from_pb, status_pb
 from specmesh.runtime.codec import DEFAULT_MAX_MESSAGE_BYTES, DTYPE_NAMES, split_hidden_states
 from specmesh.runtime.errors import InvalidRequestError, SpecmeshError, UnknownRequestError
 from specmesh.runtime.sampling import SamplingParams
 from specmesh.runtime.tree import Tree
 from specmesh.target_service.runtime import PrefillInput, StepOutput, TargetRuntime, VerifyInput
-from specmesh.v1 import common_pb2, target_pb2, target_pb2_grpc
-
-log = logging.getLogger(__name__)
+from specmesh.v1 import target_pb2, target_pb2_grpc
 
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["Target"].full_name
 MAX_DRAFT_TOKENS = 64  # largest tree verify accepts (TargetInfo.max_draft_tokens)
@@ -45,57 +32,17 @@ class Session:
     next_offset: int  # output index of the next sampled token (seeded sampling)
 
 
-class TargetServicer(target_pb2_grpc.TargetServicer):
+class TargetServicer(ModelServicer, target_pb2_grpc.TargetServicer):
+    response_type = target_pb2.TargetStepResponse
+
     def __init__(self, host: ServiceHost, chunk_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
-        self.host, self.chunk_bytes = host, chunk_bytes
-        self.runtime: TargetRuntime | None = None  # set by `attach` once weights are loaded
+        super().__init__(host)
+        self.chunk_bytes = chunk_bytes
         self.sessions: dict[str, Session] = {}
-        self.lock = asyncio.Lock()
 
-    async def attach(self, runtime: TargetRuntime) -> None:
-        """Serve ``runtime`` after one warm-up forward; then the service turns SERVING."""
-        await asyncio.to_thread(_warm_up, runtime)
-        self.runtime = runtime
-        await self.host.set_ready()
-
-    # -- RPCs ----------------------------------------------------------------------------------
-    async def GetInfo(self, request, context) -> target_pb2.TargetInfo:
-        return self._info(await self._runtime(context))
-
-    async def Release(self, request, context):
-        runtime = await self._runtime(context)
-        async with self.host.work(context), self.lock:
-            unknown = await asyncio.to_thread(self._release, runtime, list(request.request_ids))
-        return common_pb2.ReleaseResponse(
-            num_released=len(request.request_ids) - len(unknown), unknown_request_ids=unknown
-        )
-
-    async def Step(self, request_iterator, context):
-        runtime = await self._runtime(context)
-        async for chunks in step_batches(request_iterator, context):
-            async with self.host.work(context):
-                answer = await self._answer(runtime, chunks[0])
-            for msg in frame(answer, chunks[0].batch_id):
-                yield msg
-
-    async def _runtime(self, context: grpc.aio.ServicerContext) -> TargetRuntime:
-        if self.runtime is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the target is still loading")
-        return self.runtime
-
-    # -- one batch -----------------------------------------------------------------------------
-    async def _answer(self, runtime: TargetRuntime, req) -> list[target_pb2.TargetStepResponse]:
-        try:
-            async with self.lock:
-                rids, out = await asyncio.to_thread(self._run, runtime, req)
-            return self._response(req, rids, out)
-        except Exception as e:  # the whole batch fails; the stream and the service live on
-            if not isinstance(e, (SpecmeshError, ValueError)):
-                log.exception("target step failed")
-            return [target_pb2.TargetStepResponse(status=status_pb(e))]
-
-    def _run(self, runtime: TargetRuntime, req) -> tuple[list[str], StepOutput]:
-        """Runs in the worker thread, under the lock."""
+    # -- hooks (worker thread, under the lock) ---------------------------------------------------
+    def run_batch(self, runtime: TargetRuntime, chunks: list) -> list:
+        req = chunks[0]  # target requests carry no tensors: one chunk
         work = req.WhichOneof("work")
         if work is None:
             raise InvalidRequestError("TargetStepRequest has no work (prefill, decode or verify)")
@@ -109,90 +56,20 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             )
         runtime.set_feature(_feature(req))
         if work == "prefill":
-            return rids, self._prefill(runtime, requests)
-        return rids, self._verify(runtime, requests, decode=work == "decode")
+            out = self._prefill(runtime, requests)
+        else:
+            out = self._verify(runtime, requests, decode=work == "decode")
+        return self._response(req, rids, out)
 
-    def _prefill(self, runtime: TargetRuntime, requests) -> StepOutput:
-        inputs, errors = [], {}
-        for r in requests:
-            try:
-                params = sampling_from_pb(r.sampling, default_max_new=1)
-                inputs.append(
-                    PrefillInput(
-                        r.request_id, list(r.input_ids), params, r.sample_offset, images=list(r.images)
-                    )
-                )
-            except SpecmeshError as e:
-                errors[r.request_id] = e
-        out = runtime.prefill(inputs) if inputs else StepOutput()
-        out.errors.update(errors)
-        for inp in inputs:
-            if inp.rid not in out.errors:
-                self.sessions[inp.rid] = Session(inp.params, inp.sample_offset + 1)
-        return out
+    def release_one(self, runtime: TargetRuntime, rid: str) -> bool:
+        self.sessions.pop(rid, None)
+        try:
+            runtime.release(rid)
+        except KeyError:
+            return False
+        return True
 
-    def _verify(self, runtime: TargetRuntime, requests, *, decode: bool) -> StepOutput:
-        inputs, errors = [], {}
-        for r in requests:
-            try:
-                tokens = [r.token_id] if decode else list(r.tree.tokens)
-                tree = Tree.chain(tokens) if decode else Tree.from_parents(tokens, r.tree.parents)
-                inputs.append(self._verify_input(runtime, r.request_id, tree))
-            except SpecmeshError as e:
-                errors[r.request_id] = e
-                if not isinstance(e, UnknownRequestError):
-                    self._release(runtime, [r.request_id])  # a failed request loses its state
-        out = runtime.verify(inputs) if inputs else StepOutput()
-        out.errors.update(errors)
-        for inp in inputs:
-            self.sessions[inp.rid].next_offset += len(out.tokens[inp.rid])
-        return out
-
-    def _verify_input(self, runtime: TargetRuntime, rid: str, tree: Tree) -> VerifyInput:
-        """Check one tree against the request's state, so a bad one fails alone."""
-        session = self.sessions.get(rid)
-        if session is None:
-            raise UnknownRequestError(f"unknown request id {rid!r}")
-        if tree.num_nodes > MAX_DRAFT_TOKENS:
-            raise InvalidRequestError(
-                f"request {rid!r}: tree of {tree.num_nodes} nodes exceeds {MAX_DRAFT_TOKENS}"
-            )
-        runtime.check_ids(rid, tree.tokens.tolist(), what="draft tree")
-        pending = runtime.pending[rid]
-        if int(tree.tokens[0]) != pending:
-            raise InvalidRequestError(
-                f"request {rid!r}: tree root {int(tree.tokens[0])} is not the pending token {pending}"
-            )
-        return VerifyInput(rid, tree, session.params, session.next_offset)
-
-    def _release(self, runtime: TargetRuntime, rids: list[str]) -> list[str]:
-        unknown = []
-        for rid in rids:
-            self.sessions.pop(rid, None)
-            try:
-                runtime.release(rid)
-            except KeyError:
-                unknown.append(rid)
-        return unknown
-
-    def _response(self, req, rids: list[str], out: StepOutput) -> list[target_pb2.TargetStepResponse]:
-        results, row_counts = [], []
-        for rid in rids:
-            if rid in out.errors:
-                results.append(target_pb2.TargetResult(request_id=rid, status=status_pb(out.errors[rid])))
-                row_counts.append(0)
-            else:
-                results.append(target_pb2.TargetResult(request_id=rid, token_ids=out.tokens[rid]))
-                row_counts.append(out.row_counts[rid])
-        tensors = {
-            "aux_hidden" if req.return_aux_hidden else "hidden": out.features,
-            "mm_input_embeds": out.mm_input_embeds if req.return_mm_input_embeds else None,
-        }
-        states = split_hidden_states(row_counts, tensors, self.chunk_bytes)
-        first = target_pb2.TargetStepResponse(results=results, states=states[0])
-        return [first, *(target_pb2.TargetStepResponse(states=s) for s in states[1:])]
-
-    def _info(self, runtime: TargetRuntime) -> target_pb2.TargetInfo:
+    def info(self, runtime: TargetRuntime) -> target_pb2.TargetInfo:
         mc, cfg = runtime.model_config, runtime.cfg
         return target_pb2.TargetInfo(
             model_path=cfg.model_dir,
@@ -214,6 +91,80 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             version=__version__,
         )
 
+    # -- work ------------------------------------------------------------------------------------
+    def _prefill(self, runtime: TargetRuntime, requests) -> StepOutput:
+        inputs, errors = [], {}
+        for r in requests:
+            try:
+                params = sampling_from_pb(r.sampling, default_max_new=1)
+            except SpecmeshError as e:
+                errors[r.request_id] = e
+                continue
+            inputs.append(
+                PrefillInput(
+                    r.request_id, list(r.input_ids), params, r.sample_offset, images=list(r.images)
+                )
+            )
+        out = runtime.prefill(inputs) if inputs else StepOutput()
+        out.errors.update(errors)
+        for inp in inputs:
+            if inp.rid not in out.errors:
+                self.sessions[inp.rid] = Session(inp.params, inp.sample_offset + 1)
+        return out
+
+    def _verify(self, runtime: TargetRuntime, requests, *, decode: bool) -> StepOutput:
+        inputs, errors = [], {}
+        for r in requests:
+            try:
+                tree = (
+                    Tree.chain([r.token_id])
+                    if decode
+                    else Tree.from_parents(list(r.tree.tokens), list(r.tree.parents))
+                )
+                inputs.append(self._verify_input(runtime, r.request_id, tree))
+            except SpecmeshError as e:
+                errors[r.request_id] = e
+                self.release_one(runtime, r.request_id)  # a failed request loses its state
+        out = runtime.verify(inputs) if inputs else StepOutput()
+        out.errors.update(errors)
+        for inp in inputs:
+            self.sessions[inp.rid].next_offset += len(out.tokens[inp.rid])
+        return out
+
+    def _verify_input(self, runtime: TargetRuntime, rid: str, tree: Tree) -> VerifyInput:
+        """Check one tree against the request's state, so that a bad one fails alone."""
+        session = self.sessions.get(rid)
+        if session is None:
+            raise UnknownRequestError(f"unknown request id {rid!r}")
+        if tree.num_nodes > MAX_DRAFT_TOKENS:
+            raise InvalidRequestError(
+                f"request {rid!r}: tree of {tree.num_nodes} nodes exceeds {MAX_DRAFT_TOKENS}"
+            )
+        runtime.check_ids(rid, tree.tokens.tolist(), what="draft tree")
+        pending = runtime.pending[rid]
+        if int(tree.tokens[0]) != pending:
+            raise InvalidRequestError(
+                f"request {rid!r}: tree root {int(tree.tokens[0])} is not the pending token {pending}"
+            )
+        return VerifyInput(rid, tree, session.params, session.next_offset)
+
+    def _response(self, req, rids: list[str], out: StepOutput) -> list:
+        results, row_counts = [], []
+        for rid in rids:
+            error = out.errors.get(rid)
+            if error is not None:
+                results.append(target_pb2.TargetResult(request_id=rid, status=status_pb(error)))
+            else:
+                results.append(target_pb2.TargetResult(request_id=rid, token_ids=out.tokens[rid]))
+            row_counts.append(0 if error is not None else out.row_counts[rid])
+        tensors = {
+            "aux_hidden" if req.return_aux_hidden else "hidden": out.features,
+            "mm_input_embeds": out.mm_input_embeds if req.return_mm_input_embeds else None,
+        }
+        states = split_hidden_states(row_counts, tensors, self.chunk_bytes)
+        first = target_pb2.TargetStepResponse(results=results, states=states[0])
+        return [first, *(target_pb2.TargetStepResponse(states=s) for s in states[1:])]
+
 
 def _feature(req) -> str:
     """The runtime feature a batch's return_* flags ask for (TargetRuntime.set_feature)."""
@@ -222,7 +173,7 @@ def _feature(req) -> str:
     return "aux" if req.return_aux_hidden else "hidden" if req.return_hidden else "none"
 
 
-def _warm_up(runtime: TargetRuntime) -> None:
+def warm_up(runtime: TargetRuntime) -> None:
     """One real prefill + decode, then release: the first user request pays no first-call cost."""
     params = SamplingParams(max_new_tokens=1)
     out = runtime.prefill([PrefillInput(WARMUP_RID, [0, 1], params)])
@@ -232,17 +183,6 @@ def _warm_up(runtime: TargetRuntime) -> None:
     runtime.release(WARMUP_RID)
 
 
-async def serve(
-    runtime_factory, address: str, *, max_message_bytes: int, grace_s: float = 10.0
-) -> None:
-    """Process entry: listen at once (liveness), load and warm up (readiness), serve until
-    SIGTERM."""
+def make_servicer(address: str, max_message_bytes: int) -> TargetServicer:
     host = ServiceHost(SERVICE_NAME, address, max_message_bytes)
-    servicer = TargetServicer(host, chunk_bytes=min(DEFAULT_MAX_MESSAGE_BYTES, max_message_bytes // 2))
-    target_pb2_grpc.add_TargetServicer_to_server(servicer, host.server)
-    await host.start()
-    log.info("target listening on port %d; loading", host.port)
-    await servicer.attach(await asyncio.to_thread(runtime_factory))
-    log.info("target ready on port %d", host.port)
-    await host.run_until_signal(grace_s)
-
+    return TargetServicer(host, chunk_bytes=min(DEFAULT_MAX_MESSAGE_BYTES, max_message_bytes // 2))

@@ -1,0 +1,48 @@
+"""Attention backends agree with each other and with transformers: torch with and without CPU
+metadata (the sync-free path), and Triton (interpreter on CPU, compiled on a GPU)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from specmesh.draft_service.drafter import SpecParams
+from specmesh.router.engine import Engine
+from specmesh.runtime.attention.torch_backend import TorchBackend
+from specmesh.runtime.sampling import SamplingParams
+
+PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [40, 41, 42, 43, 44, 45, 46]]
+
+
+class CpuMetadataFreeTorch(TorchBackend):
+    """The torch backend fed metadata without its CPU fields, as the sync-free path builds it."""
+
+    needs_cpu_metadata = False
+
+    def prepare(self, meta) -> None:  # noqa: ANN001
+        assert meta.q_lens_cpu is None and meta.kv_lens_cpu is None and meta.max_q_len is None
+        super().prepare(meta)
+
+
+@pytest.mark.parametrize("backend", ["torch-no-cpu-metadata", "triton"])
+def test_backend_greedy_speculative_equals_transformers(tiny_dir: Path, oracle, backend: str) -> None:  # noqa: ANN001
+    engine = Engine(
+        tiny_dir / "target", draft_model=tiny_dir / "draft", draft_kind="eagle3",
+        spec=SpecParams(2, 2, 4), target_config={"attention_backend": "torch" if "torch" in backend else backend},
+        draft_config={"attention_backend": "torch" if "torch" in backend else backend},
+    )  # fmt: skip
+    if backend.startswith("torch"):
+        engine.target.backend = CpuMetadataFreeTorch()
+        engine.draft.drafter.backend = CpuMetadataFreeTorch()
+    results = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, ignore_eos=True))
+    for prompt, res in zip(PROMPTS, results, strict=True):
+        assert res.token_ids == oracle(tiny_dir / "target", prompt, 6)
+    assert engine.target.backend.name == ("triton" if backend == "triton" else "torch")
+
+
+def test_unknown_backend_is_a_clear_error() -> None:
+    from specmesh.runtime.attention.torch_backend import make_backend
+
+    with pytest.raises(ValueError, match="unknown attention backend 'cuda-magic'"):
+        make_backend("cuda-magic")
