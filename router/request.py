@@ -42,7 +42,8 @@ class Request:
     detok: Detokenizer | None = None
     phase: Phase = Phase.WAITING
     output_ids: list[int] = field(default_factory=list)
-    text: str = ""
+    text: str = ""  # streamed so far
+    _full_text: str = ""  # decoded so far, incl. text held back for stop strings
     finish_reason: str | None = None
     accept_lens: list[int] = field(default_factory=list)
     # Placement, owned by the router core: pinned replicas, the next tree, failovers so far.
@@ -68,7 +69,11 @@ class Request:
         return sum(self.accept_lens) / len(self.accept_lens) if self.accept_lens else 0.0
 
     def emit(self, tokens: list[int], *, accepted_round: bool = False) -> Chunk:
-        """Append the tokens a step produced, stopping at the first stop condition."""
+        """Append the tokens a step produced, stopping at the first stop condition.
+
+        Text is held back by ``len(longest stop string) - 1`` characters until the request
+        finishes, so a stop string that spans two steps is never partly streamed.
+        """
         if accepted_round:
             self.accept_lens.append(len(tokens))
         if self.first_token_s is None:
@@ -77,32 +82,32 @@ class Request:
         if not self.params.ignore_eos:
             stop_ids.update(self.eos_token_ids)
         new_ids: list[int] = []
-        new_text = ""
+        cut = False
         for tok in tokens:
             if self.finished:
                 break
             self.output_ids.append(tok)
             new_ids.append(tok)
-            piece = self.detok.add(tok) if self.detok else ""
-            hit = self._stop_string_cut(self.text + new_text + piece)
-            if hit is not None:
-                new_text = hit[len(self.text) :]
+            self._full_text += self.detok.add(tok) if self.detok else ""
+            if (idx := self._stop_string_index()) is not None:
+                self._full_text, cut = self._full_text[:idx], True
                 self._finish("stop")
-            else:
-                new_text += piece
-                if tok in stop_ids:
-                    self._finish("stop")
-                elif self.num_generated >= self.params.max_new_tokens:
-                    self._finish("length")
-        if self.finished and self.detok and self.finish_reason != "stop":
-            new_text += self.detok.flush()
+            elif tok in stop_ids:
+                self._finish("stop")
+            elif self.num_generated >= self.params.max_new_tokens:
+                self._finish("length")
+        if self.finished and self.detok and not cut:
+            self._full_text += self.detok.flush()
+        holdback = 0 if self.finished else max((len(s) for s in self.params.stop), default=1) - 1
+        visible = max(len(self.text), len(self._full_text) - holdback)
+        new_text = self._full_text[len(self.text) : visible]
         self.text += new_text
         return Chunk(new_ids, new_text, self.finish_reason)
 
-    def _stop_string_cut(self, text: str) -> str | None:
-        """The text up to the earliest stop string, if one now occurs."""
-        cuts = [i for s in self.params.stop if (i := text.find(s)) >= 0]
-        return text[: min(cuts)] if cuts else None
+    def _stop_string_index(self) -> int | None:
+        """Where the earliest stop string starts in the text, if one occurs."""
+        hits = [i for s in self.params.stop if (i := self._full_text.find(s)) >= 0]
+        return min(hits) if hits else None
 
     def abort(self) -> Chunk:
         self._finish("abort")
