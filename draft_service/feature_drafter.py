@@ -67,8 +67,6 @@ class FeatureDrafter(TreeDrafter):
     def extend(self, inputs: list[ExtendInput]) -> None:
         items, feats = [], []
         for inp in inputs:
-            if inp.new:
-                self.cache.add(inp.rid)
             if inp.features is None or inp.features.shape[0] != len(inp.committed_ids):
                 got = None if inp.features is None else inp.features.shape[0]
                 raise InvalidRequestError(
@@ -76,6 +74,8 @@ class FeatureDrafter(TreeDrafter):
                     f"({self.feature}), got {got}"
                 )
             ids, embeds = rotated_rows(inp, self.net.embed)
+            if inp.new:  # only after every check, so a rejected extend leaves no KV row behind
+                self.cache.add(inp.rid)
             start = self.cache.get(inp.rid).committed_len
             items.append(BatchItem(inp.rid, ids, start, input_embeds=embeds))
             feats.append(inp.features)

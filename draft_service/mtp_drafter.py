@@ -17,18 +17,20 @@ Those rows stay committed after the real tokens arrive: an approximation of the 
 that only costs acceptance, never correctness, since verification is lossless.
 
 Propose. Step 0's children are the top-k of layer 0's last row. A node forwarded at step j >= 1
-pairs its parent's output hidden with its own token, which is exactly what layer l = j % L does at
-row ``last_pos`` (while j < L: the same row as the extend's greedy guess), or, after wrapping
-around the layers, at row ``last_pos + L * (j // L)``; that row is its RoPE position. Its KV goes to
-the speculative indices of step j (``spec_base + (j-1)*topk + i``) in pool l, and it sees:
+pairs its parent's output hidden with its own token, which is what layer l = j % L computes at
+row ``last_pos`` while j < L (the row where the extend put its greedy guess), or, once the steps
+wrap around the layers, at row ``last_pos + L * (j // L)``; that row is its RoPE position. Its KV
+goes to the speculative indices of step j (``spec_base + (j-1)*topk + i``) in pool l, and it sees:
 
-    - pool l's committed rows 0 .. T-1, except row ``last_pos`` while j < L: that row is the
-      extend's greedy version of this very node (a sibling, not an ancestor);
+    - pool l's committed rows 0 .. T-1, except, for l >= 1, row ``last_pos``: that row is the
+      extend's greedy guess of step l, which the node itself (j = l) or its own step-l ancestor
+      (j > l) replaces;
     - those of its ancestors that were forwarded through the same pool (steps j - L, j - 2L, ...;
       none when L >= num_steps: the node sees the prefix and itself);
     - itself.
 
-With topk = 1 the tree is therefore the extend's greedy chain g0, g1, ... (tested).
+So with topk = 1 the tree is the extend's greedy chain g0, g1, ..., continued through the
+layers again when num_steps > L (tested against transformers' decoder layer).
 """
 
 from __future__ import annotations
@@ -100,27 +102,31 @@ class MTPDrafter(TreeDrafter):
                     f"request {inp.rid!r}: extend needs {len(inp.committed_ids)} feature rows "
                     f"({self.feature}), got {got}"
                 )
+            ids, embeds = rotated_rows(inp, self.net.embed)  # validates before any state changes
             if inp.new:
                 self.cache.add(inp.rid)
-            ids, embeds = rotated_rows(inp, self.net.embed)
             start = self.cache.get(inp.rid).committed_len
             items.append(BatchItem(inp.rid, ids, start, input_embeds=embeds))
             feats.append(inp.features)
         last = (torch.tensor([it.q_len for it in items]).cumsum(0) - 1).tolist()
-        hidden = torch.cat(feats)  # [rows, H] target pre-norm hidden
-        for layer in range(self.num_active_layers(self.num_layers, self.spec)):
-            if layer:
-                greedy = logits[last].argmax(-1).tolist()
-                items = [self._shift(it, tok) for it, tok in zip(items, greedy, strict=True)]
-            hidden, logits = forward_draft(
-                self.net.layer_net(layer), self.cache, self.backend, items, self._pool(layer), hidden
-            )
-            if layer == 0:
-                roots = [(hidden[row], logits[row]) for row in last]
+        hidden, logits = self._forward_step(0, items, torch.cat(feats))  # target pre-norm in
+        roots = [(hidden[row], logits[row]) for row in last]
+        for layer in range(1, self.num_active_layers(self.num_layers, self.spec)):
+            greedy = logits[last].argmax(-1).tolist()
+            items = [self._shift(it, tok) for it, tok in zip(items, greedy, strict=True)]
+            hidden, logits = self._forward_step(layer, items, hidden)
         for it, (h, lg) in zip(items, roots, strict=True):
             end = it.start + it.q_len
             self.cache.commit(it.rid, end)
             self.roots[it.rid] = RootState(end - 1, end, h, lg)
+
+    def _forward_step(
+        self, step: int, items: list[BatchItem], hidden_in: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward ``items`` through step ``step``'s layer in that layer's pool (extend runs
+        layer i as step i)."""
+        net = self.net.layer_net(self.layer_of(step))
+        return forward_draft(net, self.cache, self.backend, items, self._pool(step), hidden_in)
 
     def _shift(self, it: BatchItem, token: int) -> BatchItem:
         """The next layer's rows: tokens one further ahead, the guess ``token`` appended."""
@@ -144,8 +150,8 @@ class MTPDrafter(TreeDrafter):
         start = st.spec_base + (step - 1) * k
         mask = torch.zeros(k, start + k, dtype=torch.bool)
         mask[:, : st.spec_base] = True
-        if step < self.num_layers:
-            mask[:, st.last_pos] = False  # the extend's greedy twin of this node
+        if layer > 0:
+            mask[:, st.last_pos] = False  # the extend's greedy guess of this node's step-l row
         for i in range(k):
             same_pool = [a for a in ancestors[i] if self._layer_at(a, st) == layer]
             mask[i, same_pool] = True
@@ -160,8 +166,7 @@ class MTPDrafter(TreeDrafter):
     def step_forward(
         self, step: int, items: list[BatchItem], hidden_in: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        net = self.net.layer_net(self.layer_of(step))
-        return forward_draft(net, self.cache, self.backend, items, self._pool(step), hidden_in)
+        return self._forward_step(step, items, hidden_in)
 
     def release(self, rid: str) -> None:
         self.cache.release(rid)

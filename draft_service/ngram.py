@@ -50,7 +50,9 @@ class NgramDrafter:
             self.pending[inp.rid] = inp.next_token
 
     def propose(self, rids: list[str], roots: list[int]) -> list[Tree]:
-        return [self._propose_one([*self._get(r), root]) for r, root in zip(rids, roots, strict=True)]
+        return [
+            self._propose_one([*self._get(r), root]) for r, root in zip(rids, roots, strict=True)
+        ]
 
     def _propose_one(self, seq: list[int]) -> Tree:
         budget = self.spec.num_draft_tokens - 1

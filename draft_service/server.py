@@ -194,14 +194,22 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServicer):
                 )
             else:
                 ok.append(r)
-        trees = runtime.drafter.propose([r.request_id for r in ok], [r.root_token_id for r in ok])
+        rids, roots = [r.request_id for r in ok], [r.root_token_id for r in ok]
+        trees = runtime.drafter.propose(rids, roots) if ok else []
         by_rid = {r.request_id: t for r, t in zip(ok, trees, strict=True)}
-        return [self._result(r.request_id, errors.get(r.request_id), by_rid.get(r.request_id)) for r in requests]
+        return [
+            self._result(r.request_id, errors.get(r.request_id), by_rid.get(r.request_id))
+            for r in requests
+        ]
 
-    def _result(self, rid: str, error: Exception | None, tree: Tree | None) -> draft_pb2.DraftResult:
+    def _result(
+        self, rid: str, error: Exception | None, tree: Tree | None
+    ) -> draft_pb2.DraftResult:
         if error is not None:
             return draft_pb2.DraftResult(request_id=rid, status=status_pb(error))
-        result = draft_pb2.DraftResult(request_id=rid, committed_len=self.positions[rid].committed_len)
+        result = draft_pb2.DraftResult(
+            request_id=rid, committed_len=self.positions[rid].committed_len
+        )
         if tree is not None:
             result.tree.CopyFrom(
                 common_pb2.DraftTree(tokens=tree.tokens.tolist(), parents=tree.parents.tolist())

@@ -1,0 +1,235 @@
+"""Every draft kind end to end through `Engine`: greedy speculative output equals transformers'
+greedy ``generate`` token for token (lossless), for several (steps, topk, draft tokens).
+
+Plus the kinds' own semantics against independent references: the EAGLE-1 network and the MTP
+greedy chain against transformers' Llama decoder layer, the standalone oracle (draft = target
+accepts everything) and the n-gram lookup.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from specmesh.draft_service.drafter import SpecParams
+from specmesh.draft_service.feature_drafter import ExtendInput
+from specmesh.draft_service.ngram import NgramDrafter, find_continuations
+from specmesh.draft_service.runtime import DraftConfig, load_draft
+from specmesh.router.engine import Engine
+from specmesh.runtime.loader import load_tensors
+from specmesh.runtime.sampling import SamplingParams
+from specmesh.runtime.tiny import make_tiny_target
+from specmesh.runtime.tiny_drafts import make_tiny_draft
+from specmesh.target_service.runtime import PrefillInput, TargetRuntime
+
+KINDS = ("eagle3", "eagle", "mtp", "standalone", "ngram")
+SPECS = ((1, 1, 2), (3, 1, 4), (3, 4, 8), (5, 4, 16), (2, 8, 10))
+PROMPTS = (
+    [17, 42, 99],
+    [5, 6, 7, 8, 9, 10, 11],
+    [200, 13, 77, 13, 77, 13, 77, 150, 31, 64, 12, 90],
+    [250, 251, 252, 253, 254],
+)
+MAX_NEW = (12, 16, 20, 14)
+STOP_REQ = 1  # this request also stops at a token its reference emits mid-way
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("kinds")
+    paths = {"target": make_tiny_target(root / "target", seed=0)}
+    for kind in KINDS[:-1]:
+        paths[kind] = make_tiny_draft(root / kind, root / "target", kind, seed=1)
+    return paths
+
+
+@pytest.fixture(scope="module")
+def reference(models) -> list[list[int]]:
+    """transformers greedy continuations (cut after the first EOS, as the engine stops there)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(models["target"], dtype=torch.float32)
+    eos = model.generation_config.eos_token_id
+    outs = []
+    for prompt, n in zip(PROMPTS, MAX_NEW, strict=True):
+        ids = torch.tensor([prompt])
+        gen = model.generate(ids, max_new_tokens=n, do_sample=False)[0, len(prompt) :].tolist()
+        outs.append(gen[: gen.index(eos) + 1] if eos in gen else gen)
+    return outs
+
+
+def stop_token(ref: list[int]) -> int:
+    """A token first emitted mid-way through ``ref``."""
+    for j in range(3, len(ref) - 2):
+        if ref[j] not in ref[:j]:
+            return ref[j]
+    pytest.skip("reference has no fresh token mid-way")
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: "s{}k{}n{}".format(*s))
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_matches_transformers(models, reference, kind, spec):
+    stop = stop_token(reference[STOP_REQ])
+    params = [
+        SamplingParams(max_new_tokens=n, stop_token_ids=(stop,) if i == STOP_REQ else ())
+        for i, n in enumerate(MAX_NEW)
+    ]
+    expected = list(reference)
+    expected[STOP_REQ] = expected[STOP_REQ][: expected[STOP_REQ].index(stop) + 1]
+    engine = Engine(
+        models["target"],
+        draft_model=models.get(kind),
+        draft_kind=kind,
+        spec=SpecParams(*spec),
+    )
+    results = engine.generate([list(p) for p in PROMPTS], params)
+    assert [r.token_ids for r in results] == expected
+    assert all(r.accept_lens for r in results if len(r.token_ids) > 1)  # speculation ran
+    assert results[STOP_REQ].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_standalone_oracle_accepts_everything(models, steps):
+    """The target as its own standalone draft: every full round accepts all ``steps`` tokens."""
+    engine = Engine(
+        models["target"],
+        draft_model=models["target"],
+        draft_kind="standalone",
+        spec=SpecParams(steps, 1, steps + 1),
+    )
+    params = SamplingParams(max_new_tokens=4 * (steps + 1) + 2, ignore_eos=True)
+    for r in engine.generate([list(PROMPTS[0]), list(PROMPTS[2])], params):
+        full = r.accept_lens[:-1]
+        assert full and sum(full) / len(full) == steps + 1, r.accept_lens
+
+
+# -- network semantics against transformers' decoder layer ----------------------------------------
+def hf_layer(draft_dir: Path, prefix: str, *, input_norm: bool = True):
+    """A transformers Llama decoder layer holding ``prefix``'s tensors; returns u -> layer(u)."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    cfg = LlamaConfig(**json.loads((draft_dir / "config.json").read_text()))
+    cfg._attn_implementation = "sdpa"
+    layer = LlamaDecoderLayer(cfg, 0)
+    if not input_norm:
+        layer.input_layernorm = torch.nn.Identity()
+    tensors = load_tensors(draft_dir)
+    own = layer.state_dict()
+    layer.load_state_dict(
+        {
+            k[len(prefix) :]: v
+            for k, v in tensors.items()
+            if k[len(prefix) :] in own and k.startswith(prefix)
+        }
+    )
+    rope = LlamaRotaryEmbedding(cfg)
+
+    def run(u: torch.Tensor, positions: list[int] | None = None) -> torch.Tensor:
+        """[T, H] -> [T, H], causal; positions default to 0 .. T-1."""
+        pos = torch.tensor([positions or list(range(u.shape[0]))])
+        return layer(u[None], position_embeddings=rope(u[None], pos), position_ids=pos)[0]
+
+    return run, tensors
+
+
+def rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+def prefill(models, feature: str, prompt: list[int]) -> tuple[TargetRuntime, int, torch.Tensor]:
+    target = TargetRuntime.from_dir(models["target"])
+    target.set_feature(feature)
+    out = target.prefill([PrefillInput("r", prompt, SamplingParams())])
+    return target, out.tokens["r"][0], out.features
+
+
+@torch.inference_mode()
+def test_eagle1_root_logits_match_reference(models):
+    prompt = list(PROMPTS[2])
+    target, first, feats = prefill(models, "hidden", prompt)
+    cfg = DraftConfig("eagle", str(models["eagle"]), str(models["target"]), SpecParams(1, 1, 2))
+    drafter = load_draft(cfg, target.model).drafter
+    assert drafter.feature == "hidden"
+    drafter.extend([ExtendInput("r", prompt, first, feats, new=True)])
+
+    layer, t = hf_layer(models["eagle"], "layers.0.", input_norm=False)
+    embeds = target.model.embed(torch.tensor([*prompt[1:], first]))
+    u = torch.cat([embeds, feats], -1) @ t["fc.weight"].t() + t["fc.bias"]
+    expected = layer(u)[-1] @ target.model.head_weight.t()
+    torch.testing.assert_close(drafter.roots["r"].logits, expected, rtol=1e-4, atol=1e-4)
+
+
+@torch.inference_mode()
+def test_mtp_topk1_chain_matches_reference(models):
+    """topk = 1, 5 steps over 3 layers: every step's logits equal layer ``j % 3`` of a plain
+    transformers re-computation. Steps 0-2 are the extend's greedy chain (layer l's rows, token
+    column shifted by one per layer, guesses appended); steps 3-4 wrap around: one more row for
+    layers 0 and 1 at position ``T - 1 + 3``, causal over that layer's earlier rows."""
+    num_steps, num_layers = 5, 3
+    prompt = list(PROMPTS[2])
+    target, first, feats = prefill(models, "hidden_pre_norm", prompt)
+    spec = SpecParams(num_steps, 1, num_steps + 1)
+    drafter = load_draft(
+        DraftConfig("mtp", str(models["mtp"]), str(models["target"]), spec), target.model
+    ).drafter
+    drafter.extend([ExtendInput("r", prompt, first, feats, new=True)])
+    step_logits = [drafter.roots["r"].logits]  # step 0's logits, then each forward's
+    forward = drafter.step_forward
+
+    def recording(step, items, hidden_in):
+        hidden, logits = forward(step, items, hidden_in)
+        step_logits.append(logits[0])
+        return hidden, logits
+
+    drafter.step_forward = recording
+    tree = drafter.propose(["r"], [first])[0]
+
+    def mtp_layer(i: int, ids: list[int], hidden: torch.Tensor, positions: list[int]):
+        p = f"model.layers.{target.model_config.num_layers + i}."
+        block, t = hf_layer(models["mtp"], p)
+        e = target.model.embed(torch.tensor(ids))
+        u = torch.cat([rms(e, t[p + "enorm.weight"]), rms(hidden, t[p + "hnorm.weight"])], -1)
+        out = block(u @ t[p + "eh_proj.weight"].t(), positions)
+        return out, rms(out, t[p + "shared_head.norm.weight"]) @ target.model.head_weight.t()
+
+    n = len(prompt)
+    ids, hidden, chain, rows = [*prompt[1:], first], feats, [], {}
+    for j in range(num_steps):
+        layer = j % num_layers
+        if j < num_layers:  # the extend rows of this layer
+            ids = ids if j == 0 else [*ids[1:], chain[-1]]
+            rows[layer] = (ids, hidden, list(range(n)))
+        else:  # one more row after this layer's extend rows
+            toks, hid, pos = rows[layer]
+            extra = n - 1 + num_layers * (j // num_layers)
+            rows[layer] = ([*toks, chain[-1]], torch.cat([hid, hidden[-1:]]), [*pos, extra])
+        hidden, logits = mtp_layer(layer, *rows[layer])
+        torch.testing.assert_close(step_logits[j], logits[-1], rtol=1e-4, atol=1e-4)
+        chain.append(int(logits[-1].argmax()))
+    assert tree.tokens.tolist() == [first, *chain]
+    assert tree.parents.tolist() == list(range(-1, num_steps))
+
+
+# -- n-gram ---------------------------------------------------------------------------------------
+def test_ngram_prefers_longest_then_most_recent_match():
+    seq = [1, 2, 3, 9, 5, 2, 3, 7, 8, 1, 2, 3]
+    # "1 2 3" occurred at 0 (followed by 9); "2 3" also at 5 (followed by 7, more recent).
+    assert find_continuations(seq, 1, 3) == [[9, 5, 2]]
+    assert find_continuations(seq, 3, 2) == [[9, 5], [7, 8]]
+    assert find_continuations([4, 5, 6], 2, 3) == []
+    assert find_continuations([7, 8, 7, 8], 1, 5) == [[7, 8, 7, 8, 7]]  # a pattern keeps going
+
+
+def test_ngram_tree_branches_and_budget():
+    drafter = NgramDrafter(SpecParams(3, 4, 6))
+    drafter.extend([ExtendInput("r", [1, 2, 3, 9, 5, 6, 2, 3, 7, 8, 1, 2], 3, new=True)])
+    tree = drafter.propose(["r"], [3])[0]
+    # branches: "1 2 3" -> 9 5 6 ..., "2 3" -> 7 8 ...; 5 nodes: both first tokens, then chain 0
+    assert tree.tokens.tolist() == [3, 9, 7, 5, 6, 2]
+    assert tree.parents.tolist() == [-1, 0, 0, 1, 3, 4]
+    drafter.extend([ExtendInput("q", [4, 5], 6, new=True)])
+    assert drafter.propose(["q"], [6])[0].num_nodes == 1  # no match: root only

@@ -1,0 +1,130 @@
+"""Faults with real processes: SIGKILL a draft or a target replica while requests stream.
+
+The router owns every token, so a dead draft only costs speculation and a dead target replica
+means a replay on the other one; either way every request finishes with exactly the tokens
+transformers produces (no token lost, none repeated).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from specmesh.client import GenerationClient
+from specmesh.cluster import free_port
+from specmesh.router.service_common import check_health
+from specmesh.runtime.sampling import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+NUM_REQUESTS, MAX_NEW = 8, 80
+
+
+class Services:
+    """Child processes ``python -m specmesh <service>``, logs in ``log_dir``, all stopped at
+    the end."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir, self.procs = log_dir, {}
+
+    def start(self, name: str, kind: str, *flags: str) -> str:
+        port = free_port()
+        log = open(self.log_dir / f"{name}.log", "w")  # noqa: SIM115
+        cmd = [sys.executable, "-m", "specmesh", kind, "--host", "127.0.0.1", "--port", str(port)]
+        self.procs[name] = subprocess.Popen([*cmd, *flags], stdout=log, stderr=subprocess.STDOUT)
+        return f"127.0.0.1:{port}"
+
+    def wait_ready(self, name: str, address: str, service: str, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not check_health(address, service, timeout_s=1.0):
+            assert self.procs[name].poll() is None, (self.log_dir / f"{name}.log").read_text()
+            assert time.monotonic() < deadline, f"{name} not ready"
+            time.sleep(0.2)
+
+    def kill(self, name: str) -> None:
+        self.procs[name].kill()
+        self.procs[name].wait()
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def start_cluster(tmp_path: Path, tiny_dir: Path, num_targets: int) -> tuple[Services, str]:
+    services = Services(tmp_path)
+    target_dir, draft_dir = str(tiny_dir / "target"), str(tiny_dir / "draft")
+    targets = [
+        services.start(f"target{i}", "target", "--model", target_dir) for i in range(num_targets)
+    ]
+    draft = services.start(
+        "draft", "draft", "--kind", "eagle3", "--model", draft_dir, "--target-model", target_dir,
+        "--num-steps", "3", "--topk", "2", "--num-draft-tokens", "6",
+    )  # fmt: skip
+    router = services.start("router", "router", "--target", ",".join(targets), "--draft", draft)
+    for i, address in enumerate(targets):
+        services.wait_ready(f"target{i}", address, "specmesh.v1.Target")
+    services.wait_ready("draft", draft, "specmesh.v1.Draft")
+    services.wait_ready("router", router, "specmesh.v1.Generation")
+    return services, router
+
+
+def stream_through_fault(router: str, services: Services, victim: str):
+    """Stream NUM_REQUESTS requests; once every one has its first tokens, SIGKILL ``victim``.
+    Returns prompts, outputs, finish reasons, tokens received before the kill, router info."""
+    prompts = [[5 + i, 6 + 2 * i, 7 + 3 * i] for i in range(NUM_REQUESTS)]
+    outputs: list[list[int]] = [[] for _ in prompts]
+    reasons = [""] * NUM_REQUESTS
+    started = threading.Barrier(NUM_REQUESTS + 1)
+    client = GenerationClient(router)
+    params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
+
+    def run(i: int) -> None:
+        call = client.generate(prompt_token_ids=prompts[i], sampling=params, timeout=120)
+        for n, response in enumerate(call):
+            outputs[i] += response.token_ids
+            reasons[i] = response.finish_reason
+            if n == 0:
+                started.wait(60)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(NUM_REQUESTS)]
+    for t in threads:
+        t.start()
+    started.wait(60)
+    services.kill(victim)
+    before_kill = sum(map(len, outputs))
+    for t in threads:
+        t.join(120)
+    info = client.info()
+    client.close()
+    return prompts, outputs, reasons, before_kill, info
+
+
+@pytest.mark.parametrize(
+    ("victim", "num_targets"), [("draft", 1), ("target0", 2)], ids=["draft", "target-replica"]
+)
+def test_killing_a_service_mid_generation_loses_nothing(
+    tmp_path: Path, tiny_dir: Path, oracle, victim: str, num_targets: int
+) -> None:
+    services, router = start_cluster(tmp_path, tiny_dir, num_targets)
+    try:
+        prompts, outputs, reasons, before_kill, info = stream_through_fault(
+            router, services, victim
+        )
+        assert before_kill < NUM_REQUESTS * MAX_NEW  # the kill landed mid-generation
+        for prompt, out, reason in zip(prompts, outputs, reasons, strict=True):
+            assert out == oracle(tiny_dir / "target", prompt, MAX_NEW) and reason == "length"
+        assert info.num_target_replicas == 1
+        assert info.num_draft_replicas == (0 if victim == "draft" else 1)
+    finally:
+        services.stop()

@@ -1,0 +1,458 @@
+"""The three gRPC services in one process: real `grpc.aio` servers on loopback, run by a
+background event loop; the tests talk to them through `GenerationClient` and raw stubs.
+
+Greedy output through the router equals transformers' (EAGLE-3, an oracle draft that makes
+verify accept several tokens, and without speculation); 32 concurrent streams; a cancelled
+stream frees its KV in both services; every bad input gets its precise status while the
+services keep serving; a restarted draft is used again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from specmesh.client import GenerationClient
+from specmesh.draft_service import server as draft_server
+from specmesh.draft_service.drafter import SpecParams
+from specmesh.draft_service.runtime import DraftConfig, DraftRuntime, load_draft
+from specmesh.router.core import RouterConfig
+from specmesh.router.server import RouterService, RouterSettings
+from specmesh.router.service_common import check_health, start_model
+from specmesh.runtime.codec import split_hidden_states
+from specmesh.runtime.models.causal_lm import AuxLayers
+from specmesh.runtime.sampling import SamplingParams
+from specmesh.runtime.tree import Tree
+from specmesh.target_service import server as target_server
+from specmesh.target_service.runtime import TargetConfig, TargetRuntime
+from specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+
+SPEC = SpecParams(3, 2, 6)
+PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [40, 41, 42, 43, 44, 45, 46, 47, 48], [90]]
+CODE = grpc.StatusCode
+
+
+class LoopThread:
+    """An event loop in a daemon thread: the servers live there, the tests stay synchronous."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+
+    def run(self, coro, timeout: float = 60.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+async def serve_target(runtime: TargetRuntime) -> target_server.TargetServicer:
+    servicer = target_server.make_servicer("127.0.0.1:0", 64 << 20)
+    add = target_pb2_grpc.add_TargetServicer_to_server
+    await start_model(servicer, add, runtime, target_server.warm_up)
+    return servicer
+
+
+async def serve_draft(runtime: DraftRuntime, port: int = 0) -> draft_server.DraftServicer:
+    servicer = draft_server.make_servicer(f"127.0.0.1:{port}", 64 << 20)
+    await start_model(servicer, draft_pb2_grpc.add_DraftServicer_to_server, runtime)
+    return servicer
+
+
+async def serve_router(target, draft=None, **core) -> RouterService:
+    addr = lambda s: (f"127.0.0.1:{s.host.port}",) if s is not None else ()
+    cfg = RouterConfig(**{"draft_cooldown_s": 0.2, **core})
+    service = RouterService(RouterSettings(addr(target), addr(draft), "127.0.0.1:0", cfg))
+    await service.start()
+    return service
+
+
+def count_batches(servicer) -> dict:
+    """Count the Step batches a servicer runs (wraps its hook on the instance)."""
+    counter, inner = {"batches": 0}, servicer.run_batch
+
+    def run_batch(*args):
+        counter["batches"] += 1
+        return inner(*args)
+
+    servicer.run_batch = run_batch
+    return counter
+
+
+class OracleDrafter:
+    """Proposes the true greedy continuation beside a wrong sibling, so verify accepts several
+    tokens per round; checks that the features the target sent match the extended rows."""
+
+    feature = "aux"
+
+    def __init__(self, sequences: list[list[int]], num_layers: int, width: int) -> None:
+        self.sequences, self.width = sequences, width
+        self.aux_layers = AuxLayers.default(num_layers)
+        self.spec = SPEC
+        self.history: dict[str, list[int]] = {}
+
+    def extend(self, inputs) -> None:
+        for inp in inputs:
+            assert tuple(inp.features.shape) == (len(inp.committed_ids), self.width)
+            self.history.setdefault(inp.rid, []).extend(inp.committed_ids)
+
+    def propose(self, rids: list[str], roots: list[int]) -> list[Tree]:
+        trees = []
+        for rid, root in zip(rids, roots, strict=True):
+            h = self.history[rid]
+            ctx = [*h[1:], root]  # h[0] is not on the wire (the rotation drops it)
+            seq = next((s for s in self.sequences if s[1 : len(ctx) + 1] == ctx), [])
+            cont = seq[len(h) + 1 : len(h) + 4]
+            wrong = [(cont[0] + 1) % 320] if cont else []
+            parents = [-1, *range(len(cont)), *[0] * len(wrong)]
+            trees.append(Tree.from_parents([root, *cont, *wrong], parents))
+        return trees
+
+    def release(self, rid: str) -> None:
+        self.history.pop(rid)
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_dir: Path, oracle):
+    target_dir, draft_dir = str(tiny_dir / "target"), str(tiny_dir / "draft")
+    loop = LoopThread()
+    target = loop.run(serve_target(TargetRuntime(TargetConfig(target_dir))))
+    eagle3 = load_draft(DraftConfig("eagle3", draft_dir, target_dir, SPEC))
+    draft = loop.run(serve_draft(eagle3))
+    router = loop.run(serve_router(target, draft))
+    client = GenerationClient(f"127.0.0.1:{router.port}")
+    s = SimpleNamespace(loop=loop, target=target, draft=draft, router=router, client=client)
+    s.dirs = SimpleNamespace(target=target_dir, draft=draft_dir)
+    s.expected = lambda prompt, n: oracle(target_dir, prompt, n)
+    yield s
+    client.close()
+    loop.run(router.stop(0.5))
+    for servicer in (target, draft):
+        loop.run(servicer.host.shutdown(0.5))
+    loop.close()
+
+
+def collect(responses) -> tuple[list[int], str, object]:
+    ids, text, last = [], "", None
+    for r in responses:
+        ids += r.token_ids
+        text += r.text
+        last = r
+    return ids, text, last
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, ignore_eos=True)
+
+
+def wait_until(predicate, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+# -- correctness -------------------------------------------------------------------------------
+@pytest.mark.parametrize("speculate", [True, False], ids=["eagle3", "disable_speculation"])
+def test_greedy_through_router_matches_transformers(stack, speculate: bool) -> None:
+    drafted = count_batches(stack.draft)
+    for prompt, n in zip(PROMPTS, [14, 9, 11, 20], strict=True):
+        call = stack.client.generate(
+            prompt_token_ids=prompt, sampling=greedy(n), disable_speculation=not speculate
+        )
+        ids, _, last = collect(call)
+        assert ids == stack.expected(prompt, n)
+        assert last.finish_reason == "length" and last.stats.completion_tokens == n
+        accept_lens = list(last.stats.accept_lens)
+        assert last.stats.num_rounds == len(accept_lens) and sum(accept_lens) >= n - 1
+        if not speculate:
+            assert accept_lens == [1] * (n - 1)  # one token per round after the prefill's
+    assert (drafted["batches"] > 0) == speculate
+
+
+def test_text_prompt_is_tokenized_and_detokenized(stack) -> None:
+    from specmesh.runtime.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(stack.dirs.target)
+    prompt = "def add(a, b):"
+    ids, text, last = collect(stack.client.generate(prompt, sampling=greedy(12)))
+    prompt_ids = tok.encode(prompt, add_special_tokens=True)
+    assert ids == stack.expected(prompt_ids, 12)
+    assert last.stats.prompt_tokens == len(prompt_ids)
+    assert text == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_oracle_draft_accepts_several_tokens_per_round(stack) -> None:
+    """Multi-token acceptance moves several feature rows per request through both services."""
+    sequences = [p + stack.expected(p, 24) for p in PROMPTS]
+    target_rt = stack.target.runtime
+    mc = target_rt.model_config
+    drafter = OracleDrafter(sequences, mc.num_layers, 3 * mc.hidden_size)
+    runtime = DraftRuntime(DraftConfig("eagle3", None, stack.dirs.target, SPEC), drafter)
+    draft = stack.loop.run(serve_draft(runtime))
+    router = stack.loop.run(serve_router(stack.target, draft))
+    try:
+        with GenerationClient(f"127.0.0.1:{router.port}") as client:
+            calls = [client.generate(prompt_token_ids=p, sampling=greedy(20)) for p in PROMPTS]
+            for prompt, seq, call in zip(PROMPTS, sequences, calls, strict=True):
+                ids, _, last = collect(call)
+                assert ids == seq[len(prompt) : len(prompt) + 20]
+                assert max(last.stats.accept_lens) == 4 and last.stats.mean_accept_len > 2
+    finally:
+        stack.loop.run(router.stop(0.5))
+        stack.loop.run(draft.host.shutdown(0.5))
+
+
+def test_32_concurrent_streams_are_all_correct(stack) -> None:
+    prompts = [[(7 * i + j) % 300 + 3 for j in range(2 + i % 7)] for i in range(32)]
+    lengths = [4 + i % 9 for i in range(32)]
+    results: list = [None] * 32
+
+    def run(i: int) -> None:
+        call = stack.client.generate(prompt_token_ids=prompts[i], sampling=greedy(lengths[i]))
+        results[i] = collect(call)[0]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for prompt, n, ids in zip(prompts, lengths, results, strict=True):
+        assert ids == stack.expected(prompt, n)
+
+
+def test_cancelled_stream_frees_kv_in_both_services(stack) -> None:
+    call = stack.client.generate(prompt_token_ids=[5, 6, 7], sampling=greedy(400))
+    stream = iter(call)
+    next(stream), next(stream)
+    assert stack.target.runtime.cache.requests  # held while streaming
+    call.cancel()
+    target_cache, draft_cache = stack.target.runtime.cache, stack.draft.runtime.drafter.cache
+    assert wait_until(lambda: not target_cache.requests and not draft_cache.requests)
+    assert not stack.target.sessions and not stack.draft.positions
+    assert not stack.router.core.requests
+
+
+# -- statuses ----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("kwargs", "code"),
+    [
+        ({}, CODE.INVALID_ARGUMENT),  # neither prompt nor ids
+        ({"prompt": "x", "prompt_token_ids": [5]}, CODE.INVALID_ARGUMENT),
+        ({"prompt_token_ids": [5, 320]}, CODE.INVALID_ARGUMENT),  # out of vocabulary
+        ({"prompt_token_ids": [5] * 5000}, CODE.INVALID_ARGUMENT),  # over max_context
+        (
+            {"prompt_token_ids": [5], "sampling": SamplingParams(temperature=-1.0)},
+            CODE.INVALID_ARGUMENT,
+        ),
+        ({"prompt_token_ids": [5], "sampling": SamplingParams(top_p=1.5)}, CODE.INVALID_ARGUMENT),
+        (
+            {"prompt_token_ids": [5], "sampling": SamplingParams(max_new_tokens=5000)},
+            CODE.INVALID_ARGUMENT,
+        ),
+        ({"prompt_token_ids": [5], "images": [b"\x89PNG"]}, CODE.INVALID_ARGUMENT),
+    ],
+    ids=[
+        "no-prompt",
+        "both-prompts",
+        "oov",
+        "too-long",
+        "temperature",
+        "top-p",
+        "max-new",
+        "images",
+    ],
+)
+def test_bad_public_requests_get_their_status(stack, kwargs: dict, code) -> None:
+    with pytest.raises(grpc.RpcError) as e:
+        collect(stack.client.generate(**kwargs))
+    assert e.value.code() == code, e.value.details()
+    assert collect(stack.client.generate(prompt_token_ids=[5, 6], sampling=greedy(3)))[0]
+
+
+def test_bad_top_k_on_the_wire(stack) -> None:
+    from specmesh.v1 import generation_pb2
+
+    with pytest.raises(grpc.RpcError) as e:
+        collect(
+            stack.client.generate(
+                prompt_token_ids=[5], sampling=generation_pb2.SamplingParams(top_k=-2)
+            )
+        )
+    assert e.value.code() == CODE.INVALID_ARGUMENT and "top_k" in e.value.details()
+
+
+def test_duplicate_request_id_is_already_exists(stack) -> None:
+    first = stack.client.generate(prompt_token_ids=[5, 6], sampling=greedy(400), request_id="dup")
+    next(iter(first))
+    with pytest.raises(grpc.RpcError) as e:
+        collect(stack.client.generate(prompt_token_ids=[5], request_id="dup"))
+    assert e.value.code() == CODE.ALREADY_EXISTS
+    first.cancel()
+
+
+def _prefill(rid: str, ids: list[int]) -> target_pb2.TargetStepRequest:
+    req = target_pb2.PrefillRequest(request_id=rid, input_ids=ids)
+    req.sampling.max_new_tokens = 4
+    return target_pb2.TargetStepRequest(prefill=target_pb2.PrefillBatch(requests=[req]))
+
+
+def _verify(rid: str, tokens: list[int]) -> target_pb2.TargetStepRequest:
+    tree = {"tokens": tokens, "parents": list(range(-1, len(tokens) - 1))}
+    batch = target_pb2.VerifyBatch(requests=[target_pb2.VerifyRequest(request_id=rid, tree=tree)])
+    return target_pb2.TargetStepRequest(verify=batch)
+
+
+def test_target_step_statuses_keep_the_stream_alive(stack) -> None:
+    batches = [
+        _verify("ghost", [5]),  # unknown id
+        _prefill("a", [5, 6, 7]),
+        _prefill("a", [5, 6]),  # duplicate
+        _prefill("b", [5, 999]),  # out of vocabulary
+        _prefill("c", []),  # empty
+        target_pb2.TargetStepRequest(),  # no work
+        _verify("a", [5, 6]),  # root is not the pending token
+        _prefill("d", [9, 10]),  # still serving
+    ]
+    for i, b in enumerate(batches):
+        b.batch_id = i + 1
+    with grpc.insecure_channel(f"127.0.0.1:{stack.target.host.port}") as channel:
+        stub = target_pb2_grpc.TargetStub(channel)
+        out = list(stub.Step(iter(batches), timeout=30))
+        assert [o.batch_id for o in out] == [b.batch_id for b in batches]
+        codes = [o.status.code or o.results[0].status.code for o in out]
+        assert codes == [5, 0, 6, 3, 3, 3, 3, 0]
+        assert "pending token" in out[6].results[0].status.message
+        assert out[7].results[0].token_ids and list(out[7].states.row_counts) == [2]
+        # a broken framing ends that stream only
+        bad = target_pb2.TargetStepRequest(batch_id=9, chunk_index=1)
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Step(iter([bad]), timeout=10))
+        assert e.value.code() == CODE.INVALID_ARGUMENT and "chunk 1" in e.value.details()
+        rel = stub.Release(common_pb2.ReleaseRequest(request_ids=["d", "a", "ghost"]), timeout=10)
+        assert rel.num_released == 1 and list(rel.unknown_request_ids) == ["a", "ghost"]
+    assert not stack.target.runtime.cache.requests
+
+
+def _extend(rid: str, ids: list[int], width: int, *, start: bool = True, position: int = 0):
+    import torch
+
+    feats = torch.randn(len(ids), width)
+    states = split_hidden_states([len(ids)], {"aux_hidden": feats})[0]
+    req = draft_pb2.ExtendRequest(
+        request_id=rid, token_ids=ids, starts_request=start, start_position=position
+    )
+    batch = draft_pb2.ExtendBatch(requests=[req], states=states, propose_after=True)
+    return draft_pb2.DraftStepRequest(extend=batch)
+
+
+def test_draft_step_statuses_and_malformed_tensors(stack) -> None:
+    mc = stack.target.runtime.model_config
+    width = 3 * mc.hidden_size
+    short, bad_dtype, bad_rank = (_extend("m", [5, 6], width) for _ in range(3))
+    short.extend.states.aux_hidden.data = short.extend.states.aux_hidden.data[:-4]
+    bad_dtype.extend.states.aux_hidden.dtype = "fp8"
+    del bad_rank.extend.states.aux_hidden.shape[:]
+    bad_rank.extend.states.aux_hidden.shape.extend([2, 3, mc.hidden_size])
+    propose = draft_pb2.ProposeBatch(requests=[draft_pb2.ProposeRequest(request_id="ghost")])
+    batches = [
+        short,
+        bad_dtype,
+        bad_rank,
+        draft_pb2.DraftStepRequest(propose=propose),  # unknown id
+        _extend("ghost", [5], width, start=False, position=3),  # unknown id
+        _extend("x", [5, 6, 7], width),  # good: extends and proposes
+        _extend("x", [8], width),  # starts a request it holds
+        _extend("x", [8], width, start=False, position=1),  # wrong start_position
+        _extend("x", [8, 9], width, start=False, position=3),  # good
+    ]
+    for i, b in enumerate(batches):
+        b.batch_id = i + 1
+    with grpc.insecure_channel(f"127.0.0.1:{stack.draft.host.port}") as channel:
+        stub = draft_pb2_grpc.DraftStub(channel)
+        out = list(stub.Step(iter(batches), timeout=30))
+        codes = [o.status.code or o.results[0].status.code for o in out]
+        assert codes == [3, 3, 3, 5, 5, 0, 6, 9, 0]
+        assert "bytes but shape" in out[0].status.message
+        assert "unknown dtype 'fp8'" in out[1].status.message
+        assert "expected [rows, 192]" in out[2].status.message
+        assert out[5].results[0].tree.tokens[0] == 7 and out[5].results[0].committed_len == 3
+        assert out[8].results[0].committed_len == 5
+        stub.Release(common_pb2.ReleaseRequest(request_ids=["x"]), timeout=10)
+    assert not stack.draft.runtime.drafter.cache.requests and not stack.draft.positions
+
+
+def test_full_kv_cache_is_resource_exhausted(stack) -> None:
+    small = TargetRuntime(TargetConfig(stack.dirs.target, num_kv_slots=16, max_context=64))
+    target = stack.loop.run(serve_target(small))
+    router = stack.loop.run(serve_router(target))
+    try:
+        with GenerationClient(f"127.0.0.1:{router.port}") as client:
+            with pytest.raises(grpc.RpcError) as e:
+                collect(client.generate(prompt_token_ids=list(range(5, 25)), sampling=greedy(4)))
+            assert e.value.code() == CODE.RESOURCE_EXHAUSTED, e.value.details()
+            ids = collect(client.generate(prompt_token_ids=[5, 6, 7], sampling=greedy(6)))[0]
+            assert ids == stack.expected([5, 6, 7], 6)
+    finally:
+        stack.loop.run(router.stop(0.5))
+        stack.loop.run(target.host.shutdown(0.5))
+
+
+# -- health, reflection, restarts ----------------------------------------------------------------
+def test_health_reflection_and_info(stack) -> None:
+    services = {
+        stack.target.host.port: "specmesh.v1.Target",
+        stack.draft.host.port: "specmesh.v1.Draft",
+        stack.router.port: "specmesh.v1.Generation",
+    }
+    for port, name in services.items():
+        assert check_health(f"127.0.0.1:{port}", "") and check_health(f"127.0.0.1:{port}", name)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+            reply = next(
+                stub.ServerReflectionInfo(
+                    iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+                )
+            )
+            listed = {s.name for s in reply.list_services_response.service}
+            assert {name, "grpc.health.v1.Health"} <= listed
+            status = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=name)
+            )
+            assert status.status == health_pb2.HealthCheckResponse.SERVING
+    info = stack.client.info()
+    assert (info.vocab_size, info.draft_kind, info.num_draft_tokens) == (320, "eagle3", 6)
+    assert info.num_target_replicas == 1 and info.num_draft_replicas == 1
+
+
+def test_restarted_draft_is_used_again(stack) -> None:
+    eagle3 = load_draft(DraftConfig("eagle3", stack.dirs.draft, stack.dirs.target, SPEC))
+    draft = stack.loop.run(serve_draft(eagle3))
+    port = draft.host.port
+    router = stack.loop.run(serve_router(stack.target, draft))
+    try:
+        with GenerationClient(f"127.0.0.1:{router.port}") as client:
+            run = lambda: collect(client.generate(prompt_token_ids=[5, 6, 7], sampling=greedy(8)))[
+                0
+            ]
+            stack.loop.run(draft.host.shutdown(0.2))  # SIGTERM path: NOT_SERVING, drain, stop
+            assert not check_health(f"127.0.0.1:{port}", "specmesh.v1.Draft", timeout_s=1.0)
+            assert run() == stack.expected([5, 6, 7], 8)  # the draft is down: no speculation
+            again = stack.loop.run(serve_draft(eagle3, port))
+            drafted = count_batches(again)
+            time.sleep(0.3)  # the circuit breaker's cooldown
+            assert run() == stack.expected([5, 6, 7], 8)
+            assert drafted["batches"] > 0  # a new request speculates with the new draft
+            stack.loop.run(again.host.shutdown(0.2))
+    finally:
+        stack.loop.run(router.stop(0.5))
