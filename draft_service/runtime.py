@@ -7,6 +7,7 @@ with the target's tokenizer) and ``ngram`` (prompt lookup, no model).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -25,7 +26,8 @@ class Drafter(Protocol):
     feature: str
     spec: SpecParams
 
-    def extend(self, inputs: list[ExtendInput]) -> None: ...
+    def extend(self, inputs: list[ExtendInput]) -> None:
+        """Validate every input, then forward them as one batch (state changes only after)."""
     def propose(self, rids: list[str], roots: list[int]) -> list[Tree]: ...
     def release(self, rid: str) -> None: ...
 
@@ -70,17 +72,31 @@ class DraftRuntime:
         from specmesh.router.clients import DraftStepResult
 
         result = DraftStepResult()
+        good = list(extends)
+        try:
+            self.drafter.extend(good)  # the batched fast path
+        except SpecmeshError:
+            good = self._extend_one_by_one(extends, result.errors)
+        if propose and good:
+            trees = self.drafter.propose([i.rid for i in good], [i.next_token for i in good])
+            result.trees = {i.rid: t for i, t in zip(good, trees, strict=True)}
+        return result
+
+    def _extend_one_by_one(self, extends: list[ExtendInput], errors: dict) -> list[ExtendInput]:
+        """Isolate the bad requests of a failed batch. Drafters validate before they forward, so
+        a failed batch changed nothing but the rows it added for new requests: drop those."""
+        for inp in extends:
+            if inp.new:
+                with contextlib.suppress(KeyError):
+                    self.drafter.release(inp.rid)
         good = []
         for inp in extends:
             try:
                 self.drafter.extend([inp])
                 good.append(inp)
             except SpecmeshError as e:
-                result.errors[inp.rid] = e
-        if propose and good:
-            trees = self.drafter.propose([i.rid for i in good], [i.next_token for i in good])
-            result.trees = {i.rid: t for i, t in zip(good, trees, strict=True)}
-        return result
+                errors[inp.rid] = e
+        return good
 
     def release(self, rid: str) -> None:
         self.drafter.release(rid)
