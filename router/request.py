@@ -120,5 +120,7 @@ class Request:
 
     def context_ids(self) -> list[int]:
         """Prompt plus every emitted token: what a replica prefills to rebuild this request (its
-        first sampled token is then the next token to emit, at offset ``num_generated``)."""
+        first sampled token is then the next token to emit, at offset ``num_generated``).
+        Image placeholders stay unexpanded (one per image): a replay re-sends ``images`` and the
+        target expands them again, deterministically (`specmesh.target_service.multimodal`)."""
         return self.prompt_ids + self.output_ids

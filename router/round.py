@@ -11,6 +11,7 @@ times each; tokens already streamed are never emitted again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import defaultdict
 from typing import TYPE_CHECKING
@@ -48,7 +49,10 @@ class RoundRunner:
         ]
         out = await self._call_target(reqs, reqs[0].target.prefill(inputs))
         if out is not None:
-            await self._advance(reqs, out, committed=lambda r: r.context_ids(), new=True)
+            # A multimodal prompt ran with its image placeholders expanded: the draft's rows
+            # follow the expanded ids (the request keeps its original prompt for replays).
+            committed = lambda r: out.prompt_ids.get(r.rid) or r.context_ids()
+            await self._advance(reqs, out, committed=committed, new=True)
 
     async def _verify_group(self, reqs: list[Request]) -> None:
         inputs = [
@@ -78,6 +82,9 @@ class RoundRunner:
                     )
                     await self.core.finish(r)
                 else:
+                    if r.draft is not None:  # the replay starts the draft afresh
+                        with contextlib.suppress(Exception):
+                            await r.draft.release([r.rid])
                     self.core.requeue(r)
             return None
         except SpecmeshError as e:

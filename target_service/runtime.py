@@ -28,6 +28,8 @@ from specmesh.runtime.model_runner import BatchItem, run_batch
 from specmesh.runtime.models.causal_lm import AuxLayers, CausalLM, ModelOutput, load_causal_lm
 from specmesh.runtime.sampling import SamplingParams, processed_probs, sample_tokens, uniforms
 from specmesh.runtime.tree import Tree
+from specmesh.target_service.llava import ImageEncoder, is_llava_checkpoint, load_llava
+from specmesh.target_service.multimodal import merge_images
 
 FEATURES = ("none", "aux", "hidden", "hidden_pre_norm")
 
@@ -72,6 +74,9 @@ class StepOutput:
     tokens: dict[str, list[int]] = field(default_factory=dict)
     features: torch.Tensor | None = None  # [sum row_counts, feature_dim]
     mm_input_embeds: torch.Tensor | None = None  # [sum row_counts, hidden], prefill only
+    # Prefill of a multimodal request: the ids actually run (image placeholders expanded), set
+    # only where expansion changed them. Row counts and the draft's committed ids follow these.
+    prompt_ids: dict[str, list[int]] = field(default_factory=dict)
     row_counts: dict[str, int] = field(default_factory=dict)
     errors: dict[str, SpecmeshError] = field(default_factory=dict)
 
@@ -84,6 +89,9 @@ class TargetRuntime:
             if cfg.dtype is None
             else {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.dtype]
         )
+        self.mm: ImageEncoder | None = None  # vision tower + projector of a LLaVA target
+        if model is None and is_llava_checkpoint(cfg.model_dir):
+            model, self.mm = load_llava(cfg.model_dir, dtype=dtype, device=cfg.device)
         self.model = model or load_causal_lm(cfg.model_dir, dtype=dtype, device=cfg.device)
         mc = self.model.config
         self.model_config = mc
@@ -135,9 +143,10 @@ class TargetRuntime:
 
     # -- prefill -------------------------------------------------------------------------------
     def prefill(self, inputs: list[PrefillInput]) -> StepOutput:
-        out = StepOutput()
+        merged = merge_images(inputs, self.mm, self.model.embed, self.cfg.model_dir)
+        out = StepOutput(errors=merged.errors)
         ok: list[PrefillInput] = []
-        for inp in inputs:
+        for inp in merged.inputs:
             try:
                 self._admit(inp, {i.rid: len(i.input_ids) for i in ok})
                 ok.append(inp)
@@ -154,6 +163,8 @@ class TargetRuntime:
             self.pending[inp.rid] = tok
             out.tokens[inp.rid] = [tok]
             out.row_counts[inp.rid] = len(inp.input_ids)
+            if inp.rid in merged.prompt_ids:
+                out.prompt_ids[inp.rid] = inp.input_ids
         out.features = self._features(outputs)
         out.mm_input_embeds = outputs.mm_input_embeds
         return out

@@ -268,7 +268,7 @@ def test_llava_tensor_layouts_load_the_same_model(
 
     from safetensors.torch import load_file, save_file
 
-    from specmesh.target_service.llava import language_model_tensors
+    from specmesh.target_service.llava import language_model_tensors, target_model_config
 
     src = llava / "target"
     shutil.copytree(src, tmp_path / "ckpt")
@@ -286,5 +286,6 @@ def test_llava_tensor_layouts_load_the_same_model(
     target.release("w")
     assert got.tokens["g"] == want.tokens["w"]
     torch.testing.assert_close(got.mm_input_embeds, want.mm_input_embeds)
+    assert target_model_config(tmp_path / "ckpt") == target.model_config
     embed = language_model_tensors(tmp_path / "ckpt", ["model.embed_tokens.weight"])
     torch.testing.assert_close(embed["model.embed_tokens.weight"], target.model.embed_tokens.weight)

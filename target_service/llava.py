@@ -1,0 +1,199 @@
+"""LLaVA-style targets (`LlavaForConditionalGeneration`, llava-hf layout): the language model on
+specmesh's own runtime and KV cache, the vision tower and projector from transformers.
+
+    image bytes ─► processor (the checkpoint's own files, PIL backend) ─► pixel_values [n, 3, H, W]
+    pixel_values ─► vision tower ─► hidden_states[vision_feature_layer] (drop CLS if "default")
+                 ─► multi-modal projector ─► features [n, tokens_per_image, H]
+
+Tensor names differ by the transformers version that wrote the checkpoint; all of these load:
+
+    language model   model.language_model.*  |  language_model.model.*   →  model.*
+    LM head          lm_head.weight          |  language_model.lm_head.weight
+    vision tower     model.vision_tower.*    |  vision_tower.*  (optionally + vision_model.*)
+    projector        model.multi_modal_projector.*  |  multi_modal_projector.*
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from specmesh.runtime.config import (
+    CheckpointError,
+    ModelConfig,
+    load_model_config,
+    read_config_json,
+)
+from specmesh.runtime.errors import SpecmeshError
+from specmesh.runtime.loader import assign_parameters, load_tensors
+from specmesh.runtime.models.causal_lm import CausalLM
+from specmesh.runtime.models.layers import Rotary
+
+LLAVA_ARCHITECTURES = ("LlavaForConditionalGeneration",)
+_TEXT_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+_PREFIXES = {  # checkpoint prefix → (part, prefix inside the part)
+    "model.language_model.": ("lm", "model."),
+    "language_model.model.": ("lm", "model."),
+    "language_model.lm_head.": ("lm", "lm_head."),
+    "lm_head.": ("lm", "lm_head."),
+    "model.vision_tower.": ("vision", ""),
+    "vision_tower.": ("vision", ""),
+    "model.multi_modal_projector.": ("projector", ""),
+    "multi_modal_projector.": ("projector", ""),
+}
+
+
+def is_llava_checkpoint(model_dir: str | Path) -> bool:
+    raw = read_config_json(model_dir)
+    return (raw.get("architectures") or [""])[0] in LLAVA_ARCHITECTURES
+
+
+def split_llava_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """Group a LLaVA checkpoint's tensors into ``lm`` (CausalLM names), ``vision``, ``projector``."""
+    parts: dict[str, dict[str, torch.Tensor]] = {"lm": {}, "vision": {}, "projector": {}}
+    for name, t in tensors.items():
+        prefix = next((p for p in _PREFIXES if name.startswith(p)), None)
+        if prefix is None:
+            raise CheckpointError(f"LLaVA checkpoint has an unexpected tensor {name!r}")
+        part, inner = _PREFIXES[prefix]
+        parts[part][inner + name[len(prefix) :]] = t
+    return parts
+
+
+def language_model_tensors(model_dir: str | Path, names: list[str]) -> dict[str, torch.Tensor]:
+    """``names`` (CausalLM names, e.g. ``model.embed_tokens.weight``) from a plain or a LLaVA
+    checkpoint, loading only those tensors: what an out-of-process draft needs of its target."""
+    if not is_llava_checkpoint(model_dir):
+        return load_tensors(model_dir, names)
+    candidates = {  # checkpoint name → CausalLM name
+        prefix + name[len(inner) :]: name
+        for name in names
+        for prefix, (part, inner) in _PREFIXES.items()
+        if part == "lm" and name.startswith(inner)
+    }
+    return {candidates[k]: t for k, t in load_tensors(model_dir, candidates).items()}
+
+
+def target_model_config(model_dir: str | Path) -> ModelConfig:
+    """The (language) model config of a plain or a LLaVA target checkpoint."""
+    if not is_llava_checkpoint(model_dir):
+        return load_model_config(model_dir)
+    return text_model_config(read_config_json(model_dir), model_dir)
+
+
+def text_model_config(raw: dict[str, Any], model_dir: str | Path) -> ModelConfig:
+    """The language model's `ModelConfig` from a LLaVA ``config.json`` (``text_config`` plus the
+    top-level dtype / token ids / tying it inherits)."""
+    text = dict(raw.get("text_config") or {})
+    kind = text.get("model_type", "llama")
+    if kind not in _TEXT_ARCHITECTURES:
+        raise CheckpointError(
+            f"{model_dir}: LLaVA text model type {kind!r} is not supported; "
+            f"supported: {', '.join(_TEXT_ARCHITECTURES)}"
+        )
+    text["architectures"] = [_TEXT_ARCHITECTURES[kind]]
+    for key in ("dtype", "torch_dtype", "eos_token_id", "bos_token_id", "tie_word_embeddings"):
+        if text.get(key) is None and raw.get(key) is not None:
+            text[key] = raw[key]
+    gen = Path(model_dir) / "generation_config.json"
+    if text.get("eos_token_id") is None and gen.is_file():
+        text["eos_token_id"] = json.loads(gen.read_text()).get("eos_token_id")
+    return ModelConfig.from_dict(text)
+
+
+class ImageEncoder(nn.Module):
+    """Vision tower + projector + the checkpoint's processor: images → placeholder features."""
+
+    def __init__(self, hf_config: Any, processor: Any) -> None:
+        from transformers import AutoModel
+        from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
+
+        super().__init__()
+        self.vision_tower = AutoModel.from_config(hf_config.vision_config)
+        self.multi_modal_projector = LlavaMultiModalProjector(hf_config)
+        self.processor = processor
+        token_id = getattr(hf_config, "image_token_id", None)
+        self.image_token_id = int(token_id if token_id is not None else hf_config.image_token_index)
+        self.image_token = getattr(processor, "image_token", "<image>")
+        self.feature_layer = hf_config.vision_feature_layer  # int or list of ints
+        self.select_strategy = hf_config.vision_feature_select_strategy
+        self.tokens_per_image = self._tokens_per_image()
+
+    def _tokens_per_image(self) -> int:
+        """Placeholders per image, as the checkpoint's processor expands them."""
+        p, vision = self.processor, self.vision_tower.config
+        patch = p.patch_size or vision.patch_size
+        n = (vision.image_size // patch) ** 2 + (p.num_additional_image_tokens or 0)
+        return n - 1 if self.select_strategy == "default" else n
+
+    @torch.inference_mode()
+    def encode(self, images: list[Any]) -> torch.Tensor:
+        """PIL images → ``[n, tokens_per_image, hidden]`` features in the model's dtype."""
+        weight = self.multi_modal_projector.linear_1.weight
+        pixels = self.processor.image_processor(images=images, return_tensors="pt")["pixel_values"]
+        out = self.vision_tower(pixels.to(weight.device, weight.dtype), output_hidden_states=True)
+        layers = [self.feature_layer] if isinstance(self.feature_layer, int) else self.feature_layer
+        states = [out.hidden_states[i] for i in layers]
+        if self.select_strategy == "default":
+            states = [s[:, 1:] for s in states]  # drop the CLS position
+        features = self.multi_modal_projector(torch.cat(states, -1))  # [n, tokens, H]
+        if features.shape[1] != self.tokens_per_image:
+            raise SpecmeshError(
+                f"the vision tower yields {features.shape[1]} features per image but the "
+                f"checkpoint's processor expands {self.tokens_per_image} placeholders"
+            )
+        return features
+
+
+def load_llava(
+    model_dir: str | Path, *, dtype: torch.dtype | None = None, device: str = "cpu"
+) -> tuple[CausalLM, ImageEncoder]:
+    """The language model (specmesh runtime) and the image encoder of a LLaVA checkpoint."""
+    from transformers import AutoConfig, AutoProcessor
+
+    raw = read_config_json(model_dir)
+    cfg = text_model_config(raw, model_dir)
+    if dtype is not None:
+        cfg = replace(cfg, dtype=dtype)
+    parts = split_llava_tensors(load_tensors(model_dir))
+    lm = _language_model(cfg, parts["lm"], device, what=f"{model_dir} (language model)")
+    try:  # PIL backend: deterministic, and no torchvision needed
+        processor = AutoProcessor.from_pretrained(
+            str(model_dir), local_files_only=True, backend="pil"
+        )
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{model_dir}: cannot load the image processor: {e}") from e
+    encoder = ImageEncoder(
+        AutoConfig.from_pretrained(str(model_dir), local_files_only=True), processor
+    )
+    vision = parts["vision"]
+    if not any(k.startswith("vision_model.") for k in encoder.vision_tower.state_dict()):
+        vision = {k.removeprefix("vision_model."): v for k, v in vision.items()}
+    assign_parameters(encoder.vision_tower, vision, what=f"{model_dir} (vision tower)")
+    assign_parameters(
+        encoder.multi_modal_projector, parts["projector"], what=f"{model_dir} (projector)"
+    )
+    encoder = encoder.to(device=device, dtype=cfg.dtype).requires_grad_(False).eval()
+    return lm, encoder
+
+
+def _language_model(
+    cfg: ModelConfig, tensors: dict[str, torch.Tensor], device: str, *, what: str
+) -> CausalLM:
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    model = model.to_empty(device=device).to(cfg.dtype)
+    model.rotary.inv_freq = Rotary(cfg.rope, cfg.head_dim).inv_freq.to(device)
+    if cfg.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    assign_parameters(model, tensors, what=what)
+    return model.requires_grad_(False).eval()
