@@ -20,7 +20,7 @@ from specmesh.draft_service.runtime import DraftRuntime
 from specmesh.router.clients import DraftStepResult
 from specmesh.router.service_common import ModelServicer, ServiceHost, status_pb
 from specmesh.runtime.codec import DTYPE_NAMES, TensorError, join_hidden_states
-from specmesh.runtime.config import load_model_config, parse_dtype
+from specmesh.runtime.config import parse_dtype
 from specmesh.runtime.errors import (
     DuplicateRequestError,
     InvalidRequestError,
@@ -29,6 +29,7 @@ from specmesh.runtime.errors import (
 )
 from specmesh.runtime.models.causal_lm import AuxLayers
 from specmesh.runtime.tree import Tree
+from specmesh.target_service.llava import target_model_config
 from specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name
@@ -54,7 +55,7 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServicer):
         self.positions: dict[str, Position] = {}
 
     async def attach(self, runtime: DraftRuntime, warm_up=None) -> None:
-        target = load_model_config(runtime.cfg.target_dir)
+        target = target_model_config(runtime.cfg.target_dir)  # plain or LLaVA checkpoint
         info = runtime.info()
         self.feature = info.feature
         self.hidden_size, self.bos_token_id = target.hidden_size, target.bos_token_id or 0

@@ -24,7 +24,12 @@ from specmesh.router.clients import DraftClient, TargetClient
 from specmesh.router.faults import CircuitBreaker, ServiceDownError
 from specmesh.router.request import Chunk, Phase, Request
 from specmesh.router.round import RoundRunner
-from specmesh.runtime.errors import InvalidRequestError, KVCacheFullError, SpecmeshError
+from specmesh.runtime.errors import (
+    DuplicateRequestError,
+    InvalidRequestError,
+    KVCacheFullError,
+    SpecmeshError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +97,7 @@ class RouterCore:
             )
         req.params.validate()
         if req.rid in self.requests:
-            raise InvalidRequestError(f"request id {req.rid!r} is already in use")
+            raise DuplicateRequestError(f"request id {req.rid!r} is already in use")
         if self.waiting.qsize() >= self.cfg.max_waiting:
             raise KVCacheFullError(f"{self.waiting.qsize()} requests are waiting; try again later")
 

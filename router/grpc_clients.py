@@ -33,10 +33,21 @@ from specmesh.router.service_common import (
     frame,
     sampling_to_pb,
 )
-from specmesh.runtime.codec import DEFAULT_MAX_MESSAGE_BYTES, join_hidden_states, split_hidden_states
+from specmesh.runtime.codec import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    join_hidden_states,
+    split_hidden_states,
+)
 from specmesh.runtime.tree import Tree
 from specmesh.target_service.runtime import PrefillInput, StepOutput, VerifyInput
-from specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc, generation_pb2, target_pb2, target_pb2_grpc
+from specmesh.v1 import (
+    common_pb2,
+    draft_pb2,
+    draft_pb2_grpc,
+    generation_pb2,
+    target_pb2,
+    target_pb2_grpc,
+)
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +84,8 @@ class StepStream:
             raise self._break(ServiceDownError(f"{self.peer}: stream broken: {e}")) from None
         finally:
             self.pending.pop(batch_id, None)
+            if future.done() and not future.cancelled():
+                future.exception()  # mark retrieved: a failed write already raised the error
 
     def _open(self):
         if self.call is None:
@@ -156,7 +169,9 @@ class _GrpcClient:
 class GrpcTargetClient(_GrpcClient):
     stub_type = target_pb2_grpc.TargetStub
 
-    def __init__(self, address: str, name: str | None = None, step_timeout_s: float = 120.0) -> None:
+    def __init__(
+        self, address: str, name: str | None = None, step_timeout_s: float = 120.0
+    ) -> None:
         super().__init__(address, name, step_timeout_s)
         self.info_pb: target_pb2.TargetInfo | None = None
         self.info: TargetInfo | None = None
@@ -165,7 +180,11 @@ class GrpcTargetClient(_GrpcClient):
     async def connect(self, timeout_s: float = 60.0) -> None:
         self.info_pb = pb = await self.get_info(timeout_s)
         self.info = TargetInfo(
-            pb.model_path, pb.vocab_size, pb.max_context_len, tuple(pb.eos_token_ids), pb.hidden_size
+            pb.model_path,
+            pb.vocab_size,
+            pb.max_context_len,
+            tuple(pb.eos_token_ids),
+            pb.hidden_size,
         )
 
     async def configure(self, draft: DraftInfo | None) -> None:
@@ -195,7 +214,29 @@ class GrpcTargetClient(_GrpcClient):
             ]
         )
         mm = any(i.images for i in inputs)
-        return await self._step(target_pb2.TargetStepRequest(prefill=batch, return_mm_input_embeds=mm))
+        out = await self._step(
+            target_pb2.TargetStepRequest(prefill=batch, return_mm_input_embeds=mm)
+        )
+        for i in inputs:
+            rows = out.row_counts.get(i.rid, len(i.input_ids))
+            if i.images and rows != len(i.input_ids):
+                out.prompt_ids[i.rid] = self._expanded(i, rows)
+        return out
+
+    def _expanded(self, inp: PrefillInput, rows: int) -> list[int]:
+        """The ids the target ran for a multimodal prompt: each image placeholder of the prompt
+        part repeated tokens_per_image times (target_service/multimodal.py), recovered from the
+        row count because TargetResult does not carry them."""
+        image = self.info_pb.image_token_id
+        prompt_len = len(inp.input_ids) - inp.sample_offset
+        num_images = inp.input_ids[:prompt_len].count(image)
+        per_image = 1 + (rows - len(inp.input_ids)) // max(num_images, 1)
+        ids = [
+            t
+            for t0 in inp.input_ids[:prompt_len]
+            for t in ([t0] * per_image if t0 == image else [t0])
+        ]
+        return ids + inp.input_ids[prompt_len:]
 
     async def verify(self, inputs: list[VerifyInput]) -> StepOutput:
         batch = target_pb2.VerifyBatch(
@@ -272,7 +313,9 @@ class GrpcDraftClient(_GrpcClient):
         first = draft_pb2.DraftStepRequest(
             extend=draft_pb2.ExtendBatch(requests=requests, states=states[0], propose_after=propose)
         )
-        rest = [draft_pb2.DraftStepRequest(extend=draft_pb2.ExtendBatch(states=s)) for s in states[1:]]
+        rest = [
+            draft_pb2.DraftStepRequest(extend=draft_pb2.ExtendBatch(states=s)) for s in states[1:]
+        ]
         try:
             chunks = await self.stream.request([first, *rest])
         except ServiceDownError:
@@ -289,7 +332,9 @@ class GrpcDraftClient(_GrpcClient):
                 continue
             self.committed[rid] = result.committed_len
             if result.HasField("tree"):
-                out.trees[rid] = Tree.from_parents(list(result.tree.tokens), list(result.tree.parents))
+                out.trees[rid] = Tree.from_parents(
+                    list(result.tree.tokens), list(result.tree.parents)
+                )
         return out
 
     def _tensors(self, extends: list[ExtendInput]) -> dict[str, torch.Tensor | None]:

@@ -130,9 +130,7 @@ class Reassembler:
 
     def add(self, msg) -> list | None:
         expected = len(self.chunks)
-        if msg.chunk_index != expected or (
-            self.chunks and msg.batch_id != self.chunks[0].batch_id
-        ):
+        if msg.chunk_index != expected or (self.chunks and msg.batch_id != self.chunks[0].batch_id):
             head = self.chunks[0].batch_id if self.chunks else msg.batch_id
             raise FramingError(
                 f"chunk {msg.chunk_index} of batch {msg.batch_id} arrived while chunk "
@@ -233,7 +231,9 @@ class ServiceHost:
     @contextlib.asynccontextmanager
     async def work(self, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
         if self.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.service_name} is shutting down")
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"{self.service_name} is shutting down"
+            )
         self._inflight += 1
         self._idle.clear()
         try:
@@ -331,6 +331,13 @@ class ModelServicer:
                 grpc.StatusCode.UNAVAILABLE, f"{self.host.service_name} is still loading"
             )
         return self.runtime
+
+
+async def start_model(servicer: ModelServicer, add_to_server, runtime, warm_up=None) -> None:
+    """Register, listen, warm up ``runtime`` and turn ready (tests start services this way)."""
+    add_to_server(servicer, servicer.host.server)
+    await servicer.host.start()
+    await servicer.attach(runtime, warm_up)
 
 
 async def serve_model(

@@ -84,6 +84,8 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServicer):
             max_tokens_per_batch=cfg.max_prefill_tokens,
             max_draft_tokens=MAX_DRAFT_TOKENS,
             eos_token_ids=mc.eos_token_ids,
+            supports_images=runtime.mm is not None,
+            image_token_id=runtime.mm.image_token_id if runtime.mm is not None else 0,
             attention_backend=cfg.attention_backend,
             device=cfg.device,
             max_message_bytes=self.host.max_message_bytes,

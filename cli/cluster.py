@@ -1,0 +1,150 @@
+"""``specmesh up``: target(s), draft and router as child processes on this machine.
+
+Each child is ``python -m specmesh <service>`` on a free loopback port. The manager waits until
+every child reports ready through ``grpc.health.v1`` (its service name SERVING), prints one line
+``specmesh router ready on HOST:PORT``, then watches: Ctrl-C or SIGTERM stops every child
+(SIGTERM, a grace period, then SIGKILL), and so does any child exiting on its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+from specmesh.defaults import resolve_models
+
+LOOPBACK = "127.0.0.1"
+SERVICES = {
+    "target": "specmesh.v1.Target",
+    "draft": "specmesh.v1.Draft",
+    "router": "specmesh.v1.Generation",
+}
+
+
+@dataclass
+class Child:
+    kind: str  # "target", "draft" or "router"
+    address: str  # where its health service answers
+    proc: subprocess.Popen
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def run_cluster(args: argparse.Namespace) -> int:
+    models = resolve_models(args.target_model, args.draft_model, args.draft_kind)
+    children: list[Child] = []
+    spawn = functools.partial(_spawn, children, log_level=args.log_level)
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        targets = [
+            spawn("target", ["--model", models.target, *args.service_arg])
+            for _ in range(args.num_targets)
+        ]
+        drafts = []
+        if models.draft_kind is not None:
+            draft_model = ["--model", models.draft] if models.draft else []
+            flags = ["--kind", models.draft_kind, "--target-model", models.target, *draft_model]
+            drafts.append(spawn("draft", [*flags, *args.service_arg]))
+        port = args.port or free_port(args.host)
+        router = ["--target", ",".join(targets), "--draft", ",".join(drafts)]
+        spawn("router", router, host=args.host, port=port)
+        _wait_ready(children, args.ready_timeout)
+        print(f"specmesh router ready on {args.host}:{port}", flush=True)
+        return _watch(children)
+    except KeyboardInterrupt:
+        return 0
+    except (RuntimeError, TimeoutError) as e:
+        print(f"specmesh up: {e}", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the stop
+        _stop_all(children)
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _spawn(
+    children: list[Child],
+    kind: str,
+    flags: list[str],
+    host: str = LOOPBACK,
+    port: int = 0,
+    log_level: str = "WARNING",
+) -> str:
+    port = port or free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "specmesh",
+        "--log-level",
+        log_level,
+        kind,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        *flags,
+    ]
+    children.append(
+        Child(
+            kind, f"{LOOPBACK if host in ('0.0.0.0', '::') else host}:{port}", subprocess.Popen(cmd)
+        )
+    )
+    return f"{LOOPBACK}:{port}"
+
+
+def _wait_ready(children: list[Child], timeout_s: float) -> None:
+    from specmesh.router.service_common import check_health
+
+    deadline = time.monotonic() + timeout_s
+    for child in children:
+        while not check_health(child.address, SERVICES[child.kind], timeout_s=2.0):
+            if child.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{child.kind} exited with code {child.proc.returncode} before it was ready"
+                )
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{child.kind} at {child.address} not ready after {timeout_s:.0f} s"
+                )
+            time.sleep(0.2)
+
+
+def _watch(children: list[Child]) -> int:
+    """Block until a signal (KeyboardInterrupt) or until a child exits on its own."""
+    while True:
+        for child in children:
+            if child.proc.poll() is not None:
+                print(
+                    f"specmesh up: {child.kind} exited with code {child.proc.returncode}; stopping",
+                    file=sys.stderr,
+                )
+                return 1
+        time.sleep(0.5)
+
+
+def _stop_all(children: list[Child], grace_s: float = 15.0) -> None:
+    """SIGTERM the router first (it drains), then the model services; SIGKILL what remains."""
+    for child in reversed(children):
+        if child.proc.poll() is None:
+            child.proc.terminate()
+    deadline = time.monotonic() + grace_s
+    for child in children:
+        try:
+            child.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            child.proc.kill()
+            child.proc.wait()

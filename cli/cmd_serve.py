@@ -1,0 +1,245 @@
+"""``specmesh target | draft | router | up | health``: run one service, the whole cluster on this
+machine, or probe a service's health (exit 0 when SERVING; for docker-compose / exec probes).
+
+Defaults come from the services' frozen config dataclasses (`TargetConfig`, `DraftConfig`,
+`RouterConfig`, `RouterSettings`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import sys
+
+from specmesh.cmd_generate import DEFAULT_SPEC
+from specmesh.draft_service.runtime import DRAFT_KINDS, DraftConfig
+from specmesh.router.core import RouterConfig
+from specmesh.runtime.codec import GRPC_MAX_MESSAGE_BYTES
+from specmesh.target_service.runtime import TargetConfig
+
+BACKENDS = ("torch", "triton", "flashinfer")
+PORTS = {"router": 50051, "target": 50052, "draft": 50053}
+
+
+def _default(cls: type, name: str):
+    return next(f.default for f in dataclasses.fields(cls) if f.name == name)
+
+
+def add_listen_args(p: argparse.ArgumentParser, port: int) -> None:
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    p.add_argument("--port", type=int, default=port)
+    p.add_argument(
+        "--max-message-mb",
+        type=int,
+        default=GRPC_MAX_MESSAGE_BYTES >> 20,
+        help="gRPC max send/receive message size",
+    )
+    p.add_argument(
+        "--grace", type=float, default=10.0, help="seconds to drain in-flight work on SIGTERM"
+    )
+
+
+def add_runtime_args(p: argparse.ArgumentParser, cls: type) -> None:
+    p.add_argument(
+        "--attention-backend", choices=BACKENDS, default=_default(cls, "attention_backend")
+    )
+    p.add_argument(
+        "--dtype", choices=["fp32", "bf16", "fp16"], default=None, help="default: the checkpoint's"
+    )
+    p.add_argument("--device", default=_default(cls, "device"))
+    p.add_argument(
+        "--max-context", type=int, default=_default(cls, "max_context"), help="tokens per request"
+    )
+    p.add_argument(
+        "--num-kv-slots",
+        type=int,
+        default=_default(cls, "num_kv_slots"),
+        help="KV cache size in tokens",
+    )
+    p.add_argument(
+        "--max-requests",
+        type=int,
+        default=_default(cls, "max_requests"),
+        help="requests held at once",
+    )
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("target", help="serve a target model (specmesh.v1.Target)")
+    p.add_argument("--model", required=True, metavar="DIR", help="HF checkpoint dir")
+    add_listen_args(p, PORTS["target"])
+    add_runtime_args(p, TargetConfig)
+    p.set_defaults(run=run_target)
+
+    p = sub.add_parser("draft", help="serve a draft model (specmesh.v1.Draft)")
+    p.add_argument("--model", metavar="DIR", help="draft checkpoint dir (not for --kind ngram)")
+    p.add_argument(
+        "--target-model",
+        required=True,
+        metavar="DIR",
+        help="the target checkpoint (embeddings, tokenizer)",
+    )
+    p.add_argument("--kind", required=True, choices=DRAFT_KINDS)
+    p.add_argument(
+        "--num-steps", type=int, default=DEFAULT_SPEC["num_steps"], help="draft steps (tree depth)"
+    )
+    p.add_argument(
+        "--topk", type=int, default=DEFAULT_SPEC["topk"], help="branching per draft step"
+    )
+    p.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        default=DEFAULT_SPEC["num_draft_tokens"],
+        help="tree nodes incl. the root",
+    )
+    add_listen_args(p, PORTS["draft"])
+    add_runtime_args(p, DraftConfig)
+    p.set_defaults(run=run_draft)
+
+    p = sub.add_parser("router", help="serve the public API (specmesh.v1.Generation)")
+    p.add_argument(
+        "--target", required=True, metavar="HOST:PORT[,HOST:PORT...]", help="target replicas"
+    )
+    p.add_argument(
+        "--draft",
+        default="",
+        metavar="HOST:PORT[,HOST:PORT...]",
+        help="draft replicas (none: no speculation)",
+    )
+    p.add_argument(
+        "--tokenizer", metavar="DIR", help="default: the target's model path when it is a local dir"
+    )
+    p.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=_default(RouterConfig, "max_batch_size"),
+        help="requests per micro-batch",
+    )
+    p.add_argument(
+        "--num-micro-batches", type=int, default=_default(RouterConfig, "num_micro_batches")
+    )
+    p.add_argument(
+        "--max-new-tokens", type=int, default=256, help="default for requests that leave it 0"
+    )
+    p.add_argument(
+        "--connect-timeout", type=float, default=300.0, help="seconds to wait for every service"
+    )
+    add_listen_args(p, PORTS["router"])
+    p.set_defaults(run=run_router)
+
+    p = sub.add_parser("up", help="start target(s), draft and router here; Ctrl-C stops them")
+    p.add_argument("--target-model", metavar="DIR", help="default: the built-in demo model")
+    p.add_argument("--draft-model", metavar="DIR")
+    p.add_argument("--draft-kind", choices=DRAFT_KINDS)
+    p.add_argument("--num-targets", type=int, default=1)
+    p.add_argument("--host", default="127.0.0.1", help="router listen address")
+    p.add_argument(
+        "--port", type=int, default=PORTS["router"], help="router port (0: any free port)"
+    )
+    p.add_argument(
+        "--ready-timeout", type=float, default=600.0, help="seconds to wait for readiness"
+    )
+    p.add_argument(
+        "--service-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra flag for target and draft (repeatable), e.g. --service-arg=--dtype=bf16",
+    )
+    p.set_defaults(run=run_up)
+
+    p = sub.add_parser("health", help="exit 0 when a service reports SERVING")
+    p.add_argument("address", metavar="HOST:PORT")
+    p.add_argument("--service", default="", help='"" = alive; e.g. specmesh.v1.Target = ready')
+    p.add_argument("--timeout", type=float, default=5.0)
+    p.set_defaults(run=run_health)
+
+
+def _address(args: argparse.Namespace) -> str:
+    return f"{args.host}:{args.port}"
+
+
+def _runtime_kwargs(args: argparse.Namespace) -> dict:
+    return {
+        "dtype": args.dtype, "device": args.device, "attention_backend": args.attention_backend,
+        "max_context": args.max_context, "num_kv_slots": args.num_kv_slots,
+        "max_requests": args.max_requests,
+    }  # fmt: skip
+
+
+def run_target(args: argparse.Namespace) -> int:
+    from specmesh.router.service_common import serve_model
+    from specmesh.target_service import server
+    from specmesh.target_service.runtime import TargetRuntime
+    from specmesh.v1 import target_pb2_grpc
+
+    def load() -> TargetRuntime:
+        return TargetRuntime(TargetConfig(model_dir=args.model, **_runtime_kwargs(args)))
+
+    async def main() -> None:
+        servicer = server.make_servicer(_address(args), args.max_message_mb << 20)
+        add = target_pb2_grpc.add_TargetServicer_to_server
+        await serve_model(servicer, add, load, server.warm_up, grace_s=args.grace)
+
+    asyncio.run(main())
+    return 0
+
+
+def run_draft(args: argparse.Namespace) -> int:
+    from specmesh.draft_service import server
+    from specmesh.draft_service.drafter import SpecParams
+    from specmesh.draft_service.runtime import load_draft
+    from specmesh.router.service_common import serve_model
+    from specmesh.v1 import draft_pb2_grpc
+
+    spec = SpecParams(args.num_steps, args.topk, args.num_draft_tokens)
+    spec.validate()
+    cfg = DraftConfig(args.kind, args.model, args.target_model, spec, **_runtime_kwargs(args))
+
+    async def main() -> None:
+        servicer = server.make_servicer(_address(args), args.max_message_mb << 20)
+        add = draft_pb2_grpc.add_DraftServicer_to_server
+        await serve_model(servicer, add, lambda: load_draft(cfg), None, grace_s=args.grace)
+
+    asyncio.run(main())
+    return 0
+
+
+def run_router(args: argparse.Namespace) -> int:
+    from specmesh.router.server import RouterSettings, serve
+
+    split = lambda s: tuple(a.strip() for a in s.split(",") if a.strip())
+    settings = RouterSettings(
+        targets=split(args.target),
+        drafts=split(args.draft),
+        address=_address(args),
+        core=RouterConfig(
+            max_batch_size=args.max_batch_size, num_micro_batches=args.num_micro_batches
+        ),
+        tokenizer=args.tokenizer,
+        max_new_tokens=args.max_new_tokens,
+        max_message_bytes=args.max_message_mb << 20,
+        connect_timeout_s=args.connect_timeout,
+    )
+    if not settings.targets:
+        raise ValueError("--target needs at least one HOST:PORT")
+    asyncio.run(serve(settings, grace_s=args.grace))
+    return 0
+
+
+def run_up(args: argparse.Namespace) -> int:
+    from specmesh.cluster import run_cluster
+
+    return run_cluster(args)
+
+
+def run_health(args: argparse.Namespace) -> int:
+    from specmesh.router.service_common import check_health
+
+    ok = check_health(args.address, args.service, args.timeout)
+    print(
+        f"{args.address} {args.service or '(server)'}: {'SERVING' if ok else 'NOT SERVING'}",
+        file=sys.stderr,
+    )
+    return 0 if ok else 1

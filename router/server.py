@@ -1,0 +1,234 @@
+"""The router service: the public `specmesh.v1.Generation` API over `RouterCore` and gRPC clients.
+
+Generate validates and tokenizes the request, submits it to the core and streams its chunks.
+The call's end is the request's end: a client that cancels or passes its deadline cancels the
+handler, which closes the core's iterator, which aborts the request and releases its KV in
+both services. A request the core fails ends with the error's status; tokens already streamed
+stay streamed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import grpc
+
+from specmesh import __version__
+from specmesh.router.core import RouterConfig, RouterCore
+from specmesh.router.detokenizer import Detokenizer
+from specmesh.router.grpc_clients import GrpcDraftClient, GrpcTargetClient
+from specmesh.router.request import Chunk, Request
+from specmesh.router.service_common import ServiceHost, abort_with, sampling_from_pb
+from specmesh.runtime.codec import GRPC_MAX_MESSAGE_BYTES
+from specmesh.runtime.errors import InvalidRequestError, SpecmeshError
+from specmesh.runtime.tokenizer import load_tokenizer, resolve_seed
+from specmesh.v1 import generation_pb2, generation_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+
+
+class PreconditionError(SpecmeshError):
+    grpc_code = "FAILED_PRECONDITION"
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    targets: tuple[str, ...]  # HOST:PORT of each target replica
+    drafts: tuple[str, ...] = ()  # HOST:PORT of each draft replica (none = no speculation)
+    address: str = "[::]:50051"
+    core: RouterConfig = field(default_factory=RouterConfig)
+    tokenizer: str | None = None  # default: the target's model_path when it is a local dir
+    max_new_tokens: int = 256  # default for requests that leave it 0
+    max_message_bytes: int = GRPC_MAX_MESSAGE_BYTES
+    connect_timeout_s: float = 300.0  # how long to wait for every service to answer GetInfo
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, host: ServiceHost, settings: RouterSettings) -> None:
+        self.host, self.settings = host, settings
+        self.core: RouterCore | None = None  # set by `attach` once every service answered
+        self.tokenizer = None
+
+    async def attach(self, core: RouterCore, tokenizer) -> None:
+        self.core, self.tokenizer = core, tokenizer
+        await self.host.set_ready()
+
+    async def GetInfo(self, request, context) -> generation_pb2.InfoResponse:
+        core = await self._ready(context)
+        target = core.targets[0].info_pb
+        draft = core.drafts[0].info_pb if core.drafts else None
+        return generation_pb2.InfoResponse(
+            model_name=Path(target.model_path).name,
+            model_path=target.model_path,
+            vocab_size=target.vocab_size,
+            max_context_len=target.max_context_len,
+            draft_kind=draft.draft_kind if draft else "",
+            num_steps=draft.num_steps if draft else 0,
+            topk=draft.topk if draft else 0,
+            num_draft_tokens=draft.num_draft_tokens if draft else 0,
+            num_target_replicas=len(core.targets) - len(core.dead_targets),
+            num_draft_replicas=sum(core.breakers[d.name].allows() for d in core.drafts),
+            version=__version__,
+            supports_images=target.supports_images,
+        )
+
+    async def Generate(self, request, context):
+        core = await self._ready(context)
+        async with self.host.work(context):
+            try:
+                req = self._make_request(core, request)
+            except SpecmeshError as e:
+                await abort_with(context, e)
+            chunks = core.generate(req)
+            try:
+                async for chunk in chunks:
+                    yield _response(req, chunk)
+            except SpecmeshError as e:
+                await abort_with(context, e)
+            finally:
+                await chunks.aclose()  # on cancel: aborts the request, releases its KV
+
+    async def _ready(self, context: grpc.aio.ServicerContext) -> RouterCore:
+        if self.core is None:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, "the router is still connecting to its services"
+            )
+        return self.core
+
+    def _make_request(self, core: RouterCore, msg: generation_pb2.GenerateRequest) -> Request:
+        if bool(msg.prompt) == bool(msg.prompt_token_ids):
+            raise InvalidRequestError("set exactly one of prompt and prompt_token_ids")
+        target = core.targets[0].info_pb
+        if msg.images and not target.supports_images:
+            raise InvalidRequestError(f"{target.model_path} is not a vision-language model")
+        if msg.prompt and self.tokenizer is None:
+            raise PreconditionError(
+                "the router has no tokenizer (--tokenizer); send prompt_token_ids"
+            )
+        ids = (
+            list(msg.prompt_token_ids)
+            if msg.prompt_token_ids
+            else self.tokenizer.encode(msg.prompt, add_special_tokens=True)
+        )
+        tree = core.drafts[0].info.num_draft_tokens if core.drafts else 1
+        room = target.max_context_len - len(ids) - tree  # the last tree must fit too
+        params = sampling_from_pb(msg.sampling, max(1, min(self.settings.max_new_tokens, room)))
+        if ids and params.max_new_tokens > room:
+            raise InvalidRequestError(
+                f"prompt of {len(ids)} tokens + max_new_tokens {params.max_new_tokens} + a draft "
+                f"tree of {tree} exceed max_context_len {target.max_context_len}"
+            )
+        return Request(
+            msg.request_id or uuid.uuid4().hex,
+            ids,
+            replace(params, seed=resolve_seed(params.seed)),
+            core.info.eos_token_ids,
+            speculate=not msg.disable_speculation,
+            images=list(msg.images),
+            detok=Detokenizer(self.tokenizer, ids) if self.tokenizer is not None else None,
+        )
+
+
+def _response(req: Request, chunk: Chunk) -> generation_pb2.GenerateResponse:
+    msg = generation_pb2.GenerateResponse(
+        request_id=req.rid,
+        token_ids=chunk.token_ids,
+        text=chunk.text,
+        finish_reason=chunk.finish_reason or "",
+    )
+    if chunk.finish_reason is not None:
+        now = time.monotonic()
+        msg.stats.CopyFrom(
+            generation_pb2.RequestStats(
+                prompt_tokens=len(req.prompt_ids),
+                completion_tokens=req.num_generated,
+                num_rounds=len(req.accept_lens),
+                accept_lens=req.accept_lens,
+                mean_accept_len=req.mean_accept_len or 1.0,
+                time_to_first_token_s=(req.first_token_s or now) - req.arrival_s,
+                total_time_s=now - req.arrival_s,
+            )
+        )
+    return msg
+
+
+class RouterService:
+    """The router process's parts: the server, the clients, the core. `start` listens at once
+    (liveness), then waits until every service answered GetInfo (readiness)."""
+
+    def __init__(self, settings: RouterSettings) -> None:
+        self.settings = settings
+        self.host = ServiceHost(SERVICE_NAME, settings.address, settings.max_message_bytes)
+        self.servicer = GenerationServicer(self.host, settings)
+        generation_pb2_grpc.add_GenerationServicer_to_server(self.servicer, self.host.server)
+        self.targets = [
+            GrpcTargetClient(a, f"target-{i}@{a}") for i, a in enumerate(settings.targets)
+        ]
+        self.drafts = [GrpcDraftClient(a, f"draft-{i}@{a}") for i, a in enumerate(settings.drafts)]
+        self.core: RouterCore | None = None
+
+    @property
+    def port(self) -> int:
+        return self.host.port
+
+    async def start(self) -> None:
+        await self.host.start()
+        timeout = self.settings.connect_timeout_s
+        await asyncio.gather(*(c.connect(timeout) for c in [*self.targets, *self.drafts]))
+        _check_compatible(self.targets, self.drafts)
+        self.core = RouterCore(self.targets, self.drafts, self.settings.core)
+        await self.core.start()
+        await self.servicer.attach(self.core, _tokenizer(self.settings.tokenizer, self.targets[0]))
+        log.info("router ready on port %d", self.port)
+
+    async def stop(self, grace_s: float = 10.0) -> None:
+        """Drain (NOT_SERVING, refuse new requests, finish running ones), then close."""
+        await self.host.shutdown(grace_s)
+        await self.close()
+
+    async def close(self) -> None:
+        if self.core is not None:
+            await self.core.stop()
+        for client in [*self.targets, *self.drafts]:
+            with contextlib.suppress(Exception):
+                await client.close()
+
+
+def _check_compatible(targets: list[GrpcTargetClient], drafts: list[GrpcDraftClient]) -> None:
+    vocab = {t.info.vocab_size for t in targets} | {d.info_pb.vocab_size for d in drafts}
+    if len(vocab) > 1:
+        raise ValueError(f"targets and drafts disagree on the vocabulary size: {sorted(vocab)}")
+
+
+def _tokenizer(path: str | None, target: GrpcTargetClient):
+    path = path or target.info_pb.model_path
+    if not Path(path).is_dir():
+        log.warning("no tokenizer at %r: text prompts are refused (use --tokenizer)", path)
+        return None
+    return load_tokenizer(path)
+
+
+async def serve(settings: RouterSettings, grace_s: float = 30.0) -> None:
+    """Process entry: start (a SIGTERM while connecting stops it too), serve until SIGTERM."""
+    service = RouterService(settings)
+    start = asyncio.ensure_future(service.start())
+    signalled = asyncio.ensure_future(service.host.run_until_signal(grace_s))
+    try:
+        await asyncio.wait({start, signalled}, return_when=asyncio.FIRST_COMPLETED)
+        if start.done():
+            start.result()  # a start-up failure ends the process
+            await signalled
+    finally:
+        start.cancel()
+        if not signalled.done():
+            signalled.cancel()
+            await service.host.shutdown(0.0)
+        await service.close()
