@@ -10,16 +10,15 @@ from specmesh.draft_service.runtime import DraftConfig
 from specmesh.runtime.attention.torch_backend import make_backend
 from specmesh.runtime.config import parse_dtype
 from specmesh.runtime.kv_cache import KVCache
-from specmesh.runtime.loader import load_tensors
+from specmesh.target_service.llava import language_model_tensors, target_model_config
 
 
 def target_embedding(cfg: DraftConfig, target_model: torch.nn.Module | None) -> torch.nn.Embedding:
     """The target's token embedding: shared in process, read from the target checkpoint else."""
     if target_model is not None:
         return target_model.embed_tokens
-    weight = load_tensors(cfg.target_dir, ["model.embed_tokens.weight"])[
-        "model.embed_tokens.weight"
-    ]
+    name = "model.embed_tokens.weight"
+    weight = language_model_tensors(cfg.target_dir, [name])[name]
     return torch.nn.Embedding.from_pretrained(weight.to(cfg.device), freeze=True)
 
 
@@ -61,7 +60,7 @@ def target_shared_head(cfg: DraftConfig, target_model: torch.nn.Module | None):
     if target_model is not None:
         return SharedHead(target_model.embed_tokens, target_model.head_weight)
     names = ["model.embed_tokens.weight", "lm_head.weight"]
-    tensors = {k: v.to(cfg.device) for k, v in load_tensors(cfg.target_dir, names).items()}
+    tensors = {k: v.to(cfg.device) for k, v in language_model_tensors(cfg.target_dir, names).items()}
     embed = torch.nn.Embedding.from_pretrained(tensors[names[0]], freeze=True)
     return SharedHead(embed, tensors.get("lm_head.weight", tensors[names[0]]))
 
@@ -91,7 +90,6 @@ def build_mtp(cfg: DraftConfig, target_model: torch.nn.Module | None) -> TreeDra
 
 def build_standalone(cfg: DraftConfig, target_model: torch.nn.Module | None) -> TreeDrafter:
     from specmesh.draft_service.standalone import StandaloneDrafter
-    from specmesh.runtime.config import load_model_config
     from specmesh.runtime.models.causal_lm import load_causal_lm
 
     dtype = parse_dtype(cfg.dtype) if cfg.dtype else None
@@ -100,7 +98,7 @@ def build_standalone(cfg: DraftConfig, target_model: torch.nn.Module | None) -> 
     target_vocab = (
         target_model.config.vocab_size
         if target_model is not None
-        else load_model_config(cfg.target_dir).vocab_size
+        else target_model_config(cfg.target_dir).vocab_size
     )
     cache = make_cache(cfg, c.num_layers, c.num_kv_heads, c.head_dim, c.dtype)
     backend = make_backend(cfg.attention_backend)

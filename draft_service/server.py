@@ -58,7 +58,7 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServicer):
         target = target_model_config(runtime.cfg.target_dir)  # plain or LLaVA checkpoint
         info = runtime.info()
         self.feature = info.feature
-        self.hidden_size, self.bos_token_id = target.hidden_size, target.bos_token_id or 0
+        self.hidden_size = target.hidden_size
         self.aux_layer_ids = (
             AuxLayers(info.aux_layer_ids, info.aux_convention).capture_points(target.num_layers)
             if info.aux_layer_ids
@@ -77,6 +77,7 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServicer):
             aux_layer_ids=self.aux_layer_ids,
             needs_aux_hidden=info.feature == "aux",
             needs_hidden=info.feature in ("hidden", "hidden_pre_norm"),
+            needs_hidden_pre_norm=info.feature == "hidden_pre_norm",
             num_steps=info.num_steps,
             topk=info.topk,
             num_draft_tokens=info.num_draft_tokens,
@@ -154,7 +155,7 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServicer):
         if r.starts_request:
             if pos is not None:
                 raise DuplicateRequestError(f"request {rid!r} already has draft state")
-            first = self.bos_token_id
+            first = r.first_token_id
         else:
             if pos is None:
                 raise UnknownRequestError(f"unknown request id {rid!r}")

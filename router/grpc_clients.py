@@ -198,6 +198,7 @@ class GrpcTargetClient(_GrpcClient):
         self.flags = {
             "return_aux_hidden": feature == "aux",
             "return_hidden": feature in ("hidden", "hidden_pre_norm"),
+            "hidden_pre_norm": feature == "hidden_pre_norm",
         }
 
     async def prefill(self, inputs: list[PrefillInput]) -> StepOutput:
@@ -217,26 +218,7 @@ class GrpcTargetClient(_GrpcClient):
         out = await self._step(
             target_pb2.TargetStepRequest(prefill=batch, return_mm_input_embeds=mm)
         )
-        for i in inputs:
-            rows = out.row_counts.get(i.rid, len(i.input_ids))
-            if i.images and rows != len(i.input_ids):
-                out.prompt_ids[i.rid] = self._expanded(i, rows)
         return out
-
-    def _expanded(self, inp: PrefillInput, rows: int) -> list[int]:
-        """The ids the target ran for a multimodal prompt: each image placeholder of the prompt
-        part repeated tokens_per_image times (target_service/multimodal.py), recovered from the
-        row count because TargetResult does not carry them."""
-        image = self.info_pb.image_token_id
-        prompt_len = len(inp.input_ids) - inp.sample_offset
-        num_images = inp.input_ids[:prompt_len].count(image)
-        per_image = 1 + (rows - len(inp.input_ids)) // max(num_images, 1)
-        ids = [
-            t
-            for t0 in inp.input_ids[:prompt_len]
-            for t in ([t0] * per_image if t0 == image else [t0])
-        ]
-        return ids + inp.input_ids[prompt_len:]
 
     async def verify(self, inputs: list[VerifyInput]) -> StepOutput:
         batch = target_pb2.VerifyBatch(
@@ -270,6 +252,8 @@ class GrpcTargetClient(_GrpcClient):
                 out.errors[rid] = error_from_status(result.status.code, result.status.message)
             else:
                 out.tokens[rid], out.row_counts[rid] = list(result.token_ids), rows
+                if result.prompt_ids:
+                    out.prompt_ids[rid] = list(result.prompt_ids)
         return out
 
 
@@ -292,6 +276,8 @@ class GrpcDraftClient(_GrpcClient):
     async def connect(self, timeout_s: float = 60.0) -> None:
         self.info_pb = pb = await self.get_info(timeout_s)
         feature = "aux" if pb.needs_aux_hidden else "hidden" if pb.needs_hidden else "none"
+        if pb.needs_hidden_pre_norm:
+            feature = "hidden_pre_norm"
         self.info = DraftInfo(
             pb.draft_kind, feature, tuple(pb.aux_layer_ids), "input", pb.num_steps, pb.topk,
             pb.num_draft_tokens,
@@ -304,6 +290,7 @@ class GrpcDraftClient(_GrpcClient):
                 token_ids=[*e.committed_ids[1:], e.next_token],  # rotated by one (draft.proto)
                 starts_request=e.new,
                 start_position=0 if e.new else self.committed.get(e.rid, 0),
+                first_token_id=e.committed_ids[0] if e.new else 0,
             )
             for e in extends
         ]

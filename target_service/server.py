@@ -157,7 +157,11 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServicer):
             if error is not None:
                 results.append(target_pb2.TargetResult(request_id=rid, status=status_pb(error)))
             else:
-                results.append(target_pb2.TargetResult(request_id=rid, token_ids=out.tokens[rid]))
+                results.append(
+                    target_pb2.TargetResult(
+                        request_id=rid, token_ids=out.tokens[rid], prompt_ids=out.prompt_ids.get(rid, [])
+                    )
+                )
             row_counts.append(0 if error is not None else out.row_counts[rid])
         tensors = {
             "aux_hidden" if req.return_aux_hidden else "hidden": out.features,
@@ -172,7 +176,9 @@ def _feature(req) -> str:
     """The runtime feature a batch's return_* flags ask for (TargetRuntime.set_feature)."""
     if req.return_aux_hidden and req.return_hidden:
         raise InvalidRequestError("return_aux_hidden and return_hidden are exclusive")
-    return "aux" if req.return_aux_hidden else "hidden" if req.return_hidden else "none"
+    if req.return_hidden:
+        return "hidden_pre_norm" if req.hidden_pre_norm else "hidden"
+    return "aux" if req.return_aux_hidden else "none"
 
 
 def warm_up(runtime: TargetRuntime) -> None:

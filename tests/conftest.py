@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from functools import cache
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+sys.path.insert(0, str(Path(__file__).parent))  # test helpers: grpc_harness
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
@@ -26,7 +28,7 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @cache
-def _hf_model(model_dir: str):  # noqa: ANN202
+def _hf_model(model_dir: str):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -50,5 +52,5 @@ def hf_greedy(
 
 
 @pytest.fixture(scope="session")
-def oracle():  # noqa: ANN201
+def oracle():
     return hf_greedy

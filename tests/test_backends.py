@@ -20,13 +20,13 @@ class CpuMetadataFreeTorch(TorchBackend):
 
     needs_cpu_metadata = False
 
-    def prepare(self, meta) -> None:  # noqa: ANN001
+    def prepare(self, meta) -> None:
         assert meta.q_lens_cpu is None and meta.kv_lens_cpu is None and meta.max_q_len is None
         super().prepare(meta)
 
 
 @pytest.mark.parametrize("backend", ["torch-no-cpu-metadata", "triton"])
-def test_backend_greedy_speculative_equals_transformers(tiny_dir: Path, oracle, backend: str) -> None:  # noqa: ANN001
+def test_backend_greedy_speculative_equals_transformers(tiny_dir: Path, oracle, backend: str) -> None:
     engine = Engine(
         tiny_dir / "target", draft_model=tiny_dir / "draft", draft_kind="eagle3",
         spec=SpecParams(2, 2, 4), target_config={"attention_backend": "torch" if "torch" in backend else backend},

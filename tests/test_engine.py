@@ -19,7 +19,7 @@ MAX_NEW = [14, 6, 11, 20, 9]
 
 
 @pytest.mark.parametrize("spec", [None, SpecParams(3, 4, 8)], ids=["plain", "eagle3-3-4-8"])
-def test_requests_join_and_finish_at_different_steps(tiny_dir: Path, oracle, spec) -> None:  # noqa: ANN001
+def test_requests_join_and_finish_at_different_steps(tiny_dir: Path, oracle, spec) -> None:
     """Two micro-batches of at most two requests: later prompts join as earlier ones finish."""
     engine = Engine(
         tiny_dir / "target",
@@ -37,7 +37,7 @@ def test_requests_join_and_finish_at_different_steps(tiny_dir: Path, oracle, spe
         assert all(res.accept_lens and min(res.accept_lens) >= 1 for res in results)
 
 
-def test_stop_string_and_stop_token_cut_the_output(tiny_dir: Path, oracle) -> None:  # noqa: ANN001
+def test_stop_string_and_stop_token_cut_the_output(tiny_dir: Path, oracle) -> None:
     engine = Engine(tiny_dir / "target")
     prompt = [5, 6, 7, 8]
     ref = oracle(tiny_dir / "target", prompt, 12)

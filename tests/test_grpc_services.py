@@ -9,7 +9,6 @@ services keep serving; a restarted draft is used again.
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 from pathlib import Path
@@ -17,77 +16,32 @@ from types import SimpleNamespace
 
 import grpc
 import pytest
+from grpc_harness import (
+    LoopThread,
+    collect,
+    count_batches,
+    greedy,
+    serve_draft,
+    serve_router,
+    serve_target,
+)
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from specmesh.client import GenerationClient
-from specmesh.draft_service import server as draft_server
 from specmesh.draft_service.drafter import SpecParams
 from specmesh.draft_service.runtime import DraftConfig, DraftRuntime, load_draft
-from specmesh.router.core import RouterConfig
-from specmesh.router.server import RouterService, RouterSettings
-from specmesh.router.service_common import check_health, start_model
+from specmesh.router.service_common import check_health
 from specmesh.runtime.codec import split_hidden_states
 from specmesh.runtime.models.causal_lm import AuxLayers
 from specmesh.runtime.sampling import SamplingParams
 from specmesh.runtime.tree import Tree
-from specmesh.target_service import server as target_server
 from specmesh.target_service.runtime import TargetConfig, TargetRuntime
 from specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 SPEC = SpecParams(3, 2, 6)
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [40, 41, 42, 43, 44, 45, 46, 47, 48], [90]]
 CODE = grpc.StatusCode
-
-
-class LoopThread:
-    """An event loop in a daemon thread: the servers live there, the tests stay synchronous."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, daemon=True).start()
-
-    def run(self, coro, timeout: float = 60.0):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-
-
-async def serve_target(runtime: TargetRuntime) -> target_server.TargetServicer:
-    servicer = target_server.make_servicer("127.0.0.1:0", 64 << 20)
-    add = target_pb2_grpc.add_TargetServicer_to_server
-    await start_model(servicer, add, runtime, target_server.warm_up)
-    return servicer
-
-
-async def serve_draft(runtime: DraftRuntime, port: int = 0) -> draft_server.DraftServicer:
-    servicer = draft_server.make_servicer(f"127.0.0.1:{port}", 64 << 20)
-    await start_model(servicer, draft_pb2_grpc.add_DraftServicer_to_server, runtime)
-    return servicer
-
-
-async def serve_router(target, draft=None, **core) -> RouterService:
-    addr = lambda s: (f"127.0.0.1:{s.host.port}",) if s is not None else ()
-    cfg = RouterConfig(**{"draft_cooldown_s": 0.2, **core})
-    service = RouterService(RouterSettings(addr(target), addr(draft), "127.0.0.1:0", cfg))
-    await service.start()
-    return service
-
-
-def count_batches(servicer) -> dict:
-    """Count the Step batches a servicer runs and the status codes of their results (wraps its
-    hook on the instance)."""
-    counter, inner = {"batches": 0, "codes": []}, servicer.run_batch
-
-    def run_batch(*args):
-        counter["batches"] += 1
-        answer = inner(*args)
-        counter["codes"] += [answer[0].status.code, *(r.status.code for r in answer[0].results)]
-        return answer
-
-    servicer.run_batch = run_batch
-    return counter
 
 
 class OracleDrafter:
@@ -141,19 +95,6 @@ def stack(tiny_dir: Path, oracle):
     for servicer in (target, draft):
         loop.run(servicer.host.shutdown(0.5))
     loop.close()
-
-
-def collect(responses) -> tuple[list[int], str, object]:
-    ids, text, last = [], "", None
-    for r in responses:
-        ids += r.token_ids
-        text += r.text
-        last = r
-    return ids, text, last
-
-
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(max_new_tokens=n, ignore_eos=True)
 
 
 def wait_until(predicate, timeout_s: float = 5.0) -> bool:
@@ -489,12 +430,6 @@ def test_restarted_draft_is_used_again(stack) -> None:
         stack.loop.run(router.stop(0.5))
 
 
-@pytest.mark.xfail(
-    raises=KeyError,
-    strict=False,
-    reason="draft_service.kinds.target_embedding reads a plain checkpoint's embedding only; an "
-    "out-of-process draft of a LLaVA target needs target_service.llava.language_model_tensors",
-)
 def test_image_request_speculates_over_grpc(tmp_path: Path) -> None:
     """LLaVA target + EAGLE-3 draft as services: placeholders expand on the target, the draft
     gets mm_input_embeds and the expanded ids, the output equals transformers'."""

@@ -41,7 +41,7 @@ def _runtime(model_dir: Path, **kw: object) -> TargetRuntime:
     return TargetRuntime(TargetConfig(model_dir=str(model_dir), num_kv_slots=kw.pop("num_kv_slots", 4096), **kw))
 
 
-def _hf_logits(model_dir: Path, ids: list[int], output_hidden_states: bool = False):  # noqa: ANN202
+def _hf_logits(model_dir: Path, ids: list[int], output_hidden_states: bool = False):
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         return hf(torch.tensor([ids]), output_hidden_states=output_hidden_states)
@@ -97,7 +97,7 @@ def test_verify_logits_equal_sequential_decoding_along_each_path(tiny_dir: Path,
         torch.testing.assert_close(logits[node], ref, atol=2e-5, rtol=1e-4)
 
 
-def test_verify_keeps_accepted_path_kv_by_length(tiny_dir: Path, oracle) -> None:  # noqa: ANN001
+def test_verify_keeps_accepted_path_kv_by_length(tiny_dir: Path, oracle) -> None:
     """Accept a branch that is not the first: later decoding still matches transformers."""
     target = tiny_dir / "target"
     prompt = [3, 4, 5, 6]
@@ -142,7 +142,7 @@ def test_aux_hidden_states_are_the_named_layers(tiny_dir: Path, convention: str)
     assert AuxLayers.default(32).layer_ids == (2, 16, 29)
 
 
-def test_full_kv_cache_is_a_specific_error_and_leaves_others_intact(tiny_dir: Path, oracle) -> None:  # noqa: ANN001
+def test_full_kv_cache_is_a_specific_error_and_leaves_others_intact(tiny_dir: Path, oracle) -> None:
     target = tiny_dir / "target"
     rt = _runtime(target, num_kv_slots=16)
     rt.prefill([PrefillInput("small", [1, 2, 3], SamplingParams())])

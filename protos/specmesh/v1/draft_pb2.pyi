@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DraftInfo(_message.Message):
-    __slots__ = ("draft_kind", "model_path", "dtype", "vocab_size", "draft_vocab_size", "hidden_size", "aux_layer_ids", "needs_aux_hidden", "needs_hidden", "supports_images", "num_steps", "topk", "num_draft_tokens", "max_context_len", "max_batch_size", "attention_backend", "device", "max_message_bytes", "version")
+    __slots__ = ("draft_kind", "model_path", "dtype", "vocab_size", "draft_vocab_size", "hidden_size", "aux_layer_ids", "needs_aux_hidden", "needs_hidden", "supports_images", "num_steps", "topk", "num_draft_tokens", "max_context_len", "max_batch_size", "attention_backend", "device", "max_message_bytes", "version", "needs_hidden_pre_norm")
     DRAFT_KIND_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class DraftInfo(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    NEEDS_HIDDEN_PRE_NORM_FIELD_NUMBER: _ClassVar[int]
     draft_kind: str
     model_path: str
     dtype: str
@@ -48,7 +49,8 @@ class DraftInfo(_message.Message):
     device: str
     max_message_bytes: int
     version: str
-    def __init__(self, draft_kind: _Optional[str] = ..., model_path: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., draft_vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., aux_layer_ids: _Optional[_Iterable[int]] = ..., needs_aux_hidden: _Optional[bool] = ..., needs_hidden: _Optional[bool] = ..., supports_images: _Optional[bool] = ..., num_steps: _Optional[int] = ..., topk: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., max_context_len: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., version: _Optional[str] = ...) -> None: ...
+    needs_hidden_pre_norm: bool
+    def __init__(self, draft_kind: _Optional[str] = ..., model_path: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., draft_vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., aux_layer_ids: _Optional[_Iterable[int]] = ..., needs_aux_hidden: _Optional[bool] = ..., needs_hidden: _Optional[bool] = ..., supports_images: _Optional[bool] = ..., num_steps: _Optional[int] = ..., topk: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., max_context_len: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., version: _Optional[str] = ..., needs_hidden_pre_norm: _Optional[bool] = ...) -> None: ...
 
 class DraftStepRequest(_message.Message):
     __slots__ = ("batch_id", "chunk_index", "more_chunks", "extend", "propose")
@@ -87,16 +89,18 @@ class ExtendBatch(_message.Message):
     def __init__(self, requests: _Optional[_Iterable[_Union[ExtendRequest, _Mapping]]] = ..., states: _Optional[_Union[_common_pb2.HiddenStates, _Mapping]] = ..., propose_after: _Optional[bool] = ..., propose_params: _Optional[_Union[ProposeParams, _Mapping]] = ...) -> None: ...
 
 class ExtendRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "starts_request", "start_position")
+    __slots__ = ("request_id", "token_ids", "starts_request", "start_position", "first_token_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     STARTS_REQUEST_FIELD_NUMBER: _ClassVar[int]
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     starts_request: bool
     start_position: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., starts_request: _Optional[bool] = ..., start_position: _Optional[int] = ...) -> None: ...
+    first_token_id: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., starts_request: _Optional[bool] = ..., start_position: _Optional[int] = ..., first_token_id: _Optional[int] = ...) -> None: ...
 
 class ProposeBatch(_message.Message):
     __slots__ = ("requests", "params")

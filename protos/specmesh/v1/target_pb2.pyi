@@ -51,13 +51,14 @@ class TargetInfo(_message.Message):
     def __init__(self, model_path: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., aux_layer_ids: _Optional[_Iterable[int]] = ..., max_context_len: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_tokens_per_batch: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., supports_images: _Optional[bool] = ..., image_token_id: _Optional[int] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., version: _Optional[str] = ...) -> None: ...
 
 class TargetStepRequest(_message.Message):
-    __slots__ = ("batch_id", "chunk_index", "more_chunks", "return_aux_hidden", "return_hidden", "return_mm_input_embeds", "prefill", "decode", "verify")
+    __slots__ = ("batch_id", "chunk_index", "more_chunks", "return_aux_hidden", "return_hidden", "return_mm_input_embeds", "hidden_pre_norm", "prefill", "decode", "verify")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
     MORE_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     RETURN_AUX_HIDDEN_FIELD_NUMBER: _ClassVar[int]
     RETURN_HIDDEN_FIELD_NUMBER: _ClassVar[int]
     RETURN_MM_INPUT_EMBEDS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_PRE_NORM_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
@@ -67,10 +68,11 @@ class TargetStepRequest(_message.Message):
     return_aux_hidden: bool
     return_hidden: bool
     return_mm_input_embeds: bool
+    hidden_pre_norm: bool
     prefill: PrefillBatch
     decode: DecodeBatch
     verify: VerifyBatch
-    def __init__(self, batch_id: _Optional[int] = ..., chunk_index: _Optional[int] = ..., more_chunks: _Optional[bool] = ..., return_aux_hidden: _Optional[bool] = ..., return_hidden: _Optional[bool] = ..., return_mm_input_embeds: _Optional[bool] = ..., prefill: _Optional[_Union[PrefillBatch, _Mapping]] = ..., decode: _Optional[_Union[DecodeBatch, _Mapping]] = ..., verify: _Optional[_Union[VerifyBatch, _Mapping]] = ...) -> None: ...
+    def __init__(self, batch_id: _Optional[int] = ..., chunk_index: _Optional[int] = ..., more_chunks: _Optional[bool] = ..., return_aux_hidden: _Optional[bool] = ..., return_hidden: _Optional[bool] = ..., return_mm_input_embeds: _Optional[bool] = ..., hidden_pre_norm: _Optional[bool] = ..., prefill: _Optional[_Union[PrefillBatch, _Mapping]] = ..., decode: _Optional[_Union[DecodeBatch, _Mapping]] = ..., verify: _Optional[_Union[VerifyBatch, _Mapping]] = ...) -> None: ...
 
 class PrefillBatch(_message.Message):
     __slots__ = ("requests",)
@@ -137,13 +139,15 @@ class TargetStepResponse(_message.Message):
     def __init__(self, batch_id: _Optional[int] = ..., chunk_index: _Optional[int] = ..., more_chunks: _Optional[bool] = ..., status: _Optional[_Union[_common_pb2.Status, _Mapping]] = ..., results: _Optional[_Iterable[_Union[TargetResult, _Mapping]]] = ..., states: _Optional[_Union[_common_pb2.HiddenStates, _Mapping]] = ...) -> None: ...
 
 class TargetResult(_message.Message):
-    __slots__ = ("request_id", "status", "token_ids", "accepted_nodes")
+    __slots__ = ("request_id", "status", "token_ids", "accepted_nodes", "prompt_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_NODES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     status: _common_pb2.Status
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     accepted_nodes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., status: _Optional[_Union[_common_pb2.Status, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., accepted_nodes: _Optional[_Iterable[int]] = ...) -> None: ...
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., status: _Optional[_Union[_common_pb2.Status, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., prompt_ids: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -1,0 +1,80 @@
+"""In-process gRPC stacks for tests: real `grpc.aio` servers on loopback in a background event
+loop, so the tests stay synchronous."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from specmesh.draft_service import server as draft_server
+from specmesh.draft_service.runtime import DraftRuntime
+from specmesh.router.core import RouterConfig
+from specmesh.router.server import RouterService, RouterSettings
+from specmesh.router.service_common import start_model
+from specmesh.runtime.sampling import SamplingParams
+from specmesh.target_service import server as target_server
+from specmesh.target_service.runtime import TargetRuntime
+from specmesh.v1 import draft_pb2_grpc, target_pb2_grpc
+
+
+class LoopThread:
+    """An event loop in a daemon thread: the servers live there, the tests stay synchronous."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+
+    def run(self, coro, timeout: float = 60.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+async def serve_target(runtime: TargetRuntime) -> target_server.TargetServicer:
+    servicer = target_server.make_servicer("127.0.0.1:0", 64 << 20)
+    add = target_pb2_grpc.add_TargetServicer_to_server
+    await start_model(servicer, add, runtime, target_server.warm_up)
+    return servicer
+
+
+async def serve_draft(runtime: DraftRuntime, port: int = 0) -> draft_server.DraftServicer:
+    servicer = draft_server.make_servicer(f"127.0.0.1:{port}", 64 << 20)
+    await start_model(servicer, draft_pb2_grpc.add_DraftServicer_to_server, runtime)
+    return servicer
+
+
+async def serve_router(target, draft=None, **core) -> RouterService:
+    addr = lambda s: (f"127.0.0.1:{s.host.port}",) if s is not None else ()
+    cfg = RouterConfig(**{"draft_cooldown_s": 0.2, **core})
+    service = RouterService(RouterSettings(addr(target), addr(draft), "127.0.0.1:0", cfg))
+    await service.start()
+    return service
+
+
+def count_batches(servicer) -> dict:
+    """Count the Step batches a servicer runs and the status codes of their results (wraps its
+    hook on the instance)."""
+    counter, inner = {"batches": 0, "codes": []}, servicer.run_batch
+
+    def run_batch(*args):
+        counter["batches"] += 1
+        answer = inner(*args)
+        counter["codes"] += [answer[0].status.code, *(r.status.code for r in answer[0].results)]
+        return answer
+
+    servicer.run_batch = run_batch
+    return counter
+
+
+def collect(responses) -> tuple[list[int], str, object]:
+    ids, text, last = [], "", None
+    for r in responses:
+        ids += r.token_ids
+        text += r.text
+        last = r
+    return ids, text, last
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, ignore_eos=True)
