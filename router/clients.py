@@ -8,6 +8,7 @@ the in-process run is the baseline that measures what the split costs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -121,7 +122,5 @@ def configure_target(runtime: TargetRuntime, draft: DraftInfo | None) -> None:
 
 def _release_all(runtime: TargetRuntime | DraftRuntime, rids: list[str]) -> None:
     for rid in rids:
-        try:
+        with contextlib.suppress(KeyError):  # already gone: release is idempotent
             runtime.release(rid)
-        except KeyError:
-            pass  # already gone: release is idempotent

@@ -176,7 +176,7 @@ def _copy(src: Path, dst: Path) -> Path:
 
 def test_bad_checkpoints_give_clear_errors(tiny_dir: Path, tmp_path: Path) -> None:
     target = tiny_dir / "target"
-    with pytest.raises(CheckpointError, match="no config.json"):
+    with pytest.raises(CheckpointError, match=r"no config\.json"):
         load_causal_lm(tmp_path)
     arch = _copy(target, tmp_path / "arch")
     cfg = json.loads((arch / "config.json").read_text())
@@ -189,7 +189,7 @@ def test_bad_checkpoints_give_clear_errors(tiny_dir: Path, tmp_path: Path) -> No
     tensors = load_file(missing / "model.safetensors")
     del tensors["model.layers.1.mlp.up_proj.weight"]
     save_file(tensors, missing / "model.safetensors")
-    with pytest.raises(CheckpointError, match="model.layers.1.mlp.up_proj.weight"):
+    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
         load_causal_lm(missing)
     pickle = _copy(target, tmp_path / "pickle")
     (pickle / "model.safetensors").rename(pickle / "pytorch_model.bin")
