@@ -1,0 +1,1 @@
+"""``specmesh bench``: the serving benchmark (workloads, runners, probes, report). See README.md."""

@@ -1,0 +1,222 @@
+"""Run one benchmark configuration against a backend and return its result fields.
+
+Backends:
+
+- ``inprocess``: `RouterCore` over `InProcessTarget` / `InProcessDraft` (what `Engine` runs);
+- ``grpc``: the same `RouterCore` in this process over `GrpcTargetClient` / `GrpcDraftClient`
+  to target and draft services running as separate processes (time split and wire bytes are
+  measured here, on the router side);
+- ``cluster``: the whole deployment: requests go to a router process through the public
+  `Generation` API (what a user sees; no time split: the router is remote);
+- ``transformers``: `bench.hf`.
+
+Every request is streamed and timed chunk by chunk; ``batch_size`` is the number of requests in
+flight at once (a client-side concurrency limit; the router batches what it has).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from specmesh.bench.metrics import RequestTrace, summarize
+from specmesh.bench.probes import CallLog, TimedDraft, TimedTarget, time_split, wire_bytes
+from specmesh.draft_service.drafter import SpecParams
+from specmesh.router.core import RouterConfig, RouterCore
+from specmesh.router.detokenizer import Detokenizer
+from specmesh.router.request import Request
+from specmesh.runtime.sampling import SamplingParams
+
+BACKENDS = ("inprocess", "grpc", "cluster", "transformers")
+WARMUP_TOKENS = 4
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    backend: str
+    workload: str
+    batch_size: int  # requests in flight at once
+    temperature: float
+    spec: SpecParams | None  # None = plain decoding (one token per target forward)
+    max_new_tokens: int
+    num_requests: int
+
+    @property
+    def name(self) -> str:
+        s = self.spec
+        mode = "plain" if s is None else f"spec-{s.num_steps}-{s.topk}-{s.num_draft_tokens}"
+        return f"{self.backend}/{self.workload}/b{self.batch_size}/t{self.temperature:g}/{mode}"
+
+    def sampling(self, index: int) -> SamplingParams:
+        """Every request generates exactly max_new_tokens (EOS ignored), seeded by its index."""
+        return SamplingParams(
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            seed=index,
+            ignore_eos=True,
+        )
+
+    def fields(self) -> dict[str, Any]:
+        s = self.spec
+        return {
+            "name": self.name,
+            "backend": self.backend,
+            "workload": self.workload,
+            "batch_size": self.batch_size,
+            "temperature": self.temperature,
+            "speculative": s is not None,
+            "num_steps": s.num_steps if s else 0,
+            "topk": s.topk if s else 0,
+            "num_draft_tokens": s.num_draft_tokens if s else 0,
+            "max_new_tokens": self.max_new_tokens,
+        }
+
+
+RunOne = Callable[[int, RequestTrace], Awaitable[None]]
+
+
+async def drive(run_one: RunOne, num_requests: int, concurrency: int) -> tuple[list, float]:
+    """Run requests 0..num_requests-1 with at most ``concurrency`` in flight; traces + wall."""
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(index: int) -> RequestTrace:
+        async with gate:
+            trace = RequestTrace(time.perf_counter())
+            await run_one(index, trace)
+            return trace
+
+    start = time.perf_counter()
+    traces = await asyncio.gather(*(one(i) for i in range(num_requests)))
+    return list(traces), time.perf_counter() - start
+
+
+def result(
+    spec: RunSpec, traces: list, wall_s: float, split: dict, num_bytes: int, bytes_scope: str
+) -> dict[str, Any]:
+    stats = summarize(traces, wall_s, spec.spec.num_steps if spec.spec else 0)
+    tokens = stats["generated_tokens"]
+    return {
+        **spec.fields(),
+        **stats,
+        "time_split": split,
+        "wire_bytes": num_bytes,
+        "bytes_per_token": num_bytes / tokens if tokens else 0.0,
+        "bytes_scope": bytes_scope,  # which traffic wire_bytes counts
+    }
+
+
+@dataclass
+class RouterBackend:
+    """Targets and drafts (in-process or gRPC clients) that a `RouterCore` is built over."""
+
+    backend: str  # "inprocess" or "grpc"
+    targets: list[Any]
+    drafts_by_spec: Callable[[SpecParams], list[Any]]
+    tokenizer: Any
+    eos_token_ids: tuple[int, ...]
+    router_config: RouterConfig = field(default_factory=RouterConfig)
+
+    async def run(self, spec: RunSpec, prompts: list[list[int]]) -> dict[str, Any]:
+        log = CallLog()
+        targets = [TimedTarget(t, log) for t in self.targets]
+        drafts = [TimedDraft(d, log) for d in self.drafts_by_spec(spec.spec)] if spec.spec else []
+        core = RouterCore(targets, drafts, self.router_config)
+        await core.start()
+        try:
+            await self._stream(
+                core, prompts[0], replace_tokens(spec, WARMUP_TOKENS), RequestTrace(0)
+            )
+            log.intervals.clear()
+            bytes_before = wire_bytes([*targets, *drafts])
+
+            async def run_one(i: int, trace: RequestTrace) -> None:
+                await self._stream(core, prompts[i % len(prompts)], spec.sampling(i), trace)
+
+            traces, wall_s = await drive(run_one, spec.num_requests, spec.batch_size)
+            num_bytes = wire_bytes([*targets, *drafts]) - bytes_before
+        finally:
+            await core.stop()
+        split = time_split(log, wall_s, remote=self.backend != "inprocess")
+        return result(spec, traces, wall_s, split, num_bytes, self.bytes_scope)
+
+    @property
+    def bytes_scope(self) -> str:
+        return "none" if self.backend == "inprocess" else "router<->target/draft Step streams"
+
+    async def _stream(
+        self, core: RouterCore, ids: list[int], params: SamplingParams, trace: RequestTrace
+    ) -> None:
+        req = Request(
+            uuid.uuid4().hex,
+            list(ids),
+            params,
+            self.eos_token_ids,
+            speculate=bool(core.drafts),
+            detok=Detokenizer(self.tokenizer, ids),
+        )
+        async for chunk in core.generate(req):
+            trace.add_chunk(time.perf_counter(), len(chunk.token_ids))
+        trace.accept_lens = list(req.accept_lens)
+
+
+def replace_tokens(spec: RunSpec, max_new_tokens: int) -> SamplingParams:
+    return SamplingParams(
+        max_new_tokens=max_new_tokens, temperature=spec.temperature, seed=0, ignore_eos=True
+    )
+
+
+@dataclass
+class ClusterBackend:
+    """The public API of a router process (`specmesh.v1.Generation`), over one aio channel."""
+
+    address: str
+    spec: SpecParams  # what the cluster's draft service was started with
+    wire_bytes: int = 0  # serialized Generate requests + responses so far
+
+    async def run(self, spec: RunSpec, prompts: list[list[int]]) -> dict[str, Any]:
+        import grpc
+
+        from specmesh.router.service_common import channel_options
+        from specmesh.v1 import generation_pb2_grpc
+
+        if spec.spec is not None and spec.spec != self.spec:
+            raise ValueError(f"the cluster's draft runs {self.spec}, not {spec.spec}")
+        async with grpc.aio.insecure_channel(self.address, options=channel_options()) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            await self._stream(
+                stub, spec, prompts[0], replace_tokens(spec, WARMUP_TOKENS), RequestTrace(0)
+            )
+
+            async def run_one(i: int, trace: RequestTrace) -> None:
+                await self._stream(stub, spec, prompts[i % len(prompts)], spec.sampling(i), trace)
+
+            bytes_before = self.wire_bytes
+            traces, wall_s = await drive(run_one, spec.num_requests, spec.batch_size)
+        num_bytes = self.wire_bytes - bytes_before
+        split = {
+            "wall_s": wall_s, "target_s": None, "draft_s": None, "router_s": None, "network_s": None,
+            "note": "cluster: the router is a separate process; only end-to-end times are seen",
+        }  # fmt: skip
+        return result(spec, traces, wall_s, split, num_bytes, "client<->router Generate")
+
+    async def _stream(
+        self, stub: Any, spec: RunSpec, ids: list[int], params: SamplingParams, trace: RequestTrace
+    ) -> None:
+        from specmesh.router.service_common import sampling_to_pb
+        from specmesh.v1 import generation_pb2
+
+        request = generation_pb2.GenerateRequest(
+            prompt_token_ids=ids,
+            sampling=sampling_to_pb(params),
+            disable_speculation=spec.spec is None,
+        )
+        self.wire_bytes += request.ByteSize()
+        async for response in stub.Generate(request, timeout=600.0):
+            self.wire_bytes += response.ByteSize()
+            trace.add_chunk(time.perf_counter(), len(response.token_ids))
+            if response.finish_reason:
+                trace.accept_lens = list(response.stats.accept_lens)

@@ -1,0 +1,96 @@
+"""Build the benchmark's backends: the in-process stack, and a local gRPC deployment (target,
+draft and router as child processes, the way ``specmesh up`` starts them) with both the
+router-in-this-process clients and the cluster's public address.
+
+The target weights are loaded once per process; a draft is (re)loaded when the speculation
+parameters change (the gRPC draft service serves the one set it was started with).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+from specmesh.bench.probes import count_step_bytes
+from specmesh.bench.runners import ClusterBackend, RouterBackend
+from specmesh.defaults import ModelChoice
+from specmesh.draft_service.drafter import SpecParams
+from specmesh.draft_service.runtime import DraftConfig, load_draft
+from specmesh.router.clients import InProcessDraft, InProcessTarget
+from specmesh.runtime.tokenizer import load_tokenizer
+from specmesh.target_service.runtime import TargetConfig, TargetRuntime
+
+READY_TIMEOUT_S = 600.0
+
+
+def inprocess_backend(models: ModelChoice, runtime: dict[str, Any]) -> RouterBackend:
+    target = TargetRuntime(TargetConfig(model_dir=models.target, **runtime))
+    loaded: dict[SpecParams, list[InProcessDraft]] = {}
+
+    def drafts_by_spec(spec: SpecParams) -> list[InProcessDraft]:
+        if models.draft_kind is None:
+            raise ValueError("speculative configurations need a draft (--draft-kind)")
+        if spec not in loaded:
+            loaded.clear()  # keep one draft (and its KV cache) at a time
+            cfg = DraftConfig(models.draft_kind, models.draft, models.target, spec, **runtime)
+            loaded[spec] = [InProcessDraft(load_draft(cfg, target_model=target.model))]
+        return loaded[spec]
+
+    return RouterBackend(
+        "inprocess",
+        [InProcessTarget(target)],
+        drafts_by_spec,
+        load_tokenizer(models.target),
+        target.model_config.eos_token_ids,
+    )
+
+
+def model_dtype(backend: RouterBackend) -> Any:
+    return next(backend.targets[0].runtime.model.parameters()).dtype
+
+
+@contextlib.asynccontextmanager
+async def local_deployment(
+    models: ModelChoice, spec: SpecParams, service_args: list[str]
+) -> AsyncIterator[tuple[RouterBackend, ClusterBackend]]:
+    """Start target, draft and router processes on loopback ports; yield the gRPC router
+    backend (this process routes) and the cluster backend (the router process routes)."""
+    from specmesh.cluster import _spawn, _stop_all, _wait_ready
+    from specmesh.router.grpc_clients import GrpcDraftClient, GrpcTargetClient
+
+    if models.draft_kind is None:
+        raise ValueError("the gRPC benchmark needs a draft (--draft-kind)")
+    children: list = []
+    clients: list = []
+    try:
+        target_addr = _spawn(children, "target", ["--model", models.target, *service_args])
+        draft_flags = [
+            "--kind", models.draft_kind, "--target-model", models.target,
+            *(["--model", models.draft] if models.draft else []),
+            "--num-steps", str(spec.num_steps), "--topk", str(spec.topk),
+            "--num-draft-tokens", str(spec.num_draft_tokens), *service_args,
+        ]  # fmt: skip
+        draft_addr = _spawn(children, "draft", draft_flags)
+        router_addr = _spawn(children, "router", ["--target", target_addr, "--draft", draft_addr])
+        _wait_ready(children, READY_TIMEOUT_S)
+        target, draft = GrpcTargetClient(target_addr), GrpcDraftClient(draft_addr)
+        clients = [target, draft]
+        for client in clients:
+            await client.connect()
+            count_step_bytes(client)
+
+        def drafts_by_spec(wanted: SpecParams) -> list:
+            if wanted != spec:
+                raise ValueError(f"the draft service runs {spec}, not {wanted}")
+            return [draft]
+
+        tokenizer = load_tokenizer(models.target)
+        routed = RouterBackend(
+            "grpc", [target], drafts_by_spec, tokenizer, target.info.eos_token_ids
+        )
+        yield routed, ClusterBackend(router_addr, spec)
+    finally:
+        for client in clients:
+            await client.close()
+        _stop_all(children)
