@@ -52,16 +52,13 @@ class TorchBackend(AttentionBackend):
         q_pad[self.q_valid] = q
         keys = k_pool[self.kv_slots].to(q.dtype)  # [bs, max_kv, kv_heads, head_dim]
         values = v_pool[self.kv_slots].to(q.dtype)
-        group = num_heads // keys.shape[2]
-        if group > 1:
-            keys = keys.repeat_interleave(group, dim=2)
-            values = values.repeat_interleave(group, dim=2)
         out = F.scaled_dot_product_attention(
             q_pad.transpose(1, 2),
             keys.transpose(1, 2),
             values.transpose(1, 2),
             attn_mask=self.mask,
             scale=scale,
+            enable_gqa=num_heads != keys.shape[2],  # grouped-query heads without copying K/V
         )
         return out.transpose(1, 2)[self.q_valid]  # [num_tokens, heads, head_dim]
 
