@@ -102,10 +102,13 @@ class RoundRunner:
                 await self._on_error(r, out.errors[r.rid])
                 continue
             ids = committed(r)  # read before emit() appends this step's tokens
-            self.core.push(r, r.emit(out.tokens[r.rid], accepted_round=not new))
-            if r.finished:
+            chunk = r.emit(out.tokens[r.rid], accepted_round=not new)
+            if r.finished:  # free the KV before the client hears the end
                 await self.core.finish(r)
-            elif r.draft is not None:
+            self.core.push(r, chunk)
+            if r.finished:
+                continue
+            if r.draft is not None:
                 feats, mm = rows.get(r.rid, (None, None))
                 extends.append(
                     (
@@ -120,14 +123,15 @@ class RoundRunner:
         await asyncio.gather(*(self._draft_group(group) for group in _by_draft(extends)))
 
     async def _on_error(self, r: Request, error: Exception) -> None:
-        """A full KV cache while other requests hold it means "wait": the request goes back to
-        the queue (it is retried once those finish). Anything else fails the request."""
+        """A full KV cache while other requests hold it means "wait": the request's state is
+        released in both services and it goes back to the queue, to be replayed (prompt +
+        emitted tokens) once space frees up. Anything else fails the request."""
         busy = r.target is not None and self.core.load[r.target.name] > 1
+        await self.core.finish(r)
         if isinstance(error, KVCacheFullError) and busy:
             self.core.requeue(r)
-            return
-        self.core.fail(r, error)
-        await self.core.finish(r)
+        else:
+            self.core.fail(r, error)
 
     # -- draft ---------------------------------------------------------------------------------
     async def _draft_group(self, group: list[tuple[Request, ExtendInput]]) -> None:

@@ -233,19 +233,43 @@ class TargetRuntime:
 
     def verify(self, inputs: list[VerifyInput]) -> StepOutput:
         """Forward every tree (prefix + ancestors + self mask, positions ``committed + depth``),
-        accept a path greedily or by lossless tree sampling, keep the path's KV by length."""
+        accept a path greedily or by lossless tree sampling, keep the path's KV by length.
+        A request that is invalid or whose tree does not fit in the KV cache fails alone (its
+        state is kept, so the router can release or retry it)."""
+        errors: dict[str, SpecmeshError] = {}
+        items, ok, demand = [], [], {}
         for inp in inputs:
-            if int(inp.tree.tokens[0]) != self._pending(inp.rid):
-                raise InvalidRequestError(
-                    f"request {inp.rid!r}: tree root {int(inp.tree.tokens[0])} is not the pending token {self.pending[inp.rid]}"
-                )
-            self.check_ids(inp.rid, inp.tree.tokens.tolist(), what="draft tree")
-        items = []
-        for inp in inputs:
-            base = self.cache.get(inp.rid).committed_len
-            n = inp.tree.num_nodes
-            mask = torch.cat([torch.ones(n, base, dtype=torch.bool), inp.tree.mask], dim=1)
-            items.append(BatchItem(inp.rid, inp.tree.tokens, base, base + inp.tree.depths, mask))
+            try:
+                item = self._verify_item(inp, demand)
+            except SpecmeshError as e:
+                errors[inp.rid] = e
+                continue
+            demand[inp.rid] = item.start + item.q_len
+            items.append(item)
+            ok.append(inp)
+        if not ok:
+            return StepOutput(errors=errors)
+        out = self._verify_batch(ok, items)
+        out.errors.update(errors)
+        return out
+
+    def _verify_item(self, inp: VerifyInput, demand: dict[str, int]) -> BatchItem:
+        pending = self._pending(inp.rid)
+        if int(inp.tree.tokens[0]) != pending:
+            raise InvalidRequestError(
+                f"request {inp.rid!r}: tree root {int(inp.tree.tokens[0])} is not the pending token {pending}"
+            )
+        self.check_ids(inp.rid, inp.tree.tokens.tolist(), what="draft tree")
+        base = self.cache.get(inp.rid).committed_len
+        n = inp.tree.num_nodes
+        if not self.cache.can_allocate({**demand, inp.rid: base + n}):
+            raise KVCacheFullError(
+                f"request {inp.rid!r}: a {n}-node tree does not fit; {self.cache.num_free_slots} KV slots free"
+            )
+        mask = torch.cat([torch.ones(n, base, dtype=torch.bool), inp.tree.mask], dim=1)
+        return BatchItem(inp.rid, inp.tree.tokens, base, base + inp.tree.depths, mask)
+
+    def _verify_batch(self, inputs: list[VerifyInput], items: list[BatchItem]) -> StepOutput:
         res = run_batch(self.model, self.cache, self.backend, items)
         n_max = max(i.tree.num_nodes for i in inputs)
         result = self._accept(inputs, self.model.compute_logits(res.hidden), n_max)
