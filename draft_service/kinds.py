@@ -6,7 +6,7 @@ import torch
 
 from specmesh.draft_service.drafter import TreeDrafter
 from specmesh.draft_service.feature_drafter import FeatureDrafter
-from specmesh.draft_service.runtime import DraftConfig
+from specmesh.draft_service.runtime import DraftConfig, Drafter
 from specmesh.runtime.attention.torch_backend import make_backend
 from specmesh.runtime.config import parse_dtype
 from specmesh.runtime.kv_cache import KVCache
@@ -105,7 +105,7 @@ def build_standalone(cfg: DraftConfig, target_model: torch.nn.Module | None) -> 
     return StandaloneDrafter(model, cache, backend, cfg.spec, target_vocab)
 
 
-def build_ngram(cfg: DraftConfig, target_model: torch.nn.Module | None):
+def build_ngram(cfg: DraftConfig, target_model: torch.nn.Module | None) -> Drafter:
     from specmesh.draft_service.ngram import NgramDrafter
 
     return NgramDrafter(cfg.spec)
@@ -120,7 +120,7 @@ BUILDERS = {
 }
 
 
-def build_drafter(cfg: DraftConfig, target_model: torch.nn.Module | None):
+def build_drafter(cfg: DraftConfig, target_model: torch.nn.Module | None) -> Drafter:
     if cfg.kind not in BUILDERS:
         raise ValueError(f"draft kind {cfg.kind!r} is not built yet")
     return BUILDERS[cfg.kind](cfg, target_model)

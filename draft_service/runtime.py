@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -18,6 +18,9 @@ from specmesh.draft_service.drafter import SpecParams
 from specmesh.draft_service.feature_drafter import ExtendInput
 from specmesh.runtime.errors import SpecmeshError
 from specmesh.runtime.tree import Tree
+
+if TYPE_CHECKING:
+    from specmesh.router.clients import DraftInfo, DraftStepResult
 
 DRAFT_KINDS = ("eagle3", "eagle", "mtp", "standalone", "ngram")
 
@@ -51,7 +54,7 @@ class DraftRuntime:
     def __init__(self, cfg: DraftConfig, drafter: Drafter) -> None:
         self.cfg, self.drafter = cfg, drafter
 
-    def info(self):
+    def info(self) -> DraftInfo:
         from specmesh.router.clients import DraftInfo
 
         aux = getattr(self.drafter, "aux_layers", None)
@@ -66,7 +69,7 @@ class DraftRuntime:
             num_draft_tokens=s.num_draft_tokens,
         )
 
-    def step(self, extends: list[ExtendInput], propose: bool = True):
+    def step(self, extends: list[ExtendInput], propose: bool = True) -> DraftStepResult:
         """Extend every request over its newly committed tokens, then (optionally) propose the
         next tree for each. One bad request does not fail the others."""
         from specmesh.router.clients import DraftStepResult

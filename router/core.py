@@ -20,7 +20,7 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from specmesh.router.clients import DraftClient, TargetClient
+from specmesh.router.clients import DraftClient, TargetClient, TargetInfo
 from specmesh.router.faults import CircuitBreaker, ServiceDownError
 from specmesh.router.request import Chunk, Phase, Request
 from specmesh.router.round import RoundRunner
@@ -64,7 +64,7 @@ class RouterCore:
         self._workers: list[asyncio.Task] = []
 
     @property
-    def info(self):
+    def info(self) -> TargetInfo:
         return self.targets[0].info
 
     async def start(self) -> None:

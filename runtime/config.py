@@ -84,7 +84,9 @@ class ModelConfig:
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @staticmethod
-    def from_dict(cfg: dict[str, Any], *, architectures: tuple[str, ...] = SUPPORTED_ARCHITECTURES):
+    def from_dict(
+        cfg: dict[str, Any], *, architectures: tuple[str, ...] = SUPPORTED_ARCHITECTURES
+    ) -> ModelConfig:
         arch = (cfg.get("architectures") or ["<missing>"])[0]
         if arch not in architectures:
             raise CheckpointError(

@@ -26,7 +26,7 @@ def _expand(arg: str) -> str:
     return re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", arg)
 
 
-def _parse(argv: list[str]):  # noqa: ANN202
+def _parse(argv: list[str]):
     try:
         return build_parser().parse_args([_expand(a) for a in argv])
     except SystemExit as e:  # argparse exits on a bad command line
@@ -38,7 +38,7 @@ def _image_path(path: str) -> Path:
     return ROOT / path.removeprefix("/app/")
 
 
-def _check_paths(args) -> None:  # noqa: ANN001
+def _check_paths(args) -> None:
     for name in ("model", "target_model", "tokenizer"):
         value = getattr(args, name, None)
         if value:

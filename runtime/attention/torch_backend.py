@@ -45,7 +45,15 @@ class TorchBackend(AttentionBackend):
         mask[:, :, 0] |= ~q_valid
         self.mask = mask[:, None]  # [bs, 1, max_q, max_kv]
 
-    def forward(self, q, k, v, k_pool, v_pool, scale):
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
         bs, max_q = self.q_valid.shape
         num_heads, head_dim = q.shape[1], q.shape[2]
         q_pad = q.new_zeros(bs, max_q, num_heads, head_dim)
