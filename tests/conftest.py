@@ -40,9 +40,10 @@ def hf_greedy(
     """transformers greedy generation, cut after the first stop id (inclusive)."""
     model = _hf_model(str(model_dir))
     with torch.no_grad():
+        ids = torch.tensor([prompt])
         out = model.generate(
-            torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
-            eos_token_id=None, pad_token_id=0,
+            ids, attention_mask=torch.ones_like(ids),  # never infer padding from the ids
+            max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
         )  # fmt: skip
     tokens = out[0, len(prompt) :].tolist()
     for i, t in enumerate(tokens):
