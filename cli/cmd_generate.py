@@ -14,15 +14,35 @@ DEFAULT_SPEC = {"num_steps": 3, "topk": 4, "num_draft_tokens": 8}
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """Flags shared by every command that loads models in process."""
-    p.add_argument("--target-model", metavar="DIR", help="HF checkpoint dir (default: built-in demo model)")
+    p.add_argument(
+        "--target-model", metavar="DIR", help="HF checkpoint dir (default: built-in demo model)"
+    )
     p.add_argument("--draft-model", metavar="DIR", help="draft checkpoint dir")
     p.add_argument("--draft-kind", choices=["eagle3", "eagle", "mtp", "standalone", "ngram"])
-    p.add_argument("--num-steps", type=int, default=DEFAULT_SPEC["num_steps"], help="draft steps (tree depth)")
-    p.add_argument("--topk", type=int, default=DEFAULT_SPEC["topk"], help="branching per draft step")
-    p.add_argument("--num-draft-tokens", type=int, default=DEFAULT_SPEC["num_draft_tokens"], help="tree nodes incl. the root")
-    p.add_argument("--attention-backend", choices=["torch", "triton", "flashinfer"], default="torch")
-    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None, help="default: the checkpoint's")
+    p.add_argument(
+        "--num-steps", type=int, default=DEFAULT_SPEC["num_steps"], help="draft steps (tree depth)"
+    )
+    p.add_argument(
+        "--topk", type=int, default=DEFAULT_SPEC["topk"], help="branching per draft step"
+    )
+    p.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        default=DEFAULT_SPEC["num_draft_tokens"],
+        help="tree nodes incl. the root",
+    )
+    p.add_argument(
+        "--attention-backend", choices=["torch", "triton", "flashinfer"], default="torch"
+    )
+    p.add_argument(
+        "--dtype", choices=["fp32", "bf16", "fp16"], default=None, help="default: the checkpoint's"
+    )
     p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--disable-cuda-graph",
+        action="store_true",
+        help="run decode / verify / draft steps eagerly (graphs are only ever used on CUDA)",
+    )
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -31,8 +51,12 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
-    p.add_argument("--stop-token-ids", default="", metavar="1,2", help="comma-separated stop token ids")
+    p.add_argument(
+        "--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)"
+    )
+    p.add_argument(
+        "--stop-token-ids", default="", metavar="1,2", help="comma-separated stop token ids"
+    )
     p.add_argument("--ignore-eos", action="store_true")
 
 
@@ -48,12 +72,20 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate from one prompt", description=__doc__)
     where = p.add_mutually_exclusive_group()
-    where.add_argument("--in-process", action="store_true", help="run target (and draft) in this process (default)")
+    where.add_argument(
+        "--in-process", action="store_true", help="run target (and draft) in this process (default)"
+    )
     where.add_argument("--router", metavar="HOST:PORT", help="send the request to a running router")
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text (tokenized with the target's tokenizer)")
     prompt.add_argument("--prompt-ids", help="comma-separated prompt token ids")
-    p.add_argument("--image", action="append", default=[], metavar="FILE", help="image file (PNG/JPEG) for a multimodal model; repeatable")
+    p.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="image file (PNG/JPEG) for a multimodal model; repeatable",
+    )
     p.add_argument("--disable-speculation", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds (--router)")
@@ -88,7 +120,10 @@ def generate_in_process(args: argparse.Namespace) -> dict[str, Any]:
     from specmesh.router.engine import Engine
 
     models = resolve_models(args.target_model, args.draft_model, args.draft_kind)
-    runtime = {"attention_backend": args.attention_backend, "dtype": args.dtype, "device": args.device}
+    runtime = {
+        "attention_backend": args.attention_backend, "dtype": args.dtype, "device": args.device,
+        "cuda_graph": not args.disable_cuda_graph,
+    }  # fmt: skip
     engine = Engine(
         models.target,
         draft_model=models.draft,
@@ -100,11 +135,18 @@ def generate_in_process(args: argparse.Namespace) -> dict[str, Any]:
     images = [open(f, "rb").read() for f in args.image]  # noqa: SIM115
     res = engine.generate([parse_prompt(args)], sampling_from_args(args), images=[images])[0]
     if not args.json:
-        print(f"[{res.finish_reason}, {len(res.token_ids)} tokens, mean accept {res.mean_accept_len:.2f}]", file=sys.stderr)
-    return result_dict(res.token_ids, res.text, res.finish_reason, res.accept_lens, len(res.prompt_token_ids))
+        print(
+            f"[{res.finish_reason}, {len(res.token_ids)} tokens, mean accept {res.mean_accept_len:.2f}]",
+            file=sys.stderr,
+        )
+    return result_dict(
+        res.token_ids, res.text, res.finish_reason, res.accept_lens, len(res.prompt_token_ids)
+    )
 
 
-def result_dict(token_ids: list[int], text: str, finish_reason: str, accept_lens: list[int], prompt_tokens: int) -> dict[str, Any]:
+def result_dict(
+    token_ids: list[int], text: str, finish_reason: str, accept_lens: list[int], prompt_tokens: int
+) -> dict[str, Any]:
     """The ``--json`` contract, the same for in-process and router runs."""
     return {
         "token_ids": list(token_ids),

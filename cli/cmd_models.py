@@ -14,7 +14,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft-kind", choices=["eagle3", "eagle", "mtp", "standalone", "ngram"])
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(run=run_tiny)
-    p = sub.add_parser("make-demo", help="train the demo target + EAGLE-3 pair on the stdlib sources (CPU)")
+    p = sub.add_parser(
+        "make-demo", help="train the demo target + EAGLE-3 pair on the stdlib sources (CPU)"
+    )
     p.add_argument("out_dir", metavar="OUT_DIR")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--time-budget", type=float, default=900.0, help="seconds for both models")
@@ -29,7 +31,9 @@ def run_tiny(args: argparse.Namespace) -> int:
     out = Path(args.out_dir)
     paths = {"target": str(make_tiny_target(out / "target", arch=args.arch, seed=args.seed))}
     if args.draft_kind and args.draft_kind != "ngram":
-        paths["draft"] = str(make_tiny_draft(out / "draft", out / "target", args.draft_kind, seed=args.seed))
+        paths["draft"] = str(
+            make_tiny_draft(out / "draft", out / "target", args.draft_kind, seed=args.seed)
+        )
     print(json.dumps(paths))
     return 0
 
@@ -37,6 +41,8 @@ def run_tiny(args: argparse.Namespace) -> int:
 def run_demo(args: argparse.Namespace) -> int:
     from specmesh.demo import make_demo
 
-    report = make_demo(Path(args.out_dir), seed=args.seed, time_budget_s=args.time_budget, quick=args.quick)
+    report = make_demo(
+        Path(args.out_dir), seed=args.seed, time_budget_s=args.time_budget, quick=args.quick
+    )
     print(report)
     return 0

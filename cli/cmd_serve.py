@@ -63,6 +63,11 @@ def add_runtime_args(p: argparse.ArgumentParser, cls: type) -> None:
         default=_default(cls, "max_requests"),
         help="requests held at once",
     )
+    p.add_argument(
+        "--disable-cuda-graph",
+        action="store_true",
+        help="run decode / verify / draft steps eagerly (graphs are only ever used on CUDA)",
+    )
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -164,7 +169,7 @@ def _runtime_kwargs(args: argparse.Namespace) -> dict:
     return {
         "dtype": args.dtype, "device": args.device, "attention_backend": args.attention_backend,
         "max_context": args.max_context, "num_kv_slots": args.num_kv_slots,
-        "max_requests": args.max_requests,
+        "max_requests": args.max_requests, "cuda_graph": not args.disable_cuda_graph,
     }  # fmt: skip
 
 

@@ -41,5 +41,7 @@ def resolve_models(target: str | None, draft: str | None, kind: str | None) -> M
         if draft is not None:
             raise ValueError("--draft-model needs --target-model")
         chosen = default_models()
-        return chosen if kind in (None, chosen.draft_kind) else ModelChoice(chosen.target, None, kind)
+        return (
+            chosen if kind in (None, chosen.draft_kind) else ModelChoice(chosen.target, None, kind)
+        )
     return ModelChoice(target, draft, kind if kind or draft is None else "eagle3")

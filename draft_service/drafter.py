@@ -20,6 +20,7 @@ pool to ``num_draft_tokens - 1`` nodes (`specmesh.kernels.tree_build`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,6 +31,9 @@ from specmesh.runtime.kv_cache import KVCache
 from specmesh.runtime.model_runner import BatchItem, run_batch
 from specmesh.runtime.models.layers import KVPair
 from specmesh.runtime.tree import Tree
+
+if TYPE_CHECKING:
+    from specmesh.draft_service.step_graphs import DraftStepGraphs
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,25 @@ class TreeDrafter:
             cache.req_to_slot.shape[0], spec.topk, spec.num_steps, cache.max_context
         )
         self.roots: dict[str, RootState] = {}
+        self.step_graphs: DraftStepGraphs | None = None  # see enable_step_graphs
+
+    def enable_step_graphs(self, mode: str, max_bs: int) -> None:
+        """Run decode steps through static-shape runners (``"cuda-graph"``: captured now, before
+        the service reports ready; ``"eager-static"``: the same buffers, run eagerly)."""
+        from specmesh.draft_service.step_graphs import DraftStepGraphs
+
+        if self.spec.num_steps > 1:
+            self.step_graphs = DraftStepGraphs(self, mode=mode, max_bs=max_bs)
+
+    def run_step(
+        self, step: int, items: list[BatchItem], hidden_in: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`step_forward`, through a step graph when one is enabled and fits the batch."""
+        graphs = self.step_graphs
+        runner = graphs.runner_for(step, items, hidden_in) if graphs is not None else None
+        if runner is None:
+            return self.step_forward(step, items, hidden_in)
+        return graphs.run(runner, items, hidden_in)
 
     # -- hooks ---------------------------------------------------------------------------------
     def pools_for_step(self, step: int) -> list[KVPair]:
@@ -147,7 +170,7 @@ class TreeDrafter:
             self.step_item(step, rid, st, fr.tokens[b], fr.ancestors[b])
             for b, (rid, st) in enumerate(zip(rids, states, strict=True))
         ]
-        hidden_out, logits = self.step_forward(step, items, fr.hidden.flatten(0, 1))
+        hidden_out, logits = self.run_step(step, items, fr.hidden.flatten(0, 1))
         logp = torch.log_softmax(logits.float(), -1)
         child_logp, child_ids = logp.topk(k, dim=-1)  # [bs * k, k]
         cum = (fr.scores.reshape(bs * k, 1) + child_logp).view(bs, k * k)

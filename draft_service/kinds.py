@@ -60,7 +60,9 @@ def target_shared_head(cfg: DraftConfig, target_model: torch.nn.Module | None):
     if target_model is not None:
         return SharedHead(target_model.embed_tokens, target_model.head_weight)
     names = ["model.embed_tokens.weight", "lm_head.weight"]
-    tensors = {k: v.to(cfg.device) for k, v in language_model_tensors(cfg.target_dir, names).items()}
+    tensors = {
+        k: v.to(cfg.device) for k, v in language_model_tensors(cfg.target_dir, names).items()
+    }
     embed = torch.nn.Embedding.from_pretrained(tensors[names[0]], freeze=True)
     return SharedHead(embed, tensors.get("lm_head.weight", tensors[names[0]]))
 

@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from specmesh.draft_service.drafter import SpecParams
+from specmesh.draft_service.drafter import SpecParams, TreeDrafter
 from specmesh.draft_service.feature_drafter import ExtendInput
 from specmesh.runtime.errors import SpecmeshError
+from specmesh.runtime.graph_runner import graphs_enabled
 from specmesh.runtime.tree import Tree
 
 if TYPE_CHECKING:
@@ -31,6 +32,7 @@ class Drafter(Protocol):
 
     def extend(self, inputs: list[ExtendInput]) -> None:
         """Validate every input, then forward them as one batch (state changes only after)."""
+
     def propose(self, rids: list[str], roots: list[int]) -> list[Tree]: ...
     def release(self, rid: str) -> None: ...
 
@@ -48,6 +50,8 @@ class DraftConfig:
     max_requests: int = 256
     max_context: int = 4096
     aux_convention: str = "output"  # how the checkpoint numbers eagle_aux_hidden_state_layer_ids
+    cuda_graph: bool = True  # draft decode steps in CUDA graphs (CUDA + triton/flashinfer only)
+    cuda_graph_max_bs: int = 32  # largest captured batch; bigger batches run eagerly
 
 
 class DraftRuntime:
@@ -114,4 +118,9 @@ def load_draft(cfg: DraftConfig, target_model: torch.nn.Module | None = None) ->
         raise ValueError(f"unknown draft kind {cfg.kind!r}; choose from {', '.join(DRAFT_KINDS)}")
     if cfg.kind != "ngram" and not (cfg.draft_dir and Path(cfg.draft_dir).is_dir()):
         raise ValueError(f"draft kind {cfg.kind!r} needs --draft-model DIR, got {cfg.draft_dir!r}")
-    return DraftRuntime(cfg, kinds.build_drafter(cfg, target_model))
+    drafter = kinds.build_drafter(cfg, target_model)
+    if isinstance(drafter, TreeDrafter) and graphs_enabled(
+        cfg.cuda_graph, cfg.device, cfg.attention_backend
+    ):
+        drafter.enable_step_graphs("cuda-graph", cfg.cuda_graph_max_bs)
+    return DraftRuntime(cfg, drafter)

@@ -23,11 +23,13 @@ from specmesh.runtime.errors import (
     KVCacheFullError,
     SpecmeshError,
 )
+from specmesh.runtime.graph_runner import graphs_enabled
 from specmesh.runtime.kv_cache import KVCache
 from specmesh.runtime.model_runner import BatchItem, run_batch
 from specmesh.runtime.models.causal_lm import AuxLayers, CausalLM, ModelOutput, load_causal_lm
 from specmesh.runtime.sampling import SamplingParams, processed_probs, sample_tokens, uniforms
 from specmesh.runtime.tree import Tree
+from specmesh.target_service.graphs import TargetGraphs
 from specmesh.target_service.llava import ImageEncoder, is_llava_checkpoint, load_llava
 from specmesh.target_service.multimodal import merge_images
 
@@ -47,6 +49,8 @@ class TargetConfig:
     max_prefill_tokens: int = 8192  # chunk size of one extend
     aux_layer_ids: tuple[int, ...] | None = None  # None = [2, L//2, L-3]
     aux_convention: str = "input"
+    cuda_graph: bool = True  # decode / verify in CUDA graphs (CUDA + triton/flashinfer only)
+    cuda_graph_max_bs: int = 32  # largest captured batch; bigger batches run eagerly
 
 
 @dataclass
@@ -112,6 +116,12 @@ class TargetRuntime:
             max_context=cfg.max_context,
         )
         self.backend = make_backend(cfg.attention_backend)
+        self.graphs: TargetGraphs | None = None
+        if graphs_enabled(cfg.cuda_graph, cfg.device, cfg.attention_backend):
+            max_bs = cfg.cuda_graph_max_bs
+            self.graphs = TargetGraphs(
+                self.model, self.cache, self.backend, mode="cuda-graph", max_bs=max_bs
+            )
         self.pending: dict[str, int] = {}
 
     @staticmethod
@@ -122,8 +132,11 @@ class TargetRuntime:
         """What the draft needs per token: EAGLE-3 aux states, the final hidden state, or none."""
         if feature not in FEATURES:
             raise ValueError(f"feature must be one of {FEATURES}, got {feature!r}")
+        changed = (feature == "aux") != (self.feature == "aux")
         self.feature = feature
         self.model.set_aux_layers(self.aux_layers if feature == "aux" else None)
+        if changed and self.graphs is not None:  # the outputs gain / lose aux_hidden
+            self.graphs.recapture()
 
     @property
     def feature_dim(self) -> int:
@@ -267,10 +280,16 @@ class TargetRuntime:
                 f"request {inp.rid!r}: a {n}-node tree does not fit; {self.cache.num_free_slots} KV slots free"
             )
         mask = torch.cat([torch.ones(n, base, dtype=torch.bool), inp.tree.mask], dim=1)
+        # A one-node tree (plain decode) sees its whole prefix: causal, the decode graph's mode.
+        mask = mask if n > 1 else None
         return BatchItem(inp.rid, inp.tree.tokens, base, base + inp.tree.depths, mask)
 
     def _verify_batch(self, inputs: list[VerifyInput], items: list[BatchItem]) -> StepOutput:
-        res = run_batch(self.model, self.cache, self.backend, items)
+        runner = self.graphs.runner_for(items) if self.graphs is not None else None
+        if runner is not None:  # a CUDA graph of this batch's shape
+            res = runner.run(items)
+        else:
+            res = run_batch(self.model, self.cache, self.backend, items)
         n_max = max(i.tree.num_nodes for i in inputs)
         result = self._accept(inputs, self.model.compute_logits(res.hidden), n_max)
         flat, _ = compact_accepted(result.accept_path, result.accept_len)

@@ -159,7 +159,9 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServicer):
             else:
                 results.append(
                     target_pb2.TargetResult(
-                        request_id=rid, token_ids=out.tokens[rid], prompt_ids=out.prompt_ids.get(rid, [])
+                        request_id=rid,
+                        token_ids=out.tokens[rid],
+                        prompt_ids=out.prompt_ids.get(rid, []),
                     )
                 )
             row_counts.append(0 if error is not None else out.row_counts[rid])

@@ -26,7 +26,9 @@ class CpuMetadataFreeTorch(TorchBackend):
 
 
 @pytest.mark.parametrize("backend", ["torch-no-cpu-metadata", "triton"])
-def test_backend_greedy_speculative_equals_transformers(tiny_dir: Path, oracle, backend: str) -> None:
+def test_backend_greedy_speculative_equals_transformers(
+    tiny_dir: Path, oracle, backend: str
+) -> None:
     engine = Engine(
         tiny_dir / "target", draft_model=tiny_dir / "draft", draft_kind="eagle3",
         spec=SpecParams(2, 2, 4), target_config={"attention_backend": "torch" if "torch" in backend else backend},

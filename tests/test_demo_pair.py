@@ -12,7 +12,10 @@ from specmesh.draft_service.drafter import SpecParams
 from specmesh.router.engine import Engine
 from specmesh.runtime.sampling import SamplingParams
 
-PROMPTS = ["def read_config(path):\n    with open(path) as f:\n", "import os\nimport sys\n\n\nclass "]
+PROMPTS = [
+    "def read_config(path):\n    with open(path) as f:\n",
+    "import os\nimport sys\n\n\nclass ",
+]
 
 pytestmark = pytest.mark.skipif(
     not (REPO_MODELS / "draft" / "config.json").is_file(), reason="no committed demo pair"
@@ -25,7 +28,7 @@ def test_default_model_is_the_demo_pair() -> None:
 
 
 @pytest.mark.slow
-def test_demo_pair_is_lossless_and_accepted(oracle) -> None:  # noqa: ANN001
+def test_demo_pair_is_lossless_and_accepted(oracle) -> None:
     fp32 = {"dtype": "fp32"}
     engine = Engine(
         REPO_MODELS / "target", draft_model=REPO_MODELS / "draft", draft_kind="eagle3",

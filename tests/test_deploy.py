@@ -70,9 +70,13 @@ def test_compose_commands_parse_and_ports_line_up(compose: dict) -> None:
         assert health.command == "health" and health.address == f"localhost:{args.port}"
         assert health.service == ROLE_SERVICE[name]
     router = _parse(compose["router"]["command"])
-    assert router.target == f"target:{ports['target']}" and router.draft == f"draft:{ports['draft']}"
+    assert (
+        router.target == f"target:{ports['target']}" and router.draft == f"draft:{ports['draft']}"
+    )
     assert set(compose["router"]["depends_on"]) == {"target", "draft"}
-    assert all(d["condition"] == "service_healthy" for d in compose["router"]["depends_on"].values())
+    assert all(
+        d["condition"] == "service_healthy" for d in compose["router"]["depends_on"].values()
+    )
     for name in ("target", "draft"):
         devices = compose[name]["deploy"]["resources"]["reservations"]["devices"]
         assert devices[0]["capabilities"] == ["gpu"]
@@ -85,9 +89,13 @@ def test_dockerfile_copies_what_the_package_needs() -> None:
         assert (ROOT / src).exists(), f"Dockerfile copies missing {src}"
     import tomllib
 
-    package_dirs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    package_dirs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-dir"
+    ]
     for folder in package_dirs.values():
-        assert any(folder == c or folder.startswith(c + "/") for c in copied), f"{folder} not copied"
+        assert any(folder == c or folder.startswith(c + "/") for c in copied), (
+            f"{folder} not copied"
+        )
     entry = re.search(r'^ENTRYPOINT \["specmesh"\]', text, flags=re.M)
     cmd = re.search(r"^CMD (\[.*\])", text, flags=re.M)
     assert entry and cmd
@@ -134,7 +142,9 @@ def test_k8s_router_dials_every_model_replica(k8s: list[dict]) -> None:
     args = _parse(router["spec"]["template"]["spec"]["containers"][0]["args"])
     target = by_name[("StatefulSet", "specmesh-target")]
     port = by_name[("Service", "specmesh-target")]["spec"]["ports"][0]["port"]
-    expected = [f"specmesh-target-{i}.specmesh-target:{port}" for i in range(target["spec"]["replicas"])]
+    expected = [
+        f"specmesh-target-{i}.specmesh-target:{port}" for i in range(target["spec"]["replicas"])
+    ]
     assert args.target.split(",") == expected
     assert target["spec"]["serviceName"] == "specmesh-target"
     draft_port = by_name[("Service", "specmesh-draft")]["spec"]["ports"][0]["port"]

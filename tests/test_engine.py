@@ -42,13 +42,19 @@ def test_stop_string_and_stop_token_cut_the_output(tiny_dir: Path, oracle) -> No
     prompt = [5, 6, 7, 8]
     ref = oracle(tiny_dir / "target", prompt, 12)
     stop_tok = ref[4]
-    res = engine.generate([prompt], SamplingParams(max_new_tokens=12, stop_token_ids=(stop_tok,), ignore_eos=True))[0]
+    res = engine.generate(
+        [prompt], SamplingParams(max_new_tokens=12, stop_token_ids=(stop_tok,), ignore_eos=True)
+    )[0]
     assert res.token_ids == ref[: ref.index(stop_tok) + 1] and res.finish_reason == "stop"
     # A stop string equal to a later token's text: output ends with the token that completes it.
     pieces = [engine.tokenizer.decode([t]) for t in ref]
-    k = next(i for i in range(2, len(ref)) if pieces[i].strip().isascii() and pieces[i].strip().isalnum())
+    k = next(
+        i for i in range(2, len(ref)) if pieces[i].strip().isascii() and pieces[i].strip().isalnum()
+    )
     stop = pieces[k].strip()
-    cut = engine.generate([prompt], SamplingParams(max_new_tokens=12, stop=(stop,), ignore_eos=True))[0]
+    cut = engine.generate(
+        [prompt], SamplingParams(max_new_tokens=12, stop=(stop,), ignore_eos=True)
+    )[0]
     assert cut.finish_reason == "stop"
     assert stop not in cut.text
     first = next(i for i in range(len(ref)) if stop in engine.tokenizer.decode(ref[: i + 1]))
@@ -113,7 +119,10 @@ def test_speculative_sampling_matches_target_distribution(small_vocab_pair: Path
         target, draft_model=small_vocab_pair / "draft", draft_kind="eagle3",
         spec=SpecParams(3, 4, 8), router_config=RouterConfig(max_batch_size=256),
     )  # fmt: skip
-    params = [SamplingParams(max_new_tokens=3, temperature=temp, seed=s, ignore_eos=True) for s in range(n)]
+    params = [
+        SamplingParams(max_new_tokens=3, temperature=temp, seed=s, ignore_eos=True)
+        for s in range(n)
+    ]
     results = engine.generate([prompt] * n, params)
     outs = [r.token_ids for r in results]
     prefix: list[int] = []

@@ -11,7 +11,9 @@ class CharTokenizer:
     """id -> one character; ids >= 1000 are the two UTF-8 halves of 'é'."""
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        raw = b"".join(b"\xc3" if i == 1000 else b"\xa9" if i == 1001 else chr(i).encode() for i in ids)
+        raw = b"".join(
+            b"\xc3" if i == 1000 else b"\xa9" if i == 1001 else chr(i).encode() for i in ids
+        )
         return raw.decode("utf-8", errors="replace")
 
 

@@ -25,7 +25,11 @@ LLAMA3_ROPE = {
 }  # fmt: skip
 VARIANTS = {
     "llama-llama3-rope": {"arch": "llama", "rope_scaling": LLAMA3_ROPE},
-    "llama-linear-rope-tied": {"arch": "llama", "rope_scaling": {"rope_type": "linear", "factor": 2.0}, "tie_word_embeddings": True},
+    "llama-linear-rope-tied": {
+        "arch": "llama",
+        "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+        "tie_word_embeddings": True,
+    },
     "llama-mha": {"arch": "llama", "num_key_value_heads": 4},
     "qwen2": {"arch": "qwen2"},
     "qwen3": {"arch": "qwen3"},
@@ -38,7 +42,9 @@ def variant(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
 
 
 def _runtime(model_dir: Path, **kw: object) -> TargetRuntime:
-    return TargetRuntime(TargetConfig(model_dir=str(model_dir), num_kv_slots=kw.pop("num_kv_slots", 4096), **kw))
+    return TargetRuntime(
+        TargetConfig(model_dir=str(model_dir), num_kv_slots=kw.pop("num_kv_slots", 4096), **kw)
+    )
 
 
 def _hf_logits(model_dir: Path, ids: list[int], output_hidden_states: bool = False):
@@ -76,7 +82,9 @@ def _forward_tree(rt: TargetRuntime, trees: list[Tree]) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("shape", ["chain", "tree"])
-def test_verify_logits_equal_sequential_decoding_along_each_path(tiny_dir: Path, shape: str) -> None:
+def test_verify_logits_equal_sequential_decoding_along_each_path(
+    tiny_dir: Path, shape: str
+) -> None:
     target = tiny_dir / "target"
     rt = _runtime(target)
     prompt = [7, 8, 9, 10, 11]
@@ -131,7 +139,9 @@ def test_aux_hidden_states_are_the_named_layers(tiny_dir: Path, convention: str)
     target = tiny_dir / "target"
     prompt = [11, 12, 13, 14, 15]
     ids = (2, 3, 1)
-    rt = TargetRuntime(TargetConfig(str(target), num_kv_slots=512, aux_layer_ids=ids, aux_convention=convention))
+    rt = TargetRuntime(
+        TargetConfig(str(target), num_kv_slots=512, aux_layer_ids=ids, aux_convention=convention)
+    )
     rt.set_feature("aux")
     out = rt.prefill([PrefillInput("r0", prompt, SamplingParams())])
     hs = _hf_logits(target, prompt, output_hidden_states=True).hidden_states
@@ -149,7 +159,10 @@ def test_full_kv_cache_is_a_specific_error_and_leaves_others_intact(tiny_dir: Pa
     out = rt.prefill([PrefillInput("big", list(range(3, 20)), SamplingParams())])
     assert isinstance(out.errors["big"], KVCacheFullError)
     assert "big" not in rt.cache.requests
-    assert rt.decode(["small"], [SamplingParams()], [1]).tokens["small"] == oracle(target, [1, 2, 3], 2)[1:]
+    assert (
+        rt.decode(["small"], [SamplingParams()], [1]).tokens["small"]
+        == oracle(target, [1, 2, 3], 2)[1:]
+    )
     with pytest.raises(UnknownRequestError):
         rt.release("nope")
 
@@ -160,7 +173,16 @@ def test_seeded_sampling_is_independent_of_batch(tiny_dir: Path) -> None:
 
     def run(batch: list[str]) -> list[int]:
         rt = _runtime(target)
-        rt.prefill([PrefillInput(r, [5, 6, 7] if r == "me" else [9, 9], params if r == "me" else SamplingParams(temperature=1.0, seed=5)) for r in batch])
+        rt.prefill(
+            [
+                PrefillInput(
+                    r,
+                    [5, 6, 7] if r == "me" else [9, 9],
+                    params if r == "me" else SamplingParams(temperature=1.0, seed=5),
+                )
+                for r in batch
+            ]
+        )
         toks = [rt.pending["me"]]
         for step in range(1, 6):
             toks += rt.decode(batch, [params] * len(batch), [step] * len(batch)).tokens["me"]
@@ -198,11 +220,15 @@ def test_bad_checkpoints_give_clear_errors(tiny_dir: Path, tmp_path: Path) -> No
 
 
 def test_sharded_checkpoint_and_bf16(tmp_path: Path) -> None:
-    hf = AutoModelForCausalLM.from_pretrained(make_tiny_target(tmp_path / "one"), dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(
+        make_tiny_target(tmp_path / "one"), dtype=torch.float32
+    )
     hf.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
     assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
     model = load_causal_lm(tmp_path / "sharded")
     ref = load_causal_lm(tmp_path / "one")
     for (name, a), (_, b) in zip(model.state_dict().items(), ref.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
-    assert load_causal_lm(tmp_path / "one", dtype=torch.bfloat16).head_weight.dtype == torch.bfloat16
+    assert (
+        load_causal_lm(tmp_path / "one", dtype=torch.bfloat16).head_weight.dtype == torch.bfloat16
+    )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from specmesh.kernels.attention import paged_attention
-from specmesh.runtime.attention.base import AttentionBackend
+from specmesh.runtime.attention.base import AttentionBackend, AttentionMetadata
 
 
 class TritonBackend(AttentionBackend):
@@ -27,3 +27,23 @@ class TritonBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         return paged_attention(q, k_pool, v_pool, self.meta, scale, impl="triton")
+
+    # -- CUDA-graph hooks ------------------------------------------------------------------------
+    # The kernel takes its grid from tensor shapes and reads only device tensors, so a graph
+    # runner's static metadata (fixed-shape views of its buffers, `runtime/graph_runner.py`) can
+    # be read in place: the hooks bind those views and check their shapes; nothing is copied and
+    # no CPU field is read (invariant 3).
+    def init_capture(self, max_bs: int, max_num_tokens: int) -> None:
+        self.max_graph_bs, self.max_graph_tokens = max_bs, max_num_tokens
+
+    def prepare_for_capture(self, bs: int, num_tokens: int) -> None:
+        if bs > self.max_graph_bs or num_tokens > self.max_graph_tokens:
+            raise ValueError(
+                f"triton graph bucket bs={bs}, num_tokens={num_tokens} exceeds init_capture's "
+                f"max_bs={self.max_graph_bs}, max_num_tokens={self.max_graph_tokens}"
+            )
+
+    def prepare_for_replay(self, meta: AttentionMetadata, bs: int) -> None:
+        if meta.batch_size != bs:
+            raise ValueError(f"triton graph replay for bs={bs} got metadata of {meta.batch_size}")
+        self.meta = meta

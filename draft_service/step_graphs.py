@@ -1,0 +1,96 @@
+"""Draft decode steps through static-shape runners (CUDA graphs on a GPU, eager-static on CPU).
+
+Every decode step of a round forwards ``topk`` frontier rows per request with a tree mask, so one
+`GraphRunner` sized by `DraftSizes` (invariant 5) serves every step that runs the same network
+over the same KV pools: one for EAGLE / EAGLE-3 / standalone drafts, one per MTP layer (each
+layer keeps its own pool, invariant 4). Logits are computed inside the captured forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from specmesh.draft_service.drafter import TreeDrafter
+from specmesh.draft_service.sizes import DraftSizes
+from specmesh.runtime.graph_runner import GraphRunner
+from specmesh.runtime.graph_sizes import draft_step_sizes
+from specmesh.runtime.model_runner import BatchItem
+from specmesh.runtime.models.layers import KVPair
+
+
+@dataclass
+class StepNetwork:
+    """What one draft decode step runs: ``forward(**model kwargs) -> (hidden, logits)``."""
+
+    key: object  # steps with equal keys share a runner
+    forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    pools: list[KVPair]
+    hidden_in: tuple[int, torch.dtype] | None  # (hidden size, dtype) of the step's input hidden
+
+
+class _StandaloneStep:
+    """A standalone draft LM seen as a step network: its logits, cut to the proposable ids."""
+
+    def __init__(self, drafter: TreeDrafter) -> None:
+        self.drafter = drafter
+
+    def __call__(self, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+        d = self.drafter
+        out = d.model(**kwargs)
+        return out.hidden, d.model.compute_logits(out.hidden)[:, : d.num_proposable]
+
+
+def step_network(drafter: TreeDrafter, step: int) -> StepNetwork:
+    from specmesh.draft_service.feature_drafter import FeatureDrafter
+    from specmesh.draft_service.mtp_drafter import MTPDrafter
+    from specmesh.draft_service.standalone import StandaloneDrafter
+
+    if isinstance(drafter, MTPDrafter):
+        layer, base = drafter.layer_of(step), drafter.net.config.base
+        net = drafter.net.layer_net(layer)
+        return StepNetwork(("mtp", layer), net, drafter._pool(step), (base.hidden_size, base.dtype))
+    if isinstance(drafter, FeatureDrafter):
+        base = drafter.net.config.base
+        pools = drafter.pools_for_step(step)
+        return StepNetwork("net", drafter.net, pools, (base.hidden_size, base.dtype))
+    if isinstance(drafter, StandaloneDrafter):
+        return StepNetwork("lm", _StandaloneStep(drafter), drafter.pools_for_step(step), None)
+    raise ValueError(f"no static-shape draft steps for {type(drafter).__name__}")
+
+
+class DraftStepGraphs:
+    def __init__(self, drafter: TreeDrafter, *, mode: str, max_bs: int) -> None:
+        s = drafter.sizes
+        sizes = DraftSizes(min(max_bs, s.max_bs), s.topk, s.num_steps, s.max_context_len)
+        self.sizes = draft_step_sizes(sizes)
+        self.runners: dict[int, GraphRunner] = {}  # by step
+        shared: dict[object, GraphRunner] = {}
+        for step in range(1, s.num_steps):
+            net = step_network(drafter, step)
+            if net.key not in shared:
+                shared[net.key] = GraphRunner(
+                    net.forward, drafter.cache, drafter.backend, self.sizes, mode=mode,
+                    kv_pools=net.pools, hidden_in=net.hidden_in,
+                )  # fmt: skip
+                shared[net.key].capture()
+            self.runners[step] = shared[net.key]
+
+    def runner_for(
+        self, step: int, items: list[BatchItem], hidden_in: torch.Tensor | None
+    ) -> GraphRunner | None:
+        runner = self.runners.get(step)
+        ok = runner is not None and runner.can_run(items, _input_hidden(runner, hidden_in))
+        return runner if ok else None
+
+    @staticmethod
+    def run(runner: GraphRunner, items: list[BatchItem], hidden_in: torch.Tensor | None):
+        hidden, logits = runner.run(items, _input_hidden(runner, hidden_in))
+        return hidden, logits
+
+
+def _input_hidden(runner: GraphRunner, hidden_in: torch.Tensor | None) -> torch.Tensor | None:
+    """The standalone draft ignores its input hidden; its runner has no buffer for it."""
+    return None if runner.buffers.hidden_in is None else hidden_in

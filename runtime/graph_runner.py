@@ -1,0 +1,322 @@
+"""Static-shape forwards of fixed-width batches: CUDA graphs on a GPU, the same path eagerly on CPU.
+
+One `GraphRunner` serves one mode (`GraphSizes`: target decode, target verify or a draft decode
+step), in which every request has exactly ``tokens_per_req`` query rows. Batches are padded up to
+a captured batch size (`capture_batch_sizes`) and written into one set of static buffers
+(`GraphBuffers`) that the captured graph reads:
+
+    run(items):  can_run(items)                 same width, no embeddings, bs <= max_bs
+                 bs = bucket_size(len(items))   the smallest captured batch size that holds them
+                 fill buffers (below)            reserve KV, copy ids / positions / metadata
+                 replay graph[bs]               (eager-static: call the model on the buffers)
+                 unpad(output, raw_num_tokens)  EVERY output field cut back (invariant 2)
+
+Buffer layout for a bucket of ``bs`` requests, ``raw_bs`` of them real (q = tokens_per_req):
+
+    rows       [ real request rows (raw_bs * q) | padding rows ((bs - raw_bs) * q) | unused ]
+    kv_indices [ real kv slots (sum kv_len)     | pad_slot x (bs - raw_bs) * q    | stale  ]
+    out_slots  [ real new-token slots           | pad_slot ...                   ]
+    mask       [ real tree masks                | lower-triangular [q, q] each   | stale  ]
+
+Padding requests are whole requests of ``q`` rows whose K/V all go to ``pad_slot``, one KV slot
+the runner reserves for itself (request `GRAPH_PAD_RID`), and which see only ``pad_slot``: they
+read and write nothing a real request owns, so they cannot corrupt real KV (capture runs a batch
+of padding requests only). Stale entries past the last indptr are never read. The buffers are
+sized by `GraphSizes` (the upper bounds ``max_bs * max_kv_per_req``, invariant 5); nothing on the
+replay path reads a size back from the device (invariant 3).
+
+Outputs of a CUDA-graph replay are views of the graph's static outputs: valid until the runner's
+next call (every caller consumes them first: logits, gathers and feature selection copy).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specmesh.runtime.attention.base import AttentionBackend, AttentionMetadata
+from specmesh.runtime.graph_sizes import GraphSizes
+from specmesh.runtime.kv_cache import KVCache
+from specmesh.runtime.model_runner import BatchItem, ForwardModel, build_metadata, reserve_batch
+from specmesh.runtime.models.layers import KVPair
+from specmesh.runtime.padding import Selectable, bucket_size, unpad
+
+MODES = ("cuda-graph", "eager-static")
+GRAPH_PAD_RID = "__graph_pad__"  # owns the one KV slot every padding row reads and writes
+
+
+GRAPH_BACKENDS = ("triton", "flashinfer")  # the backends with graph hooks
+
+
+def graphs_enabled(cuda_graph: bool, device: str | torch.device, attention_backend: str) -> bool:
+    """CUDA graphs run only on a CUDA device, when not disabled (``--disable-cuda-graph``), with a
+    backend that keeps its metadata static; everything else runs eagerly. Never on CPU."""
+    return (
+        cuda_graph and torch.device(device).type == "cuda" and attention_backend in GRAPH_BACKENDS
+    )
+
+
+def capture_batch_sizes(max_bs: int) -> list[int]:
+    """1, 2, 4, 8, then every 8 up to ``max_bs`` (which is always included)."""
+    if max_bs < 1:
+        raise ValueError(f"cuda_graph_max_bs must be >= 1, got {max_bs}")
+    small = [b for b in (1, 2, 4, 8) if b < max_bs]
+    return sorted({*small, *range(16, max_bs, 8), max_bs})
+
+
+class RowTuple(tuple):
+    """A forward's tuple of per-row tensors (draft networks return ``(hidden, logits)``), with the
+    same ``select`` as `ModelOutput`, so `unpad` cuts every element."""
+
+    def select(self, index: torch.Tensor | slice) -> RowTuple:
+        return RowTuple(t[index] if isinstance(t, torch.Tensor) else t for t in self)
+
+
+def as_rows(out: object) -> Selectable:
+    return RowTuple(out) if isinstance(out, tuple) else out  # type: ignore[return-value]
+
+
+@dataclass
+class GraphBuffers:
+    """Everything a captured forward reads, allocated once at the sizes' upper bounds."""
+
+    input_ids: torch.Tensor  # [max_num_tokens] int64
+    positions: torch.Tensor  # [max_num_tokens] int64
+    out_slots: torch.Tensor  # [max_num_tokens] int64, where each row's K/V is written
+    qo_indptr: torch.Tensor  # [max_bs + 1] int64, constant: q rows per request
+    kv_indptr: torch.Tensor  # [max_bs + 1] int64
+    kv_indices: torch.Tensor  # [kv_indices_capacity] int64
+    custom_mask: torch.Tensor | None  # [mask_capacity] bool, tree modes only
+    mask_indptr: torch.Tensor | None  # [max_bs + 1] int64, tree modes only
+    hidden_in: torch.Tensor | None  # [max_num_tokens, hidden], draft networks only
+    pad_rows: torch.Tensor  # [max_bs] int64: q * (1 .. max_bs), indptr steps of padding requests
+    pad_mask: torch.Tensor | None  # [max_bs * q * q] bool: lower-triangular [q, q] per request
+
+    @staticmethod
+    def allocate(
+        sizes: GraphSizes,
+        device: torch.device,
+        pad_slot: int,
+        hidden_in: tuple[int, torch.dtype] | None = None,  # (hidden size, dtype)
+    ) -> GraphBuffers:
+        n, q, bs = sizes.max_num_tokens, sizes.tokens_per_req, sizes.max_bs
+        ints = dict(dtype=torch.int64, device=device)
+        tril = torch.ones(q, q, dtype=torch.bool, device=device).tril().flatten()
+        return GraphBuffers(
+            input_ids=torch.zeros(n, **ints),
+            positions=torch.zeros(n, **ints),
+            out_slots=torch.full((n,), pad_slot, **ints),
+            qo_indptr=torch.arange(0, (bs + 1) * q, q, **ints),
+            kv_indptr=torch.zeros(bs + 1, **ints),
+            kv_indices=torch.full((sizes.kv_indices_capacity,), pad_slot, **ints),
+            custom_mask=torch.zeros(sizes.mask_capacity, dtype=torch.bool, device=device)
+            if sizes.has_mask
+            else None,
+            mask_indptr=torch.zeros(bs + 1, **ints) if sizes.has_mask else None,
+            hidden_in=None
+            if hidden_in is None
+            else torch.zeros(n, hidden_in[0], dtype=hidden_in[1], device=device),
+            pad_rows=torch.arange(1, bs + 1, **ints) * q,
+            pad_mask=tril.repeat(bs) if sizes.has_mask else None,
+        )
+
+    def metadata(self, bs: int, q: int, kv_lens_cpu: list[int] | None) -> AttentionMetadata:
+        """The bucket's metadata: fixed-shape views of the buffers (the same tensors every call,
+        so a captured graph reads whatever was last filled in). CPU fields only when given."""
+        return AttentionMetadata(
+            qo_indptr=self.qo_indptr[: bs + 1],
+            kv_indptr=self.kv_indptr[: bs + 1],
+            kv_indices=self.kv_indices,
+            out_slots=self.out_slots[: bs * q],
+            custom_mask=self.custom_mask,
+            mask_indptr=None if self.mask_indptr is None else self.mask_indptr[: bs + 1],
+            q_lens_cpu=None if kv_lens_cpu is None else [q] * bs,
+            kv_lens_cpu=kv_lens_cpu,
+            max_q_len=None if kv_lens_cpu is None else q,
+            max_kv_len=None if kv_lens_cpu is None else max(kv_lens_cpu),
+        )
+
+
+def pad_slot_of(cache: KVCache) -> int:
+    """The runner's scratch KV slot: reserved once per cache, shared by its runners (padding rows
+    only ever write garbage there, and only padding rows read it)."""
+    if GRAPH_PAD_RID not in cache.requests:
+        cache.add(GRAPH_PAD_RID)
+        cache.reserve(GRAPH_PAD_RID, 1)
+    return int(cache.slots(GRAPH_PAD_RID, 0, 1)[0])  # once, at construction
+
+
+class GraphRunner:
+    """Fixed-width batches through static buffers; see the module docstring for the layout."""
+
+    def __init__(
+        self,
+        model: ForwardModel,
+        cache: KVCache,
+        backend: AttentionBackend,
+        sizes: GraphSizes,
+        *,
+        mode: str = "eager-static",
+        kv_pools: list[KVPair] | None = None,
+        hidden_in: tuple[int, torch.dtype] | None = None,  # draft networks: (hidden size, dtype)
+        batch_sizes: list[int] | None = None,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"graph runner mode must be one of {MODES}, got {mode!r}")
+        device = cache.req_to_slot.device
+        if mode == "cuda-graph" and device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device; the KV cache is on {device}")
+        self.model, self.cache, self.backend = model, cache, backend
+        self.sizes, self.mode = sizes, mode
+        self.kv_pools = kv_pools if kv_pools is not None else cache.pools
+        self.batch_sizes = batch_sizes or capture_batch_sizes(sizes.max_bs)
+        if max(self.batch_sizes) > sizes.max_bs:
+            raise ValueError(f"batch sizes {self.batch_sizes} exceed max_bs {sizes.max_bs}")
+        self.pad_slot = pad_slot_of(cache)
+        self.buffers = GraphBuffers.allocate(sizes, device, self.pad_slot, hidden_in)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, Selectable] = {}
+        self.uses_graph_hooks = self._init_hooks()
+
+    def _init_hooks(self) -> bool:
+        """Backends that support CUDA graphs keep their metadata static through the hooks; the
+        eager-static path falls back to ``prepare`` for the others (the torch backend)."""
+        try:
+            self.backend.init_capture(self.sizes.max_bs, self.sizes.max_num_tokens)
+        except NotImplementedError:
+            if self.mode == "cuda-graph":
+                raise ValueError(
+                    f"attention backend {self.backend.name!r} does not support CUDA graphs; "
+                    "use triton or flashinfer, or --disable-cuda-graph"
+                ) from None
+            return False
+        return True
+
+    # -- ask -----------------------------------------------------------------------------------
+    def can_run(self, items: list[BatchItem], hidden_in: torch.Tensor | None = None) -> bool:
+        q, buf = self.sizes.tokens_per_req, self.buffers
+        return (
+            0 < len(items) <= max(self.batch_sizes)
+            and (self.mode == "eager-static" or bool(self.graphs))
+            and all(it.q_len == q and it.input_embeds is None for it in items)
+            and (self.sizes.has_mask or all(it.mask is None for it in items))
+            and (hidden_in is None) == (buf.hidden_in is None)
+            and (hidden_in is None or hidden_in.shape == (len(items) * q, buf.hidden_in.shape[1]))
+        )
+
+    # -- act -----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, items: list[BatchItem], hidden_in: torch.Tensor | None = None) -> Selectable:
+        """Forward ``items`` (``can_run`` must hold); outputs have ``len(items) * q`` rows."""
+        if not self.can_run(items, hidden_in):
+            raise ValueError(
+                f"{self.sizes.mode} graph cannot run this batch: {len(items)} requests of "
+                f"{sorted({it.q_len for it in items})} rows (needs <= {max(self.batch_sizes)} "
+                f"requests of {self.sizes.tokens_per_req}, no input embeddings)"
+            )
+        bs = bucket_size(len(items), self.batch_sizes)
+        meta = self._fill(items, hidden_in, bs)
+        if self.mode == "cuda-graph":
+            self.backend.prepare_for_replay(meta, bs)
+            self.graphs[bs].replay()
+            out = self.outputs[bs]
+        else:
+            self._prepare(meta, bs)
+            out = self._forward(bs)
+        return unpad(out, len(items) * self.sizes.tokens_per_req)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Warm-up before the service reports ready: per batch size (largest first), a batch of
+        padding requests only. CUDA: captured into one graph each, sharing a memory pool.
+        Eager-static: the same hooks and forward, run once (nothing is kept)."""
+        self.graphs.clear()
+        self.outputs.clear()
+        pool = torch.cuda.graph_pool_handle() if self.mode == "cuda-graph" else None
+        for bs in sorted(self.batch_sizes, reverse=True):
+            meta = self._fill([], None, bs)
+            if self.uses_graph_hooks:
+                self.backend.prepare_for_capture(bs, bs * self.sizes.tokens_per_req)
+            self._prepare(meta, bs)
+            if self.mode == "eager-static":
+                self._forward(bs)
+                continue
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # lazy inits and autotuning stay out of the graph
+                    self._forward(bs)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[bs] = self._forward(bs)
+            self.graphs[bs] = graph
+            pool = graph.pool()
+
+    def _prepare(self, meta: AttentionMetadata, bs: int) -> None:
+        if self.uses_graph_hooks:
+            self.backend.prepare_for_replay(meta, bs)
+        else:
+            self.backend.prepare(meta)
+
+    def _forward(self, bs: int) -> Selectable:
+        n, buf = bs * self.sizes.tokens_per_req, self.buffers
+        extra = {} if buf.hidden_in is None else {"hidden_in": buf.hidden_in[:n]}
+        out = self.model(
+            positions=buf.positions[:n],
+            kv_pools=self.kv_pools,
+            backend=self.backend,
+            input_ids=buf.input_ids[:n],
+            **extra,
+        )
+        return as_rows(out)
+
+    def _fill(
+        self, items: list[BatchItem], hidden_in: torch.Tensor | None, bs: int
+    ) -> AttentionMetadata:
+        """Reserve the real requests' KV and copy the padded batch into the static buffers."""
+        q, buf = self.sizes.tokens_per_req, self.buffers
+        raw_bs, num_pad = len(items), bs - len(items)
+        raw, n = raw_bs * q, bs * q
+        kv_lens = [it.start + q for it in items]  # host-side: no device sync
+        kv_raw = sum(kv_lens)
+        mask_raw = kv_raw * q if self.sizes.has_mask else 0
+        pad_mask = num_pad * q * q if self.sizes.has_mask else 0
+        self.sizes.check(bs, kv_raw + num_pad * q, mask_raw + pad_mask)
+        if items:
+            reserve_batch(self.cache, items)
+            real = build_metadata(self.cache, items, with_cpu=False)
+            buf.kv_indptr[: raw_bs + 1].copy_(real.kv_indptr)
+            buf.kv_indices[:kv_raw].copy_(real.kv_indices)
+            buf.out_slots[:raw].copy_(real.out_slots)
+            buf.input_ids[:raw].copy_(torch.cat([it.input_ids for it in items]))
+            buf.positions[:raw].copy_(torch.cat([_positions(it) for it in items]))
+            if buf.custom_mask is not None:
+                buf.custom_mask[:mask_raw].copy_(real.custom_mask)
+                buf.mask_indptr[: raw_bs + 1].copy_(real.mask_indptr)
+            if hidden_in is not None:
+                buf.hidden_in[:raw].copy_(hidden_in)
+        else:
+            buf.kv_indptr[0] = 0
+            if buf.mask_indptr is not None:
+                buf.mask_indptr[0] = 0
+        # Padding requests: q rows each, their K/V in pad_slot, seeing only pad_slot.
+        buf.kv_indptr[raw_bs + 1 : bs + 1].copy_(buf.pad_rows[:num_pad] + kv_raw)
+        buf.kv_indices[kv_raw : kv_raw + num_pad * q].fill_(self.pad_slot)
+        buf.out_slots[raw:n].fill_(self.pad_slot)
+        buf.input_ids[raw:n].zero_()
+        buf.positions[raw:n].zero_()
+        if buf.hidden_in is not None:
+            buf.hidden_in[raw:n].zero_()
+        if buf.custom_mask is not None:
+            buf.custom_mask[mask_raw : mask_raw + pad_mask].copy_(buf.pad_mask[:pad_mask])
+            buf.mask_indptr[raw_bs + 1 : bs + 1].copy_(buf.pad_rows[:num_pad] * q + mask_raw)
+        cpu = [*kv_lens, *[q] * num_pad] if self.backend.needs_cpu_metadata else None
+        return buf.metadata(bs, q, cpu)
+
+
+def _positions(it: BatchItem) -> torch.Tensor:
+    if it.positions is not None:
+        return it.positions
+    return torch.arange(it.start, it.start + it.q_len)

@@ -1,0 +1,254 @@
+"""The static-shape (CUDA-graph) path run eagerly on CPU (``mode="eager-static"``): padded static
+buffers give the plain `run_batch` output for decode, tree verify and draft decode steps with
+topk > 1 at batch sizes that are not bucket sizes (invariant 2), padding never touches real KV,
+sizes come from one function with a run-time check (invariant 5), graphs are never used on CPU."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from specmesh.draft_service.drafter import SpecParams
+from specmesh.draft_service.runtime import DraftConfig, load_draft
+from specmesh.runtime.attention.torch_backend import make_backend
+from specmesh.runtime.graph_runner import (
+    GRAPH_PAD_RID,
+    GraphRunner,
+    capture_batch_sizes,
+    graphs_enabled,
+)
+from specmesh.runtime.graph_sizes import GraphSizes, decode_sizes, verify_sizes
+from specmesh.runtime.kv_cache import KVCache
+from specmesh.runtime.model_runner import BatchItem, run_batch
+from specmesh.runtime.models.causal_lm import AuxLayers, ModelOutput, load_causal_lm
+from specmesh.runtime.tree import Tree
+
+PROMPT_LENS = [5, 3, 7]  # 3 requests: padded to the bucket of 4
+
+
+@pytest.fixture(scope="module")
+def target(tiny_dir: Path):
+    model = load_causal_lm(tiny_dir / "target", dtype=torch.float32)
+    model.set_aux_layers(AuxLayers.default(model.config.num_layers))  # every output field set
+    return model
+
+
+def _prefilled(model) -> KVCache:
+    c = model.config
+    cache = KVCache(
+        num_layers=c.num_layers, num_slots=256, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+        dtype=c.dtype, max_requests=8, max_context=32,
+    )  # fmt: skip
+    backend = make_backend("torch")
+    for i, n in enumerate(PROMPT_LENS):
+        cache.add(f"r{i}")
+        run_batch(model, cache, backend, [BatchItem(f"r{i}", torch.arange(3, 3 + n), 0)])
+        cache.commit(f"r{i}", n)
+    return cache
+
+
+def _tree() -> Tree:
+    return Tree.from_parents(torch.tensor([7, 8, 9, 10]), torch.tensor([-1, 0, 0, 1]))
+
+
+def _verify_items(cache: KVCache) -> list[BatchItem]:
+    items = []
+    for i, n in enumerate(PROMPT_LENS):
+        t = _tree()
+        mask = torch.cat([torch.ones(t.num_nodes, n, dtype=torch.bool), t.mask], dim=1)
+        items.append(BatchItem(f"r{i}", t.tokens + i, n, n + t.depths, mask))
+    return items
+
+
+def _decode_items() -> list[BatchItem]:
+    return [BatchItem(f"r{i}", torch.tensor([20 + i]), n) for i, n in enumerate(PROMPT_LENS)]
+
+
+def _assert_same(got, want) -> None:
+    for f in dataclasses.fields(ModelOutput):
+        a, b = getattr(got, f.name), getattr(want, f.name)
+        if b is None:
+            assert a is None, f.name
+            continue
+        assert a.shape == b.shape, f"{f.name}: {tuple(a.shape)} rows, expected {tuple(b.shape)}"
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6, msg=f"{f.name} differs")
+
+
+@pytest.mark.parametrize("mode", ["decode", "verify"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_static_path_equals_run_batch(target, mode: str, backend: str) -> None:
+    cache = _prefilled(target)
+    items = _decode_items() if mode == "decode" else _verify_items(cache)
+    want = run_batch(target, cache, make_backend(backend), items)  # same kernel, no padding
+    sizes = decode_sizes(8, 32) if mode == "decode" else verify_sizes(8, 4, 32)
+    runner = GraphRunner(target, cache, make_backend(backend), sizes, mode="eager-static")
+    assert runner.uses_graph_hooks == (backend == "triton")
+    runner.capture()  # dry run of the capture path: hooks + padding-only batches
+    assert len(items) not in runner.batch_sizes
+    _assert_same(runner.run(items), want)
+
+
+def test_padding_never_touches_real_kv(target) -> None:
+    cache = _prefilled(target)
+    runner = GraphRunner(target, cache, make_backend("torch"), verify_sizes(8, 4, 32))
+    pad = runner.pad_slot
+    before = [p.k.clone() for p in cache.pools]
+    runner.capture()  # every bucket full of padding requests
+    items = _verify_items(cache)
+    runner.run(items)
+    written = torch.cat([cache.slots(it.rid, it.start, it.start + it.q_len) for it in items])
+    untouched = torch.ones(cache.pools[0].k.shape[0], dtype=torch.bool)
+    untouched[written] = False
+    untouched[pad] = False
+    for b, p in zip(before, cache.pools, strict=True):
+        assert torch.equal(b[untouched], p.k[untouched])
+        assert not torch.equal(b[pad], p.k[pad])  # padding rows wrote their own slot only
+    assert cache.requests[GRAPH_PAD_RID].pages == [pad]
+
+
+def test_can_run_and_bucket_sizes(target) -> None:
+    assert capture_batch_sizes(40) == [1, 2, 4, 8, 16, 24, 32, 40]
+    assert capture_batch_sizes(3) == [1, 2, 3]
+    cache = _prefilled(target)
+    runner = GraphRunner(target, cache, make_backend("torch"), decode_sizes(2, 32))
+    items = _decode_items()
+    assert not runner.can_run(items)  # 3 requests > max_bs 2
+    assert runner.can_run(items[:2])
+    assert not runner.can_run(_verify_items(cache)[:2])  # 4 rows per request, and masks
+    with pytest.raises(ValueError, match="decode graph cannot run this batch"):
+        runner.run(items)
+
+
+def test_sizes_are_checked_with_the_numbers() -> None:
+    sizes = verify_sizes(4, 8, 100)
+    assert (sizes.kv_indices_capacity, sizes.mask_capacity) == (400, 3200)
+    with pytest.raises(ValueError, match=r"verify graph: bs=4 \(max 4\).*needs 401 kv entries"):
+        sizes.check(4, 401, 8)
+    with pytest.raises(ValueError, match="tokens_per_req must be >= 1"):
+        GraphSizes("x", 1, 0, 1, False, 1, 0)
+
+
+def test_cuda_graphs_are_never_used_on_cpu(target) -> None:
+    assert not graphs_enabled(True, "cpu", "triton")
+    assert not graphs_enabled(False, "cuda", "triton")
+    assert not graphs_enabled(True, "cuda", "torch")
+    assert graphs_enabled(True, "cuda:0", "flashinfer")
+    cache = _prefilled(target)
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        GraphRunner(target, cache, make_backend("triton"), decode_sizes(2, 32), mode="cuda-graph")
+
+
+@pytest.mark.parametrize("topk", [1, 3])
+def test_draft_step_through_static_buffers(tiny_dir: Path, topk: int) -> None:
+    """EAGLE-3 draft decode steps (topk rows per request, tree mask): the step runner's outputs
+    equal the eager step, and a whole proposal is unchanged."""
+    from specmesh.draft_service.feature_drafter import ExtendInput
+
+    spec = SpecParams(num_steps=3, topk=topk, num_draft_tokens=4)
+    cfg = DraftConfig("eagle3", str(tiny_dir / "draft"), str(tiny_dir / "target"), spec,
+                      dtype="fp32", num_kv_slots=512, max_requests=8, max_context=64)  # fmt: skip
+    drafter = load_draft(cfg).drafter
+    feat_dim = 3 * drafter.net.config.base.hidden_size
+    g = torch.Generator().manual_seed(0)
+    rids = [f"d{i}" for i in range(3)]
+    drafter.extend([
+        ExtendInput(rid, list(range(4, 4 + n)), 30 + i, torch.randn(n, feat_dim, generator=g), new=True)
+        for i, (rid, n) in enumerate(zip(rids, PROMPT_LENS, strict=True))
+    ])  # fmt: skip
+    roots = [30, 31, 32]
+    want = drafter.propose(rids, roots)
+    states = [drafter.roots[r] for r in rids]
+    tokens = torch.arange(topk) + 40
+    items = [
+        drafter.step_item(1, r, s, tokens, [[] for _ in range(topk)])
+        for r, s in zip(rids, states, strict=True)
+    ]
+    hidden = torch.stack([s.hidden for s in states]).repeat_interleave(topk, 0)
+    want_h, want_logits = drafter.step_forward(1, items, hidden)
+
+    drafter.enable_step_graphs("eager-static", max_bs=8)
+    graphs = drafter.step_graphs
+    runner = graphs.runner_for(1, items, hidden)
+    assert runner is not None and runner is graphs.runner_for(2, items, hidden)
+    assert runner.sizes.kv_indices_capacity == 8 * drafter.sizes.max_kv_per_req
+    got_h, got_logits = graphs.run(runner, items, hidden)
+    assert got_h.shape[0] == got_logits.shape[0] == 3 * topk  # unpadded
+    torch.testing.assert_close(got_h, want_h, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(got_logits, want_logits, atol=1e-5, rtol=1e-6)
+    got = drafter.propose(rids, roots)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
+
+
+def test_engine_through_static_paths_equals_transformers(tiny_dir: Path, oracle) -> None:
+    """Target decode / verify and draft steps routed through eager-static runners (the runtime
+    wiring a GPU uses with mode="cuda-graph") still generate the transformers greedy tokens."""
+    from specmesh.router.engine import Engine
+    from specmesh.runtime.sampling import SamplingParams
+    from specmesh.target_service.graphs import TargetGraphs
+
+    engine = Engine(tiny_dir / "target", draft_model=tiny_dir / "draft", draft_kind="eagle3",
+                    spec=SpecParams(2, 2, 4))  # fmt: skip
+    t = engine.target
+    assert t.graphs is None and t.cfg.cuda_graph  # enabled, but never on CPU
+    t.graphs = TargetGraphs(t.model, t.cache, t.backend, mode="eager-static", max_bs=4)
+    engine.draft.drafter.enable_step_graphs("eager-static", max_bs=4)
+    used = []
+    for runner in [t.graphs.decode, *engine.draft.drafter.step_graphs.runners.values()]:
+        run = runner.run
+        runner.run = lambda *a, _run=run, **k: used.append(1) or _run(*a, **k)
+    prompts = [[5, 6, 7, 8, 9], [11, 12], [40, 41, 42]]
+    results = engine.generate(prompts, SamplingParams(max_new_tokens=5, ignore_eos=True))
+    for prompt, res in zip(prompts, results, strict=True):
+        assert res.token_ids == oracle(tiny_dir / "target", prompt, 5)
+    assert used and 4 in t.graphs.verify  # draft steps and 4-node verify ran through runners
+
+
+@pytest.mark.parametrize("kind", ["eagle", "mtp", "standalone"])
+def test_every_draft_kind_proposes_the_same_through_step_runners(tmp_path: Path, kind: str) -> None:
+    """One runner per step network: EAGLE-1 and standalone share one across steps, MTP has one per
+    layer (each over its own pool, invariant 4); proposals are unchanged (topk > 1)."""
+    from specmesh.draft_service.feature_drafter import ExtendInput
+    from specmesh.runtime.tiny import make_tiny_target
+    from specmesh.runtime.tiny_drafts import make_tiny_draft
+
+    target = make_tiny_target(tmp_path / "target", seed=0)
+    draft = make_tiny_draft(tmp_path / kind, target, kind, seed=1)
+    spec = SpecParams(num_steps=3, topk=2, num_draft_tokens=5)
+    cfg = DraftConfig(kind, str(draft), str(target), spec, dtype="fp32", num_kv_slots=512,
+                      max_requests=8, max_context=64)  # fmt: skip
+    drafter = load_draft(cfg).drafter
+    hidden = load_causal_lm(target).config.hidden_size
+    g = torch.Generator().manual_seed(0)
+    rids = [f"d{i}" for i in range(3)]
+    drafter.extend([
+        ExtendInput(rid, list(range(4, 4 + n)), 30 + i,
+                    None if kind == "standalone" else torch.randn(n, hidden, generator=g), new=True)
+        for i, (rid, n) in enumerate(zip(rids, PROMPT_LENS, strict=True))
+    ])  # fmt: skip
+    want = drafter.propose(rids, [30, 31, 32])
+    drafter.enable_step_graphs("eager-static", max_bs=4)
+    runners = drafter.step_graphs.runners
+    assert len({id(r) for r in runners.values()}) == (2 if kind == "mtp" else 1)
+    got = drafter.propose(rids, [30, 31, 32])
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
+
+
+def test_disable_cuda_graph_flags() -> None:
+    import argparse
+
+    from specmesh import cmd_generate, cmd_serve
+
+    p = argparse.ArgumentParser()
+    sub = p.add_subparsers()
+    cmd_serve.add_parser(sub)
+    cmd_generate.add_parser(sub)
+    for argv in (["target", "--model", "m"], ["draft", "--kind", "ngram", "--target-model", "m"]):
+        assert cmd_serve._runtime_kwargs(p.parse_args(argv))["cuda_graph"] is True
+        off = p.parse_args([*argv, "--disable-cuda-graph"])
+        assert cmd_serve._runtime_kwargs(off)["cuda_graph"] is False
+    assert p.parse_args(["generate", "--prompt", "x", "--disable-cuda-graph"]).disable_cuda_graph
