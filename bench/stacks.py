@@ -56,24 +56,28 @@ async def local_deployment(
 ) -> AsyncIterator[tuple[RouterBackend, ClusterBackend]]:
     """Start target, draft and router processes on loopback ports; yield the gRPC router
     backend (this process routes) and the cluster backend (the router process routes)."""
-    from specmesh.cluster import _spawn, _stop_all, _wait_ready
+    from specmesh.cluster import model_threads, spawn_service, stop_all, wait_ready
     from specmesh.router.grpc_clients import GrpcDraftClient, GrpcTargetClient
 
     if models.draft_kind is None:
         raise ValueError("the gRPC benchmark needs a draft (--draft-kind)")
     children: list = []
     clients: list = []
+    threads = ["--threads", str(model_threads(2))]
     try:
-        target_addr = _spawn(children, "target", ["--model", models.target, *service_args])
+        target_addr = spawn_service(
+            children, "target", ["--model", models.target, *threads, *service_args]
+        )
         draft_flags = [
             "--kind", models.draft_kind, "--target-model", models.target,
             *(["--model", models.draft] if models.draft else []),
             "--num-steps", str(spec.num_steps), "--topk", str(spec.topk),
-            "--num-draft-tokens", str(spec.num_draft_tokens), *service_args,
+            "--num-draft-tokens", str(spec.num_draft_tokens), *threads, *service_args,
         ]  # fmt: skip
-        draft_addr = _spawn(children, "draft", draft_flags)
-        router_addr = _spawn(children, "router", ["--target", target_addr, "--draft", draft_addr])
-        _wait_ready(children, READY_TIMEOUT_S)
+        draft_addr = spawn_service(children, "draft", draft_flags)
+        router_flags = ["--target", target_addr, "--draft", draft_addr, "--threads", "1"]
+        router_addr = spawn_service(children, "router", router_flags)
+        wait_ready(children, READY_TIMEOUT_S)
         target, draft = GrpcTargetClient(target_addr), GrpcDraftClient(draft_addr)
         clients = [target, draft]
         for client in clients:
@@ -93,4 +97,4 @@ async def local_deployment(
     finally:
         for client in clients:
             await client.close()
-        _stop_all(children)
+        stop_all(children)

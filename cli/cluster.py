@@ -43,22 +43,23 @@ def free_port(host: str = LOOPBACK) -> int:
 def run_cluster(args: argparse.Namespace) -> int:
     models = resolve_models(args.target_model, args.draft_model, args.draft_kind)
     children: list[Child] = []
-    spawn = functools.partial(_spawn, children, log_level=args.log_level)
+    spawn = functools.partial(spawn_service, children, log_level=args.log_level)
+    threads = ["--threads", str(model_threads(args.num_targets + (models.draft_kind is not None)))]
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         targets = [
-            spawn("target", ["--model", models.target, *args.service_arg])
+            spawn("target", ["--model", models.target, *threads, *args.service_arg])
             for _ in range(args.num_targets)
         ]
         drafts = []
         if models.draft_kind is not None:
             draft_model = ["--model", models.draft] if models.draft else []
             flags = ["--kind", models.draft_kind, "--target-model", models.target, *draft_model]
-            drafts.append(spawn("draft", [*flags, *args.service_arg]))
+            drafts.append(spawn("draft", [*flags, *threads, *args.service_arg]))
         port = args.port or free_port(args.host)
-        router = ["--target", ",".join(targets), "--draft", ",".join(drafts)]
+        router = ["--target", ",".join(targets), "--draft", ",".join(drafts), "--threads", "1"]
         spawn("router", router, host=args.host, port=port)
-        _wait_ready(children, args.ready_timeout)
+        wait_ready(children, args.ready_timeout)
         print(f"specmesh router ready on {args.host}:{port}", flush=True)
         return _watch(children)
     except KeyboardInterrupt:
@@ -68,15 +69,23 @@ def run_cluster(args: argparse.Namespace) -> int:
         return 1
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the stop
-        _stop_all(children)
+        stop_all(children)
         signal.signal(signal.SIGTERM, previous)
+
+
+def model_threads(num_model_services: int) -> int:
+    """CPU threads per model service so that the services together use each core once (the
+    router needs one); a GPU service barely uses its CPU threads either way."""
+    import os
+
+    return max(1, (os.cpu_count() or 1) // max(1, num_model_services))
 
 
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def _spawn(
+def spawn_service(
     children: list[Child],
     kind: str,
     flags: list[str],
@@ -106,7 +115,7 @@ def _spawn(
     return f"{LOOPBACK}:{port}"
 
 
-def _wait_ready(children: list[Child], timeout_s: float) -> None:
+def wait_ready(children: list[Child], timeout_s: float) -> None:
     from specmesh.router.service_common import check_health
 
     deadline = time.monotonic() + timeout_s
@@ -136,7 +145,7 @@ def _watch(children: list[Child]) -> int:
         time.sleep(0.5)
 
 
-def _stop_all(children: list[Child], grace_s: float = 15.0) -> None:
+def stop_all(children: list[Child], grace_s: float = 15.0) -> None:
     """SIGTERM the router first (it drains), then the model services; SIGKILL what remains."""
     for child in reversed(children):
         if child.proc.poll() is None:

@@ -38,6 +38,20 @@ def add_listen_args(p: argparse.ArgumentParser, port: int) -> None:
     p.add_argument(
         "--grace", type=float, default=10.0, help="seconds to drain in-flight work on SIGTERM"
     )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch CPU threads for this process (0 = torch's default)",
+    )
+
+
+def apply_threads(args: argparse.Namespace) -> None:
+    """Several services on one CPU must not each start a thread per core."""
+    if args.threads > 0:
+        import torch
+
+        torch.set_num_threads(args.threads)
 
 
 def add_runtime_args(p: argparse.ArgumentParser, cls: type) -> None:
@@ -174,6 +188,7 @@ def _runtime_kwargs(args: argparse.Namespace) -> dict:
 
 
 def run_target(args: argparse.Namespace) -> int:
+    apply_threads(args)
     from specmesh.router.service_common import serve_model
     from specmesh.target_service import server
     from specmesh.target_service.runtime import TargetRuntime
@@ -192,6 +207,7 @@ def run_target(args: argparse.Namespace) -> int:
 
 
 def run_draft(args: argparse.Namespace) -> int:
+    apply_threads(args)
     from specmesh.draft_service import server
     from specmesh.draft_service.drafter import SpecParams
     from specmesh.draft_service.runtime import load_draft
@@ -212,6 +228,7 @@ def run_draft(args: argparse.Namespace) -> int:
 
 
 def run_router(args: argparse.Namespace) -> int:
+    apply_threads(args)
     from specmesh.router.server import RouterSettings, serve
 
     split = lambda s: tuple(a.strip() for a in s.split(",") if a.strip())
