@@ -7,6 +7,7 @@ import json
 import sys
 from typing import Any
 
+from specmesh.draft_service.runtime import DRAFT_KINDS
 from specmesh.runtime.sampling import SamplingParams
 
 DEFAULT_SPEC = {"num_steps": 3, "topk": 4, "num_draft_tokens": 8}
@@ -18,19 +19,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "--target-model", metavar="DIR", help="HF checkpoint dir (default: built-in demo model)"
     )
     p.add_argument("--draft-model", metavar="DIR", help="draft checkpoint dir")
-    p.add_argument("--draft-kind", choices=["eagle3", "eagle", "mtp", "standalone", "ngram"])
-    p.add_argument(
-        "--num-steps", type=int, default=DEFAULT_SPEC["num_steps"], help="draft steps (tree depth)"
-    )
-    p.add_argument(
-        "--topk", type=int, default=DEFAULT_SPEC["topk"], help="branching per draft step"
-    )
-    p.add_argument(
-        "--num-draft-tokens",
-        type=int,
-        default=DEFAULT_SPEC["num_draft_tokens"],
-        help="tree nodes incl. the root",
-    )
+    p.add_argument("--draft-kind", choices=DRAFT_KINDS)
+    add_spec_args(p)
     p.add_argument(
         "--attention-backend", choices=["torch", "triton", "flashinfer"], default="torch"
     )
@@ -42,6 +32,22 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "--disable-cuda-graph",
         action="store_true",
         help="run decode / verify / draft steps eagerly (graphs are only ever used on CUDA)",
+    )
+
+
+def add_spec_args(p: argparse.ArgumentParser) -> None:
+    """The speculation shape: ``--num-steps --topk --num-draft-tokens``."""
+    p.add_argument(
+        "--num-steps", type=int, default=DEFAULT_SPEC["num_steps"], help="draft steps (tree depth)"
+    )
+    p.add_argument(
+        "--topk", type=int, default=DEFAULT_SPEC["topk"], help="branching per draft step"
+    )
+    p.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        default=DEFAULT_SPEC["num_draft_tokens"],
+        help="tree nodes incl. the root",
     )
 
 

@@ -6,12 +6,14 @@ import argparse
 import json
 from pathlib import Path
 
+from specmesh.draft_service.runtime import DRAFT_KINDS
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("make-tiny", help="write a tiny random target (and draft) checkpoint")
     p.add_argument("out_dir", metavar="OUT_DIR")
     p.add_argument("--arch", choices=["llama", "qwen2", "qwen3"], default="llama")
-    p.add_argument("--draft-kind", choices=["eagle3", "eagle", "mtp", "standalone", "ngram"])
+    p.add_argument("--draft-kind", choices=DRAFT_KINDS)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(run=run_tiny)
     p = sub.add_parser(

@@ -12,7 +12,7 @@ import asyncio
 import dataclasses
 import sys
 
-from specmesh.cmd_generate import DEFAULT_SPEC
+from specmesh.cmd_generate import add_spec_args
 from specmesh.draft_service.runtime import DRAFT_KINDS, DraftConfig
 from specmesh.router.core import RouterConfig
 from specmesh.runtime.codec import GRPC_MAX_MESSAGE_BYTES
@@ -100,18 +100,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="the target checkpoint (embeddings, tokenizer)",
     )
     p.add_argument("--kind", required=True, choices=DRAFT_KINDS)
-    p.add_argument(
-        "--num-steps", type=int, default=DEFAULT_SPEC["num_steps"], help="draft steps (tree depth)"
-    )
-    p.add_argument(
-        "--topk", type=int, default=DEFAULT_SPEC["topk"], help="branching per draft step"
-    )
-    p.add_argument(
-        "--num-draft-tokens",
-        type=int,
-        default=DEFAULT_SPEC["num_draft_tokens"],
-        help="tree nodes incl. the root",
-    )
+    add_spec_args(p)
     add_listen_args(p, PORTS["draft"])
     add_runtime_args(p, DraftConfig)
     p.set_defaults(run=run_draft)

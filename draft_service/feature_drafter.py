@@ -30,6 +30,16 @@ class ExtendInput:
     new: bool = False  # first extend of the request (after prefill)
 
 
+def check_features(inp: ExtendInput, feature: str) -> None:
+    """One feature row per committed token, or a precise error."""
+    if inp.features is None or inp.features.shape[0] != len(inp.committed_ids):
+        got = None if inp.features is None else inp.features.shape[0]
+        raise InvalidRequestError(
+            f"request {inp.rid!r}: extend needs {len(inp.committed_ids)} feature rows "
+            f"({feature}), got {got}"
+        )
+
+
 def rotated_rows(
     inp: ExtendInput, embed: torch.nn.Module
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -67,12 +77,7 @@ class FeatureDrafter(TreeDrafter):
     def extend(self, inputs: list[ExtendInput]) -> None:
         items, feats = [], []
         for inp in inputs:
-            if inp.features is None or inp.features.shape[0] != len(inp.committed_ids):
-                got = None if inp.features is None else inp.features.shape[0]
-                raise InvalidRequestError(
-                    f"request {inp.rid!r}: extend needs {len(inp.committed_ids)} feature rows "
-                    f"({self.feature}), got {got}"
-                )
+            check_features(inp, self.feature)
             ids, embeds = rotated_rows(inp, self.net.embed)
             if inp.new:  # only after every check, so a rejected extend leaves no KV row behind
                 self.cache.add(inp.rid)

@@ -38,10 +38,9 @@ from __future__ import annotations
 import torch
 
 from specmesh.draft_service.drafter import RootState, SpecParams, TreeDrafter, forward_draft
-from specmesh.draft_service.feature_drafter import ExtendInput, rotated_rows
+from specmesh.draft_service.feature_drafter import ExtendInput, check_features, rotated_rows
 from specmesh.draft_service.models.mtp import MTPDraft
 from specmesh.runtime.attention.base import AttentionBackend
-from specmesh.runtime.errors import InvalidRequestError
 from specmesh.runtime.kv_cache import KVCache
 from specmesh.runtime.model_runner import BatchItem
 from specmesh.runtime.models.layers import KVPair
@@ -96,12 +95,7 @@ class MTPDrafter(TreeDrafter):
     def extend(self, inputs: list[ExtendInput]) -> None:
         items, feats = [], []
         for inp in inputs:
-            if inp.features is None or inp.features.shape[0] != len(inp.committed_ids):
-                got = None if inp.features is None else inp.features.shape[0]
-                raise InvalidRequestError(
-                    f"request {inp.rid!r}: extend needs {len(inp.committed_ids)} feature rows "
-                    f"({self.feature}), got {got}"
-                )
+            check_features(inp, self.feature)
             ids, embeds = rotated_rows(inp, self.net.embed)  # validates before any state changes
             if inp.new:
                 self.cache.add(inp.rid)

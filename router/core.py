@@ -42,6 +42,7 @@ class RouterConfig:
     draft_timeout_s: float = 10.0  # a slower draft step counts as a draft failure
     draft_cooldown_s: float = 5.0  # circuit breaker: how long a failed draft is left alone
     max_replays: int = 2  # target failovers per request before UNAVAILABLE
+    target_cooldown_s: float = 10.0  # a failed target replica gets no new requests this long
 
 
 class RouterCore:
@@ -55,13 +56,19 @@ class RouterCore:
             raise ValueError("the router needs at least one target")
         self.targets, self.drafts, self.cfg = targets, drafts, cfg
         self.breakers = {d.name: CircuitBreaker(cfg.draft_cooldown_s) for d in drafts}
-        self.dead_targets: set[str] = set()
+        # A target that failed is left alone for a while, then tried again (it may have
+        # restarted); its requests were replayed elsewhere meanwhile.
+        self.target_breakers = {t.name: CircuitBreaker(cfg.target_cooldown_s) for t in targets}
         self.load: dict[str, int] = {c.name: 0 for c in [*targets, *drafts]}
         self.waiting: asyncio.Queue[Request] = asyncio.Queue()
         self.streams: dict[str, asyncio.Queue] = {}
         self.requests: dict[str, Request] = {}
         self.rounds = RoundRunner(self)
         self._workers: list[asyncio.Task] = []
+
+    @property
+    def num_live_targets(self) -> int:
+        return sum(b.allows() for b in self.target_breakers.values())
 
     @property
     def info(self) -> TargetInfo:
@@ -142,7 +149,7 @@ class RouterCore:
 
     # -- placement -----------------------------------------------------------------------------
     def place(self, req: Request) -> None:
-        live = [t for t in self.targets if t.name not in self.dead_targets]
+        live = [t for t in self.targets if self.target_breakers[t.name].allows()]
         if not live:
             raise ServiceDownError("no target replica is available")
         req.target = min(live, key=lambda c: self.load[c.name])

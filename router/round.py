@@ -70,7 +70,7 @@ class RoundRunner:
         try:
             return await call
         except ServiceDownError as e:
-            self.core.dead_targets.add(reqs[0].target.name)
+            self.core.target_breakers[reqs[0].target.name].record_failure()
             for r in reqs:
                 r.replays += 1
                 if r.replays > self.core.cfg.max_replays:

@@ -74,7 +74,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             num_steps=draft.num_steps if draft else 0,
             topk=draft.topk if draft else 0,
             num_draft_tokens=draft.num_draft_tokens if draft else 0,
-            num_target_replicas=len(core.targets) - len(core.dead_targets),
+            num_target_replicas=core.num_live_targets,
             num_draft_replicas=sum(core.breakers[d.name].allows() for d in core.drafts),
             version=__version__,
             supports_images=target.supports_images,

@@ -41,9 +41,11 @@ log = logging.getLogger(__name__)
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # Servers accept pings as often as clients send them (clients ping every 30 s, idle or not).
+# Without this a long idle stream gets GOAWAY "too_many_pings" (the default minimum is 5 min).
 SERVER_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.http2.max_ping_strikes", 0),
 ]
 # Fast reconnects: a restarted replica is usable again within ~1 s, not after a 120 s backoff.
 CHANNEL_OPTIONS = [
