@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 from specmesh.kernels.compaction import compact_accepted
-from specmesh.kernels.tree_verify import verify_tree_greedy, verify_tree_sampling
 from specmesh.runtime.attention.torch_backend import make_backend
+from specmesh.runtime.config import parse_dtype
 from specmesh.runtime.errors import (
     DuplicateRequestError,
     InvalidRequestError,
@@ -27,8 +27,9 @@ from specmesh.runtime.graph_runner import graphs_enabled
 from specmesh.runtime.kv_cache import KVCache
 from specmesh.runtime.model_runner import BatchItem, run_batch
 from specmesh.runtime.models.causal_lm import AuxLayers, CausalLM, ModelOutput, load_causal_lm
-from specmesh.runtime.sampling import SamplingParams, processed_probs, sample_tokens, uniforms
+from specmesh.runtime.sampling import SamplingParams, sample_tokens
 from specmesh.runtime.tree import Tree
+from specmesh.target_service.acceptance import accept_trees, padded_row_index
 from specmesh.target_service.graphs import TargetGraphs
 from specmesh.target_service.llava import ImageEncoder, is_llava_checkpoint, load_llava
 from specmesh.target_service.multimodal import merge_images
@@ -88,11 +89,7 @@ class StepOutput:
 class TargetRuntime:
     def __init__(self, cfg: TargetConfig, model: CausalLM | None = None) -> None:
         self.cfg = cfg
-        dtype = (
-            None
-            if cfg.dtype is None
-            else {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.dtype]
-        )
+        dtype = None if cfg.dtype is None else parse_dtype(cfg.dtype)
         self.mm: ImageEncoder | None = None  # vision tower + projector of a LLaVA target
         if model is None and is_llava_checkpoint(cfg.model_dir):
             model, self.mm = load_llava(cfg.model_dir, dtype=dtype, device=cfg.device)
@@ -168,7 +165,7 @@ class TargetRuntime:
         if not ok:
             return out
         outputs = self._extend_chunked(ok)
-        last_rows = torch.tensor(list(_cumsum([len(i.input_ids) for i in ok]))) - 1
+        last_rows = torch.tensor(list(itertools.accumulate([len(i.input_ids) for i in ok]))) - 1
         logits = self.model.compute_logits(outputs.hidden[last_rows])
         first = sample_tokens(logits, [i.params for i in ok], [i.sample_offset for i in ok])
         for inp, tok in zip(ok, first.tolist(), strict=True):
@@ -291,9 +288,9 @@ class TargetRuntime:
         else:
             res = run_batch(self.model, self.cache, self.backend, items)
         n_max = max(i.tree.num_nodes for i in inputs)
-        result = self._accept(inputs, self.model.compute_logits(res.hidden), n_max)
+        result = accept_trees(inputs, self.model.compute_logits(res.hidden), n_max)
         flat, _ = compact_accepted(result.accept_path, result.accept_len)
-        row_of = _padded_row_index([i.tree.num_nodes for i in inputs], n_max)
+        row_of = padded_row_index([i.tree.num_nodes for i in inputs], n_max)
         out = StepOutput(features=self._features(res.select(row_of[flat])))
         for b, inp in enumerate(inputs):
             path = result.accept_path[b, : result.accept_len[b]].tolist()
@@ -303,29 +300,6 @@ class TargetRuntime:
             out.row_counts[inp.rid] = len(path)
             self.pending[inp.rid] = bonus
         return out
-
-    def _accept(self, inputs: list[VerifyInput], logits: torch.Tensor, n_max: int):
-        bs = len(inputs)
-        tokens = torch.zeros(bs, n_max, dtype=torch.int64)
-        first_child = torch.full((bs, n_max), -1, dtype=torch.int64)
-        next_sibling = torch.full((bs, n_max), -1, dtype=torch.int64)
-        for b, inp in enumerate(inputs):
-            n = inp.tree.num_nodes
-            tokens[b, :n], first_child[b, :n], next_sibling[b, :n] = (
-                inp.tree.tokens,
-                inp.tree.first_child,
-                inp.tree.next_sibling,
-            )
-        counts = [i.tree.num_nodes for i in inputs]
-        padded = _pad_rows(logits, counts, n_max)  # [bs, n_max, vocab]
-        if all(i.params.greedy for i in inputs):
-            return verify_tree_greedy(tokens, first_child, next_sibling, padded.argmax(-1))
-        params = [i.params for i in inputs for _ in range(n_max)]
-        probs = processed_probs(padded.flatten(0, 1), params).view(bs, n_max, -1)
-        rand = [uniforms(i.params.seed or 0, i.sample_offset, n_max + 1) for i in inputs]
-        accept_u = torch.stack([r[:n_max] for r in rand])
-        final_u = torch.stack([r[n_max] for r in rand])
-        return verify_tree_sampling(tokens, first_child, next_sibling, probs, accept_u, final_u)
 
     def _features(self, res: ModelOutput) -> torch.Tensor | None:
         return {
@@ -343,16 +317,8 @@ class TargetRuntime:
         self.pending.pop(rid, None)
 
 
-def _cumsum(xs: list[int]) -> list[int]:
-    total, out = 0, []
-    for x in xs:
-        total += x
-        out.append(total)
-    return out
-
-
 def _split_rows(res: ModelOutput, counts: list[int]) -> list[ModelOutput]:
-    bounds = [0, *_cumsum(counts)]
+    bounds = [0, *itertools.accumulate(counts)]
     return [res.select(slice(a, b)) for a, b in itertools.pairwise(bounds)]
 
 
@@ -361,17 +327,3 @@ def _concat_outputs(parts: list[ModelOutput]) -> ModelOutput:
         None if getattr(parts[0], name) is None else torch.cat([getattr(p, name) for p in parts])
     )
     return ModelOutput(**{name: cat(name) for name in vars(parts[0])})
-
-
-def _padded_row_index(counts: list[int], n_max: int) -> torch.Tensor:
-    """Map padded position ``b * n_max + i`` to the flat row of node i of request b."""
-    starts = [0, *_cumsum(counts)][:-1]
-    idx = torch.zeros(len(counts) * n_max, dtype=torch.int64)
-    for b, (s, n) in enumerate(zip(starts, counts, strict=True)):
-        idx[b * n_max : b * n_max + n] = torch.arange(s, s + n)
-    return idx
-
-
-def _pad_rows(x: torch.Tensor, counts: list[int], n_max: int) -> torch.Tensor:
-    idx = _padded_row_index(counts, n_max)
-    return x[idx].view(len(counts), n_max, *x.shape[1:])
