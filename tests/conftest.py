@@ -55,3 +55,11 @@ def hf_greedy(
 @pytest.fixture(scope="session")
 def oracle():
     return hf_greedy
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_dir: Path, oracle):
+    """In-process gRPC stack (target, EAGLE-3 draft, router) shared by a test module."""
+    from grpc_harness import open_stack
+
+    yield from open_stack(tiny_dir, oracle)

@@ -5,15 +5,20 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import SimpleNamespace
 
+from specmesh.client import GenerationClient
 from specmesh.draft_service import server as draft_server
-from specmesh.draft_service.runtime import DraftRuntime
+from specmesh.draft_service.drafter import SpecParams
+from specmesh.draft_service.runtime import DraftConfig, DraftRuntime, load_draft
 from specmesh.router.core import RouterConfig
 from specmesh.router.server import RouterService, RouterSettings
 from specmesh.router.service_common import start_model
 from specmesh.runtime.sampling import SamplingParams
 from specmesh.target_service import server as target_server
-from specmesh.target_service.runtime import TargetRuntime
+from specmesh.target_service.runtime import TargetConfig, TargetRuntime
 from specmesh.v1 import draft_pb2_grpc, target_pb2_grpc
 
 
@@ -78,3 +83,26 @@ def collect(responses) -> tuple[list[int], str, object]:
 
 def greedy(n: int) -> SamplingParams:
     return SamplingParams(max_new_tokens=n, ignore_eos=True)
+
+
+SPEC = SpecParams(3, 2, 6)
+
+
+def open_stack(tiny_dir: Path, oracle: Callable) -> Iterator[SimpleNamespace]:
+    """Target (tiny Llama), EAGLE-3 draft and router servers, plus a client; torn down after."""
+    target_dir, draft_dir = str(tiny_dir / "target"), str(tiny_dir / "draft")
+    loop = LoopThread()
+    target = loop.run(serve_target(TargetRuntime(TargetConfig(target_dir))))
+    eagle3 = load_draft(DraftConfig("eagle3", draft_dir, target_dir, SPEC))
+    draft = loop.run(serve_draft(eagle3))
+    router = loop.run(serve_router(target, draft))
+    client = GenerationClient(f"127.0.0.1:{router.port}")
+    s = SimpleNamespace(loop=loop, target=target, draft=draft, router=router, client=client)
+    s.dirs = SimpleNamespace(target=target_dir, draft=draft_dir)
+    s.expected = lambda prompt, n: oracle(target_dir, prompt, n)
+    yield s
+    client.close()
+    loop.run(router.stop(0.5))
+    for servicer in (target, draft):
+        loop.run(servicer.host.shutdown(0.5))
+    loop.close()

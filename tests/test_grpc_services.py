@@ -12,11 +12,11 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import grpc
 import pytest
 from grpc_harness import (
+    SPEC,
     LoopThread,
     collect,
     count_batches,
@@ -32,14 +32,10 @@ from specmesh.client import GenerationClient
 from specmesh.draft_service.drafter import SpecParams
 from specmesh.draft_service.runtime import DraftConfig, DraftRuntime, load_draft
 from specmesh.router.service_common import check_health
-from specmesh.runtime.codec import split_hidden_states
 from specmesh.runtime.models.causal_lm import AuxLayers
-from specmesh.runtime.sampling import SamplingParams
 from specmesh.runtime.tree import Tree
 from specmesh.target_service.runtime import TargetConfig, TargetRuntime
-from specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
-SPEC = SpecParams(3, 2, 6)
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [40, 41, 42, 43, 44, 45, 46, 47, 48], [90]]
 CODE = grpc.StatusCode
 
@@ -75,26 +71,6 @@ class OracleDrafter:
 
     def release(self, rid: str) -> None:
         self.history.pop(rid)
-
-
-@pytest.fixture(scope="module")
-def stack(tiny_dir: Path, oracle):
-    target_dir, draft_dir = str(tiny_dir / "target"), str(tiny_dir / "draft")
-    loop = LoopThread()
-    target = loop.run(serve_target(TargetRuntime(TargetConfig(target_dir))))
-    eagle3 = load_draft(DraftConfig("eagle3", draft_dir, target_dir, SPEC))
-    draft = loop.run(serve_draft(eagle3))
-    router = loop.run(serve_router(target, draft))
-    client = GenerationClient(f"127.0.0.1:{router.port}")
-    s = SimpleNamespace(loop=loop, target=target, draft=draft, router=router, client=client)
-    s.dirs = SimpleNamespace(target=target_dir, draft=draft_dir)
-    s.expected = lambda prompt, n: oracle(target_dir, prompt, n)
-    yield s
-    client.close()
-    loop.run(router.stop(0.5))
-    for servicer in (target, draft):
-        loop.run(servicer.host.shutdown(0.5))
-    loop.close()
 
 
 def wait_until(predicate, timeout_s: float = 5.0) -> bool:
@@ -213,171 +189,6 @@ def test_losing_the_only_target_is_unavailable_after_the_streamed_tokens(stack) 
             assert client.info().num_target_replicas == 0
     finally:
         stack.loop.run(router.stop(0.5))
-
-
-# -- statuses ----------------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    ("kwargs", "code"),
-    [
-        ({}, CODE.INVALID_ARGUMENT),  # neither prompt nor ids
-        ({"prompt": "x", "prompt_token_ids": [5]}, CODE.INVALID_ARGUMENT),
-        ({"prompt_token_ids": [5, 320]}, CODE.INVALID_ARGUMENT),  # out of vocabulary
-        ({"prompt_token_ids": [5] * 5000}, CODE.INVALID_ARGUMENT),  # over max_context
-        (
-            {"prompt_token_ids": [5], "sampling": SamplingParams(temperature=-1.0)},
-            CODE.INVALID_ARGUMENT,
-        ),
-        ({"prompt_token_ids": [5], "sampling": SamplingParams(top_p=1.5)}, CODE.INVALID_ARGUMENT),
-        (
-            {"prompt_token_ids": [5], "sampling": SamplingParams(max_new_tokens=5000)},
-            CODE.INVALID_ARGUMENT,
-        ),
-        ({"prompt_token_ids": [5], "images": [b"\x89PNG"]}, CODE.INVALID_ARGUMENT),
-    ],
-    ids=[
-        "no-prompt",
-        "both-prompts",
-        "oov",
-        "too-long",
-        "temperature",
-        "top-p",
-        "max-new",
-        "images",
-    ],
-)
-def test_bad_public_requests_get_their_status(stack, kwargs: dict, code) -> None:
-    with pytest.raises(grpc.RpcError) as e:
-        collect(stack.client.generate(**kwargs))
-    assert e.value.code() == code, e.value.details()
-    assert collect(stack.client.generate(prompt_token_ids=[5, 6], sampling=greedy(3)))[0]
-
-
-def test_bad_top_k_on_the_wire(stack) -> None:
-    from specmesh.v1 import generation_pb2
-
-    with pytest.raises(grpc.RpcError) as e:
-        collect(
-            stack.client.generate(
-                prompt_token_ids=[5], sampling=generation_pb2.SamplingParams(top_k=-2)
-            )
-        )
-    assert e.value.code() == CODE.INVALID_ARGUMENT and "top_k" in e.value.details()
-
-
-def test_duplicate_request_id_is_already_exists(stack) -> None:
-    first = stack.client.generate(prompt_token_ids=[5, 6], sampling=greedy(400), request_id="dup")
-    next(iter(first))
-    with pytest.raises(grpc.RpcError) as e:
-        collect(stack.client.generate(prompt_token_ids=[5], request_id="dup"))
-    assert e.value.code() == CODE.ALREADY_EXISTS
-    first.cancel()
-
-
-def _prefill(rid: str, ids: list[int]) -> target_pb2.TargetStepRequest:
-    req = target_pb2.PrefillRequest(request_id=rid, input_ids=ids)
-    req.sampling.max_new_tokens = 4
-    return target_pb2.TargetStepRequest(prefill=target_pb2.PrefillBatch(requests=[req]))
-
-
-def _verify(rid: str, tokens: list[int]) -> target_pb2.TargetStepRequest:
-    tree = {"tokens": tokens, "parents": list(range(-1, len(tokens) - 1))}
-    batch = target_pb2.VerifyBatch(requests=[target_pb2.VerifyRequest(request_id=rid, tree=tree)])
-    return target_pb2.TargetStepRequest(verify=batch)
-
-
-def test_target_step_statuses_keep_the_stream_alive(stack) -> None:
-    batches = [
-        _verify("ghost", [5]),  # unknown id
-        _prefill("a", [5, 6, 7]),
-        _prefill("a", [5, 6]),  # duplicate
-        _prefill("b", [5, 999]),  # out of vocabulary
-        _prefill("c", []),  # empty
-        target_pb2.TargetStepRequest(),  # no work
-        _verify("a", [5, 6]),  # root is not the pending token
-        _prefill("d", [9, 10]),  # still serving
-    ]
-    for i, b in enumerate(batches):
-        b.batch_id = i + 1
-    with grpc.insecure_channel(f"127.0.0.1:{stack.target.host.port}") as channel:
-        stub = target_pb2_grpc.TargetStub(channel)
-        out = list(stub.Step(iter(batches), timeout=30))
-        assert [o.batch_id for o in out] == [b.batch_id for b in batches]
-        codes = [o.status.code or o.results[0].status.code for o in out]
-        assert codes == [5, 0, 6, 3, 3, 3, 3, 0]
-        assert "pending token" in out[6].results[0].status.message
-        assert out[7].results[0].token_ids and list(out[7].states.row_counts) == [2]
-        # a broken framing ends that stream only
-        bad = target_pb2.TargetStepRequest(batch_id=9, chunk_index=1)
-        with pytest.raises(grpc.RpcError) as e:
-            list(stub.Step(iter([bad]), timeout=10))
-        assert e.value.code() == CODE.INVALID_ARGUMENT and "chunk 1" in e.value.details()
-        rel = stub.Release(common_pb2.ReleaseRequest(request_ids=["d", "a", "ghost"]), timeout=10)
-        assert rel.num_released == 1 and list(rel.unknown_request_ids) == ["a", "ghost"]
-    assert not stack.target.runtime.cache.requests
-
-
-def _extend(rid: str, ids: list[int], width: int, *, start: bool = True, position: int = 0):
-    import torch
-
-    feats = torch.randn(len(ids), width)
-    states = split_hidden_states([len(ids)], {"aux_hidden": feats})[0]
-    req = draft_pb2.ExtendRequest(
-        request_id=rid, token_ids=ids, starts_request=start, start_position=position
-    )
-    batch = draft_pb2.ExtendBatch(requests=[req], states=states, propose_after=True)
-    return draft_pb2.DraftStepRequest(extend=batch)
-
-
-def test_draft_step_statuses_and_malformed_tensors(stack) -> None:
-    mc = stack.target.runtime.model_config
-    width = 3 * mc.hidden_size
-    short, bad_dtype, bad_rank = (_extend("m", [5, 6], width) for _ in range(3))
-    short.extend.states.aux_hidden.data = short.extend.states.aux_hidden.data[:-4]
-    bad_dtype.extend.states.aux_hidden.dtype = "fp8"
-    del bad_rank.extend.states.aux_hidden.shape[:]
-    bad_rank.extend.states.aux_hidden.shape.extend([2, 3, mc.hidden_size])
-    propose = draft_pb2.ProposeBatch(requests=[draft_pb2.ProposeRequest(request_id="ghost")])
-    batches = [
-        short,
-        bad_dtype,
-        bad_rank,
-        draft_pb2.DraftStepRequest(propose=propose),  # unknown id
-        _extend("ghost", [5], width, start=False, position=3),  # unknown id
-        _extend("x", [5, 6, 7], width),  # good: extends and proposes
-        _extend("x", [8], width),  # starts a request it holds
-        _extend("x", [8], width, start=False, position=1),  # wrong start_position
-        _extend("x", [8, 9], width, start=False, position=3),  # good
-    ]
-    for i, b in enumerate(batches):
-        b.batch_id = i + 1
-    with grpc.insecure_channel(f"127.0.0.1:{stack.draft.host.port}") as channel:
-        stub = draft_pb2_grpc.DraftStub(channel)
-        out = list(stub.Step(iter(batches), timeout=30))
-        codes = [o.status.code or o.results[0].status.code for o in out]
-        assert codes == [3, 3, 3, 5, 5, 0, 6, 9, 0]
-        assert "bytes but shape" in out[0].status.message
-        assert "unknown dtype 'fp8'" in out[1].status.message
-        assert "expected [rows, 192]" in out[2].status.message
-        assert out[5].results[0].tree.tokens[0] == 7 and out[5].results[0].committed_len == 3
-        assert out[8].results[0].committed_len == 5
-        stub.Release(common_pb2.ReleaseRequest(request_ids=["x"]), timeout=10)
-    assert not stack.draft.runtime.drafter.cache.requests and not stack.draft.positions
-
-
-def test_full_kv_cache_is_resource_exhausted(stack) -> None:
-    small = TargetRuntime(TargetConfig(stack.dirs.target, num_kv_slots=16, max_context=64))
-    target = stack.loop.run(serve_target(small))
-    router = stack.loop.run(serve_router(target))
-    try:
-        with GenerationClient(f"127.0.0.1:{router.port}") as client:
-            with pytest.raises(grpc.RpcError) as e:
-                collect(client.generate(prompt_token_ids=list(range(5, 25)), sampling=greedy(4)))
-            assert e.value.code() == CODE.RESOURCE_EXHAUSTED, e.value.details()
-            ids = collect(client.generate(prompt_token_ids=[5, 6, 7], sampling=greedy(6)))[0]
-            assert ids == stack.expected([5, 6, 7], 6)
-    finally:
-        stack.loop.run(router.stop(0.5))
-        stack.loop.run(target.host.shutdown(0.5))
 
 
 # -- health, reflection, restarts ----------------------------------------------------------------
