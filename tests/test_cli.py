@@ -1,0 +1,57 @@
+"""The command line contract: `make-tiny` writes loadable checkpoints for every draft kind,
+`generate --in-process --json` prints the documented fields and the transformers greedy tokens,
+bad flags are clear errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from specmesh.main import main
+
+
+def _generate(capsys: pytest.CaptureFixture, *args: str) -> dict:
+    assert main(["generate", "--in-process", "--json", *args]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "eagle", "mtp", "standalone"])
+def test_make_tiny_then_generate(tmp_path: Path, capsys, oracle, kind: str) -> None:
+    assert main(["make-tiny", str(tmp_path), "--draft-kind", kind]) == 0
+    paths = json.loads(capsys.readouterr().out)
+    assert paths == {"target": str(tmp_path / "target"), "draft": str(tmp_path / "draft")}
+    out = _generate(
+        capsys, "--target-model", paths["target"], "--draft-model", paths["draft"],
+        "--draft-kind", kind, "--num-steps", "3", "--topk", "2", "--num-draft-tokens", "5",
+        "--prompt-ids", "5,6,7,8", "--max-new-tokens", "10", "--ignore-eos",
+    )  # fmt: skip
+    assert out["token_ids"] == oracle(paths["target"], [5, 6, 7, 8], 10)
+    assert out["finish_reason"] == "length" and isinstance(out["text"], str)
+    assert out["accept_lens"] and out["mean_accept_len"] == pytest.approx(
+        sum(out["accept_lens"]) / len(out["accept_lens"])
+    )
+
+
+def test_generate_without_a_draft_and_with_a_stop(tiny_dir: Path, capsys, oracle) -> None:
+    target = str(tiny_dir / "target")
+    ref = oracle(target, [9, 10, 11], 12)
+    out = _generate(
+        capsys, "--target-model", target, "--prompt-ids", "9,10,11", "--max-new-tokens", "12",
+        "--stop-token-ids", str(ref[5]), "--ignore-eos",
+    )  # fmt: skip
+    assert out["token_ids"] == ref[: ref.index(ref[5]) + 1] and out["finish_reason"] == "stop"
+
+
+def test_bad_flags_are_clear_errors(tiny_dir: Path, capsys) -> None:
+    target = str(tiny_dir / "target")
+    assert main(["generate", "--in-process", "--target-model", target, "--prompt-ids", "1,x"]) == 2
+    assert "--prompt-ids must be comma-separated integers" in capsys.readouterr().err
+    args = ["generate", "--target-model", target, "--prompt-ids", "1", "--draft-kind"]
+    assert main([*args, "eagle3"]) == 2
+    assert "draft kind 'eagle3' needs --draft-model DIR" in capsys.readouterr().err
+    assert main([*args, "ngram", "--num-steps", "1", "--topk", "1", "--num-draft-tokens", "5"]) == 2
+    assert "num_draft_tokens 5" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["generate", "--prompt", "hi", "--draft-kind", "medusa"])
