@@ -287,8 +287,11 @@ class TargetRuntime:
             res = runner.run(items)
         else:
             res = run_batch(self.model, self.cache, self.backend, items)
+        logits = self.model.compute_logits(res.hidden)
+        if all(i.tree.num_nodes == 1 and i.params.greedy for i in inputs):
+            return self._greedy_decode(inputs, res, logits)
         n_max = max(i.tree.num_nodes for i in inputs)
-        result = accept_trees(inputs, self.model.compute_logits(res.hidden), n_max)
+        result = accept_trees(inputs, logits, n_max)
         flat, _ = compact_accepted(result.accept_path, result.accept_len)
         row_of = padded_row_index([i.tree.num_nodes for i in inputs], n_max)
         out = StepOutput(features=self._features(res.select(row_of[flat])))
@@ -299,6 +302,18 @@ class TargetRuntime:
             out.tokens[inp.rid] = [*inp.tree.tokens[path[1:]].tolist(), bonus]
             out.row_counts[inp.rid] = len(path)
             self.pending[inp.rid] = bonus
+        return out
+
+    def _greedy_decode(
+        self, inputs: list[VerifyInput], res: ModelOutput, logits: torch.Tensor
+    ) -> StepOutput:
+        """Plain greedy decoding (every tree is its root alone): the tree verifier would pick
+        the argmax and keep the one row, so do just that."""
+        out = StepOutput(features=self._features(res))
+        for inp, tok in zip(inputs, logits.argmax(-1).tolist(), strict=True):
+            self.cache.commit(inp.rid, self.cache.get(inp.rid).committed_len + 1)
+            out.tokens[inp.rid], out.row_counts[inp.rid] = [tok], 1
+            self.pending[inp.rid] = tok
         return out
 
     def _features(self, res: ModelOutput) -> torch.Tensor | None:
