@@ -56,10 +56,15 @@ class TorchBackend(AttentionBackend):
     ) -> torch.Tensor:
         bs, max_q = self.q_valid.shape
         num_heads, head_dim = q.shape[1], q.shape[2]
-        q_pad = q.new_zeros(bs, max_q, num_heads, head_dim)
-        q_pad[self.q_valid] = q
-        keys = k_pool[self.kv_slots].to(q.dtype)  # [bs, max_kv, kv_heads, head_dim]
-        values = v_pool[self.kv_slots].to(q.dtype)
+        if max_q == 1:  # decode: one query per request, nothing to pad
+            q_pad = q.view(bs, 1, num_heads, head_dim)
+        else:
+            q_pad = q.new_zeros(bs, max_q, num_heads, head_dim)
+            q_pad[self.q_valid] = q
+        flat = self.kv_slots.flatten()
+        shape = (*self.kv_slots.shape, *k_pool.shape[1:])
+        keys = k_pool.index_select(0, flat).view(shape).to(q.dtype)  # [bs, max_kv, kv_heads, dim]
+        values = v_pool.index_select(0, flat).view(shape).to(q.dtype)
         out = F.scaled_dot_product_attention(
             q_pad.transpose(1, 2),
             keys.transpose(1, 2),
@@ -68,7 +73,8 @@ class TorchBackend(AttentionBackend):
             scale=scale,
             enable_gqa=num_heads != keys.shape[2],  # grouped-query heads without copying K/V
         )
-        return out.transpose(1, 2)[self.q_valid]  # [num_tokens, heads, head_dim]
+        out = out.transpose(1, 2)  # [bs, max_q, heads, head_dim]
+        return out.reshape(bs, num_heads, head_dim) if max_q == 1 else out[self.q_valid]
 
 
 def make_backend(name: str) -> AttentionBackend:
