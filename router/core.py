@@ -43,6 +43,9 @@ class RouterConfig:
     draft_cooldown_s: float = 5.0  # circuit breaker: how long a failed draft is left alone
     max_replays: int = 2  # target failovers per request before UNAVAILABLE
     target_cooldown_s: float = 10.0  # a failed target replica gets no new requests this long
+    # A request that lost its draft is replayed (one prefill of its context) to speculate again
+    # once a draft has served a step successfully, if this many tokens are still to come.
+    resume_min_remaining: int = 32
 
 
 class RouterCore:
@@ -189,7 +192,21 @@ class RouterCore:
                 self.waiting.put_nowait(req)  # re-queued: _admit takes it with its siblings
                 continue
             await self._guarded(self.rounds.step, running)
+            await self._resume_speculation(running)
             running[:] = [r for r in running if self._owns(index, r)]
+
+    async def _resume_speculation(self, running: list[Request]) -> None:
+        """Requests that continued without speculation after a draft failure get a draft back
+        once one is proven healthy again (its breaker closed by a successful step): their draft
+        state can only be rebuilt from target features of the whole context, so they are
+        replayed like after a failover (nothing emitted is lost or repeated)."""
+        if not any(b.failures == 0 for b in self.breakers.values()):
+            return
+        for r in running:
+            remaining = r.params.max_new_tokens - r.num_generated
+            if r.speculate and r.draft is None and remaining >= self.cfg.resume_min_remaining:
+                await self.finish(r)
+                self.requeue(r)
 
     @staticmethod
     def _owns(index: int, r: Request) -> bool:

@@ -1,0 +1,61 @@
+"""After a draft failure, requests continue without speculation; once the draft serves a step
+successfully again, they are replayed with a draft and speculate again. Output is unchanged."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from specmesh.draft_service.drafter import SpecParams
+from specmesh.router.clients import InProcessDraft, InProcessTarget
+from specmesh.router.core import RouterConfig, RouterCore
+from specmesh.router.engine import Engine
+from specmesh.router.faults import ServiceDownError
+from specmesh.runtime.sampling import SamplingParams
+
+
+class FlakyDraft(InProcessDraft):
+    """Fails its second step (a mid-generation outage), then works."""
+
+    calls = 0
+
+    async def step(self, extends, propose=True):
+        self.calls += 1
+        if self.calls == 2:
+            raise ServiceDownError(f"{self.name}: connection reset")
+        return await super().step(extends, propose)
+
+
+def test_speculation_resumes_after_the_draft_recovers(tiny_dir: Path, oracle) -> None:
+    engine = Engine(
+        tiny_dir / "target", draft_model=tiny_dir / "target", draft_kind="standalone",
+        spec=SpecParams(3, 1, 4),
+    )  # fmt: skip
+    cfg = RouterConfig(draft_cooldown_s=0.05, resume_min_remaining=8, num_micro_batches=1)
+
+    async def scenario() -> tuple[list[int], list[int], int]:
+        draft = FlakyDraft(engine.draft)
+        core = RouterCore([InProcessTarget(engine.target)], [draft], cfg)
+        await core.start()
+        req = engine.make_request([5, 6, 7], SamplingParams(max_new_tokens=40, ignore_eos=True))
+        main = asyncio.create_task(_collect(core, req))
+        while draft.calls < 2:  # until the outage
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.06)  # the breaker's cooldown passes
+        # A new request gets the draft; its successful step closes the breaker.
+        await _collect(core, engine.make_request([9, 9], SamplingParams(max_new_tokens=2)))
+        tokens = await main
+        await core.stop()
+        return tokens, req.accept_lens, draft.calls
+
+    tokens, accept_lens, calls = asyncio.run(scenario())
+    assert tokens == oracle(tiny_dir / "target", [5, 6, 7], 40)
+    assert 1 in accept_lens, "the request decoded without speculation during the outage"
+    assert accept_lens[-2] == 4, (
+        f"speculation (self-draft: 3 + bonus) did not resume: {accept_lens}"
+    )
+    assert calls > 3
+
+
+async def _collect(core: RouterCore, req) -> list[int]:
+    return [t async for chunk in core.generate(req) for t in chunk.token_ids]
