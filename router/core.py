@@ -192,6 +192,7 @@ class RouterCore:
                 self.waiting.put_nowait(req)  # re-queued: _admit takes it with its siblings
                 continue
             await self._guarded(self.rounds.step, running)
+            running[:] = [r for r in running if self._owns(index, r)]
             await self._resume_speculation(running)
             running[:] = [r for r in running if self._owns(index, r)]
 
@@ -204,7 +205,8 @@ class RouterCore:
             return
         for r in running:
             remaining = r.params.max_new_tokens - r.num_generated
-            if r.speculate and r.draft is None and remaining >= self.cfg.resume_min_remaining:
+            lost_draft = r.speculate and r.draft is None and r.phase is Phase.RUNNING
+            if lost_draft and remaining >= self.cfg.resume_min_remaining:
                 await self.finish(r)
                 self.requeue(r)
 

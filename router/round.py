@@ -156,7 +156,8 @@ class RoundRunner:
         for r, _ in group:
             if r.rid in res.trees:
                 r.tree = res.trees[r.rid]
-            else:
+            else:  # the draft refused this request (e.g. images for an n-gram draft): for good
+                r.speculate = False
                 self._stop_speculating(r)
 
     def _stop_speculating(self, r: Request) -> None:
