@@ -206,7 +206,7 @@ class ClusterBackend:
     async def _stream(
         self, stub: Any, spec: RunSpec, ids: list[int], params: SamplingParams, trace: RequestTrace
     ) -> None:
-        from specmesh.router.service_common import sampling_to_pb
+        from specmesh.router.wire import sampling_to_pb
         from specmesh.v1 import generation_pb2
 
         request = generation_pb2.GenerateRequest(

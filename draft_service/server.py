@@ -18,7 +18,8 @@ from specmesh import __version__
 from specmesh.draft_service.feature_drafter import ExtendInput
 from specmesh.draft_service.runtime import DraftRuntime
 from specmesh.router.clients import DraftStepResult
-from specmesh.router.service_common import ModelServicer, ServiceHost, status_pb
+from specmesh.router.service_common import ModelServicer, ServiceHost
+from specmesh.router.wire import status_pb
 from specmesh.runtime.codec import DTYPE_NAMES, TensorError, join_hidden_states
 from specmesh.runtime.config import parse_dtype
 from specmesh.runtime.errors import (

@@ -24,10 +24,10 @@ import torch
 from specmesh.draft_service.feature_drafter import ExtendInput
 from specmesh.router.clients import DraftInfo, DraftStepResult, TargetInfo
 from specmesh.router.faults import ServiceDownError
-from specmesh.router.service_common import (
+from specmesh.router.service_common import channel_options
+from specmesh.router.wire import (
     FramingError,
     Reassembler,
-    channel_options,
     error_from_rpc,
     error_from_status,
     frame,

@@ -24,7 +24,8 @@ from specmesh.router.core import RouterConfig, RouterCore
 from specmesh.router.detokenizer import Detokenizer
 from specmesh.router.grpc_clients import GrpcDraftClient, GrpcTargetClient
 from specmesh.router.request import Chunk, Request
-from specmesh.router.service_common import ServiceHost, abort_with, sampling_from_pb
+from specmesh.router.service_common import ServiceHost
+from specmesh.router.wire import abort_with, sampling_from_pb
 from specmesh.runtime.codec import GRPC_MAX_MESSAGE_BYTES
 from specmesh.runtime.errors import InvalidRequestError, SpecmeshError
 from specmesh.runtime.tokenizer import load_tokenizer, resolve_seed

@@ -4,12 +4,9 @@
   (``""`` = the process is up, the service's full name = ready to serve) and reflection; on
   SIGTERM / SIGINT it turns NOT_SERVING, refuses new work, drains in-flight work for a grace
   period, then stops (DESIGN.md §3).
-- Errors <-> statuses, both directions: an exception's ``grpc_code`` (runtime/errors.py) names
-  its status; a status read back becomes the matching exception, so the router core handles a
-  remote failure exactly like an in-process one.
-- Step framing: a logical batch travels as consecutive chunks (chunk_index 0, 1, ...;
-  more_chunks on all but the last); `frame` stamps them, `Reassembler` checks and regroups them.
-- Sampling parameters: wire message <-> runtime dataclass, with the wire's zero defaults.
+- `ModelServicer`: the Step / Release / GetInfo loop of the target and draft services.
+- Channel options and `check_health` for clients. Statuses, framing and sampling conversion
+  live in `specmesh.router.wire`.
 """
 
 from __future__ import annotations
@@ -18,23 +15,18 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from specmesh.router.faults import ServiceDownError
+from specmesh.router.wire import frame, status_pb, step_batches
 from specmesh.runtime.codec import GRPC_MAX_MESSAGE_BYTES, grpc_message_options
 from specmesh.runtime.errors import (
-    DuplicateRequestError,
-    InvalidRequestError,
-    KVCacheFullError,
     SpecmeshError,
-    UnknownRequestError,
 )
-from specmesh.runtime.sampling import SamplingParams
-from specmesh.v1 import common_pb2, generation_pb2
+from specmesh.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 
@@ -56,139 +48,10 @@ CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 1_000),
 ]
-# A failed RPC with these codes means "the replica is gone or unreachable", not "bad request".
-DOWN_CODES = (
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.CANCELLED,
-)
-_ERROR_BY_CODE: dict[grpc.StatusCode, type[SpecmeshError]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequestError,
-    grpc.StatusCode.NOT_FOUND: UnknownRequestError,
-    grpc.StatusCode.ALREADY_EXISTS: DuplicateRequestError,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: KVCacheFullError,
-    **dict.fromkeys(DOWN_CODES, ServiceDownError),
-}
 
 
 def channel_options(max_message_bytes: int = GRPC_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
     return grpc_message_options(max_message_bytes) + CHANNEL_OPTIONS
-
-
-# -- errors ------------------------------------------------------------------------------------
-def status_code(exc: BaseException) -> grpc.StatusCode:
-    """The status an exception travels as: its ``grpc_code``, INVALID_ARGUMENT for any other
-    ``ValueError`` (codec and config errors), else INTERNAL."""
-    if isinstance(exc, SpecmeshError):
-        return grpc.StatusCode[exc.grpc_code]
-    if isinstance(exc, ValueError):
-        return grpc.StatusCode.INVALID_ARGUMENT
-    return grpc.StatusCode.INTERNAL
-
-
-def status_pb(exc: BaseException) -> common_pb2.Status:
-    return common_pb2.Status(code=status_code(exc).value[0], message=str(exc))
-
-
-def error_from_status(code: int | grpc.StatusCode, message: str) -> SpecmeshError:
-    """The exception a status stands for; a code without its own class keeps its name in the
-    instance's ``grpc_code`` so the router passes it on unchanged."""
-    if isinstance(code, int):
-        code = next(c for c in grpc.StatusCode if c.value[0] == code)
-    err = _ERROR_BY_CODE.get(code, SpecmeshError)(message)
-    err.grpc_code = code.name
-    return err
-
-
-def error_from_rpc(e: grpc.RpcError, peer: str) -> SpecmeshError:
-    return error_from_status(e.code(), f"{peer}: {e.details() or e.code().name}")
-
-
-async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
-    """End the RPC with the exception's status (raises, like ``context.abort``)."""
-    code = status_code(exc)
-    if code is grpc.StatusCode.INTERNAL:
-        log.error("internal error", exc_info=exc)
-    await context.abort(code, str(exc))
-
-
-# -- Step framing ------------------------------------------------------------------------------
-class FramingError(ValueError):
-    """Chunks out of order or interleaved across batches: the stream itself is broken."""
-
-
-def frame(messages: Sequence, batch_id: int) -> list:
-    """Stamp one batch's chunks with its id, their index and the more_chunks flag."""
-    for i, msg in enumerate(messages):
-        msg.batch_id, msg.chunk_index, msg.more_chunks = batch_id, i, i + 1 < len(messages)
-    return list(messages)
-
-
-class Reassembler:
-    """Collects the chunks of the batch in progress; `add` returns them all on the last."""
-
-    def __init__(self) -> None:
-        self.chunks: list = []
-
-    def add(self, msg) -> list | None:
-        expected = len(self.chunks)
-        if msg.chunk_index != expected or (self.chunks and msg.batch_id != self.chunks[0].batch_id):
-            head = self.chunks[0].batch_id if self.chunks else msg.batch_id
-            raise FramingError(
-                f"chunk {msg.chunk_index} of batch {msg.batch_id} arrived while chunk "
-                f"{expected} of batch {head} was expected"
-            )
-        self.chunks.append(msg)
-        if msg.more_chunks:
-            return None
-        done, self.chunks = self.chunks, []
-        return done
-
-
-async def step_batches(request_iterator, context: grpc.aio.ServicerContext) -> AsyncIterator[list]:
-    """Server side of a Step stream: yield each batch's chunks once complete; broken framing
-    ends the stream with INVALID_ARGUMENT."""
-    reassembler = Reassembler()
-    async for msg in request_iterator:
-        try:
-            chunks = reassembler.add(msg)
-        except FramingError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        if chunks is not None:
-            yield chunks
-
-
-# -- sampling ----------------------------------------------------------------------------------
-def sampling_from_pb(msg: generation_pb2.SamplingParams, default_max_new: int) -> SamplingParams:
-    """Wire -> runtime, applying the wire's zero defaults; range checks raise
-    `InvalidRequestError`."""
-    if msg.top_k < -1:
-        raise InvalidRequestError(f"top_k must be >= -1, got {msg.top_k}")
-    params = SamplingParams(
-        max_new_tokens=msg.max_new_tokens or default_max_new,
-        temperature=msg.temperature,
-        top_p=msg.top_p or 1.0,
-        top_k=max(msg.top_k, 0),
-        seed=msg.seed if msg.HasField("seed") else None,
-        stop=tuple(msg.stop),
-        stop_token_ids=tuple(msg.stop_token_ids),
-        ignore_eos=msg.ignore_eos,
-    )
-    params.validate()
-    return params
-
-
-def sampling_to_pb(params: SamplingParams) -> generation_pb2.SamplingParams:
-    return generation_pb2.SamplingParams(
-        max_new_tokens=params.max_new_tokens,
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k,
-        seed=params.seed,
-        stop=list(params.stop),
-        stop_token_ids=list(params.stop_token_ids),
-        ignore_eos=params.ignore_eos,
-    )
 
 
 # -- the server host ---------------------------------------------------------------------------

@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specmesh import __version__
-from specmesh.router.service_common import ModelServicer, ServiceHost, sampling_from_pb, status_pb
+from specmesh.router.service_common import ModelServicer, ServiceHost
+from specmesh.router.wire import sampling_from_pb, status_pb
 from specmesh.runtime.codec import DEFAULT_MAX_MESSAGE_BYTES, DTYPE_NAMES, split_hidden_states
 from specmesh.runtime.errors import InvalidRequestError, SpecmeshError, UnknownRequestError
 from specmesh.runtime.sampling import SamplingParams
