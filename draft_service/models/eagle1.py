@@ -18,10 +18,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from specmesh.draft_service.models.common import resolve_draft_base
 from specmesh.runtime.attention.base import AttentionBackend
-from specmesh.runtime.config import CheckpointError, ModelConfig, read_config_json
+from specmesh.runtime.config import ModelConfig, read_config_json
 from specmesh.runtime.loader import assign_parameters, load_tensors
-from specmesh.runtime.models.layers import AttentionShape, DecoderLayer, KVPair, Rotary
+from specmesh.runtime.models.layers import DecoderLayer, KVPair, Rotary, attention_shape
 
 EAGLE1_ARCHITECTURES = ("LlamaForCausalLM", "EagleLlamaForCausalLM", "LlamaForCausalLMEagle")
 
@@ -36,18 +37,6 @@ def parse_eagle1_config(draft_dir: str | Path) -> Eagle1Config:
     raw = read_config_json(draft_dir)
     base = ModelConfig.from_dict(raw, architectures=EAGLE1_ARCHITECTURES)
     return Eagle1Config(replace(base, num_layers=1), bool(raw.get("bias", False)))
-
-
-def attention_shape(cfg: ModelConfig) -> AttentionShape:
-    return AttentionShape(
-        cfg.hidden_size,
-        cfg.num_heads,
-        cfg.num_kv_heads,
-        cfg.head_dim,
-        cfg.qkv_bias,
-        cfg.qk_norm,
-        cfg.rms_norm_eps,
-    )
 
 
 class SharedHead:
@@ -101,13 +90,8 @@ def load_eagle1(
     draft_dir: str | Path, shared: SharedHead, *, dtype: torch.dtype | None = None
 ) -> Eagle1Draft:
     cfg = parse_eagle1_config(draft_dir)
-    if dtype is not None:
-        cfg = replace(cfg, base=replace(cfg.base, dtype=dtype))
-    if shared.embed_tokens.weight.shape[1] != cfg.base.hidden_size:
-        raise CheckpointError(
-            f"{draft_dir}: draft hidden size {cfg.base.hidden_size} differs from the target "
-            f"embedding width {shared.embed_tokens.weight.shape[1]}"
-        )
+    width = shared.embed_tokens.weight.shape[1]
+    cfg = replace(cfg, base=resolve_draft_base(draft_dir, cfg.base, dtype, width))
     model = Eagle1Draft(cfg, shared).to(cfg.base.dtype)
     model.rotary = Rotary(cfg.base.rope, cfg.base.head_dim)  # inv_freq stays fp32
     tensors = {k.removeprefix("model."): v for k, v in load_tensors(draft_dir).items()}

@@ -17,8 +17,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from specmesh.draft_service.models.common import resolve_draft_base
 from specmesh.runtime.attention.base import AttentionBackend
-from specmesh.runtime.config import CheckpointError, ModelConfig, read_config_json
+from specmesh.runtime.config import ModelConfig, read_config_json
 from specmesh.runtime.loader import assign_parameters, load_tensors
 from specmesh.runtime.models.causal_lm import AuxLayers
 from specmesh.runtime.models.layers import MLP, Attention, AttentionShape, KVPair, RMSNorm, Rotary
@@ -126,8 +127,8 @@ def load_eagle3(
     aux_convention: str = "output",
 ) -> Eagle3Draft:
     cfg = parse_eagle3_config(draft_dir, aux_convention)
-    if dtype is not None:
-        cfg = replace(cfg, base=replace(cfg.base, dtype=dtype))
+    width = embed_tokens.weight.shape[1]
+    cfg = replace(cfg, base=resolve_draft_base(draft_dir, cfg.base, dtype, width))
     model = Eagle3Draft(cfg, embed_tokens).to(cfg.base.dtype)
     tensors = {k.removeprefix("model."): v for k, v in load_tensors(draft_dir).items()}
     tensors = {
@@ -140,10 +141,6 @@ def load_eagle3(
         "d2t",
         tensors.pop("draft_id_to_target_id", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64)),
     )
-    if embed_tokens.weight.shape[1] != cfg.base.hidden_size:
-        raise CheckpointError(
-            f"{draft_dir}: draft hidden size {cfg.base.hidden_size} differs from the target embedding width {embed_tokens.weight.shape[1]}"
-        )
     assign_parameters(model, tensors, what=str(draft_dir))
     model.d2t.copy_(tensors["d2t"].to(torch.int64))
     return model.requires_grad_(False).eval()

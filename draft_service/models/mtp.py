@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specmesh.draft_service.models.eagle1 import SharedHead, attention_shape
+from specmesh.draft_service.models.common import resolve_draft_base
+from specmesh.draft_service.models.eagle1 import SharedHead
 from specmesh.runtime.attention.base import AttentionBackend
 from specmesh.runtime.config import (
     SUPPORTED_ARCHITECTURES,
@@ -37,7 +38,7 @@ from specmesh.runtime.config import (
     read_config_json,
 )
 from specmesh.runtime.loader import assign_parameters, load_tensors
-from specmesh.runtime.models.layers import DecoderLayer, KVPair, RMSNorm, Rotary
+from specmesh.runtime.models.layers import DecoderLayer, KVPair, RMSNorm, Rotary, attention_shape
 
 MTP_ARCHITECTURES = ("LlamaForCausalLMMTP", *SUPPORTED_ARCHITECTURES)
 
@@ -125,13 +126,8 @@ def load_mtp(
     draft_dir: str | Path, shared: SharedHead, *, dtype: torch.dtype | None = None
 ) -> MTPDraft:
     cfg = parse_mtp_config(draft_dir)
-    if dtype is not None:
-        cfg = replace(cfg, base=replace(cfg.base, dtype=dtype))
-    if shared.embed_tokens.weight.shape[1] != cfg.base.hidden_size:
-        raise CheckpointError(
-            f"{draft_dir}: MTP hidden size {cfg.base.hidden_size} differs from the target "
-            f"embedding width {shared.embed_tokens.weight.shape[1]}"
-        )
+    width = shared.embed_tokens.weight.shape[1]
+    cfg = replace(cfg, base=resolve_draft_base(draft_dir, cfg.base, dtype, width))
     model = MTPDraft(cfg, shared).to(cfg.base.dtype)
     model.rotary = Rotary(cfg.base.rope, cfg.base.head_dim)  # inv_freq stays fp32
     tensors = {}

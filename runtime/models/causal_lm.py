@@ -12,7 +12,7 @@ from torch import nn
 from specmesh.runtime.attention.base import AttentionBackend
 from specmesh.runtime.config import CheckpointError, ModelConfig, load_model_config
 from specmesh.runtime.loader import assign_parameters, load_tensors
-from specmesh.runtime.models.layers import AttentionShape, DecoderLayer, KVPair, RMSNorm, Rotary
+from specmesh.runtime.models.layers import DecoderLayer, KVPair, RMSNorm, Rotary, attention_shape
 
 
 @dataclass(frozen=True)
@@ -68,15 +68,7 @@ class ModelOutput:
 class _Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        shape = AttentionShape(
-            cfg.hidden_size,
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            cfg.qkv_bias,
-            cfg.qk_norm,
-            cfg.rms_norm_eps,
-        )
+        shape = attention_shape(cfg)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(shape, cfg.intermediate_size) for _ in range(cfg.num_layers)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specmesh.runtime.attention.base import AttentionBackend, store_kv
-from specmesh.runtime.config import RopeConfig
+from specmesh.runtime.config import ModelConfig, RopeConfig
 
 
 class RMSNorm(nn.Module):
@@ -82,6 +82,14 @@ class AttentionShape:
     qk_norm: bool = False
     rms_norm_eps: float = 1e-6
     input_size: int | None = None  # 2H for the EAGLE-3 midlayer, else hidden_size
+
+
+def attention_shape(cfg: ModelConfig) -> AttentionShape:
+    """The attention dimensions of a decoder layer of ``cfg`` (input width = hidden size)."""
+    return AttentionShape(
+        cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+        cfg.qkv_bias, cfg.qk_norm, cfg.rms_norm_eps,
+    )  # fmt: skip
 
 
 @dataclass
