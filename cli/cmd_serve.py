@@ -82,6 +82,12 @@ def add_runtime_args(p: argparse.ArgumentParser, cls: type) -> None:
         action="store_true",
         help="run decode / verify / draft steps eagerly (graphs are only ever used on CUDA)",
     )
+    p.add_argument(
+        "--cuda-graph-max-bs",
+        type=int,
+        default=_default(cls, "cuda_graph_max_bs"),
+        help="largest batch captured in CUDA graphs; bigger batches run eagerly",
+    )
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -89,6 +95,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", required=True, metavar="DIR", help="HF checkpoint dir")
     add_listen_args(p, PORTS["target"])
     add_runtime_args(p, TargetConfig)
+    p.add_argument(
+        "--cuda-graph-tree-sizes",
+        type=_int_list,
+        default=_default(TargetConfig, "cuda_graph_tree_sizes"),
+        metavar="N[,N...]",
+        help="verify tree sizes captured before ready: the drafts' --num-draft-tokens "
+        "(other sizes run eagerly)",
+    )
     p.set_defaults(run=run_target)
 
     p = sub.add_parser("draft", help="serve a draft model (specmesh.v1.Draft)")
@@ -164,6 +178,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run_health)
 
 
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N[,N...], got {text!r}") from None
+
+
 def _address(args: argparse.Namespace) -> str:
     return f"{args.host}:{args.port}"
 
@@ -173,6 +194,7 @@ def _runtime_kwargs(args: argparse.Namespace) -> dict:
         "dtype": args.dtype, "device": args.device, "attention_backend": args.attention_backend,
         "max_context": args.max_context, "num_kv_slots": args.num_kv_slots,
         "max_requests": args.max_requests, "cuda_graph": not args.disable_cuda_graph,
+        "cuda_graph_max_bs": args.cuda_graph_max_bs,
     }  # fmt: skip
 
 
@@ -184,7 +206,10 @@ def run_target(args: argparse.Namespace) -> int:
     from specmesh.v1 import target_pb2_grpc
 
     def load() -> TargetRuntime:
-        return TargetRuntime(TargetConfig(model_dir=args.model, **_runtime_kwargs(args)))
+        tree_sizes = {"cuda_graph_tree_sizes": args.cuda_graph_tree_sizes}
+        return TargetRuntime(
+            TargetConfig(model_dir=args.model, **_runtime_kwargs(args), **tree_sizes)
+        )
 
     async def main() -> None:
         servicer = server.make_servicer(_address(args), args.max_message_mb << 20)

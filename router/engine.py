@@ -48,9 +48,8 @@ class Engine:
         draft_config: dict | None = None,
         router_config: RouterConfig = RouterConfig(),
     ) -> None:
-        self.target = TargetRuntime(
-            TargetConfig(model_dir=str(target_model), **(target_config or {}))
-        )
+        tcfg = {"cuda_graph_tree_sizes": (spec.num_draft_tokens,), **(target_config or {})}
+        self.target = TargetRuntime(TargetConfig(model_dir=str(target_model), **tcfg))
         self.tokenizer = load_tokenizer(target_model)
         self.draft = None
         if draft_kind is not None:

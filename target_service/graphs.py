@@ -1,41 +1,50 @@
-"""The target's static-shape runners: one for decode (1 row per request), one per tree size for
-verify (``num_draft_tokens`` rows per request, tree mask). Decode is captured when the runtime is
-built, before the service reports ready; the target learns a tree size from its first verify
-batch, so that size's graphs are captured then (at most `MAX_VERIFY_SHAPES` sizes)."""
+"""The target's static-shape runners: one for decode (1 row per request) and one per declared tree
+size for verify (``num_draft_tokens`` rows per request, tree mask). All of them are captured when
+the runtime is built, before the service reports ready; a batch of another shape runs eagerly.
+
+CUDA graphs are captured with the EAGLE-3 aux layers switched on, so one capture serves every
+feature the drafts ask for (aux states, final hidden, or none): the replay always fills
+``aux_hidden`` and the runtime picks what a batch needs. Nothing is captured again when a draft
+comes or goes.
+"""
 
 from __future__ import annotations
 
 from specmesh.runtime.attention.base import AttentionBackend
 from specmesh.runtime.graph_runner import GraphRunner
-from specmesh.runtime.graph_sizes import decode_sizes, verify_sizes
+from specmesh.runtime.graph_sizes import GraphSizes, decode_sizes, verify_sizes
 from specmesh.runtime.kv_cache import KVCache
-from specmesh.runtime.model_runner import BatchItem, ForwardModel
-
-MAX_VERIFY_SHAPES = 4
+from specmesh.runtime.model_runner import BatchItem
+from specmesh.runtime.models.causal_lm import AuxLayers, CausalLM
 
 
 class TargetGraphs:
     def __init__(
         self,
-        model: ForwardModel,
+        model: CausalLM,
         cache: KVCache,
         backend: AttentionBackend,
         *,
         mode: str,
         max_bs: int,
+        tree_sizes: tuple[int, ...] = (),
+        aux: AuxLayers | None = None,
     ) -> None:
         self.model, self.cache, self.backend, self.mode = model, cache, backend, mode
         self.max_bs = min(max_bs, cache.req_to_slot.shape[0])
-        self.decode = self._runner(1)
-        self.verify: dict[int, GraphRunner] = {}
+        ctx = cache.max_context
+        for n in tree_sizes:
+            if not 2 <= n <= ctx:
+                raise ValueError(f"CUDA-graph tree size {n} must be in 2..max_context ({ctx})")
+        restore = model.aux_points
+        model.set_aux_layers(aux)
+        try:
+            self.decode = self._runner(decode_sizes(self.max_bs, ctx))
+            self.verify = {n: self._runner(verify_sizes(self.max_bs, n, ctx)) for n in tree_sizes}
+        finally:
+            model.aux_points = restore
 
-    def _runner(self, tokens_per_req: int) -> GraphRunner:
-        ctx = self.cache.max_context
-        sizes = (
-            decode_sizes(self.max_bs, ctx)
-            if tokens_per_req == 1
-            else verify_sizes(self.max_bs, tokens_per_req, ctx)
-        )
+    def _runner(self, sizes: GraphSizes) -> GraphRunner:
         runner = GraphRunner(self.model, self.cache, self.backend, sizes, mode=self.mode)
         runner.capture()
         return runner
@@ -43,15 +52,5 @@ class TargetGraphs:
     def runner_for(self, items: list[BatchItem]) -> GraphRunner | None:
         """The runner for a batch of equal-width requests, or None (run it eagerly)."""
         q = items[0].q_len
-        if q == 1:
-            runner = self.decode
-        elif q in self.verify or len(self.verify) < MAX_VERIFY_SHAPES:
-            runner = self.verify.get(q) or self.verify.setdefault(q, self._runner(q))
-        else:
-            return None
-        return runner if runner.can_run(items) else None
-
-    def recapture(self) -> None:
-        """The model's outputs changed shape (EAGLE-3 aux capture on or off): capture again."""
-        for runner in [self.decode, *self.verify.values()]:
-            runner.capture()
+        runner = self.decode if q == 1 else self.verify.get(q)
+        return runner if runner is not None and runner.can_run(items) else None

@@ -52,6 +52,8 @@ class TargetConfig:
     aux_convention: str = "input"
     cuda_graph: bool = True  # decode / verify in CUDA graphs (CUDA + triton/flashinfer only)
     cuda_graph_max_bs: int = 32  # largest captured batch; bigger batches run eagerly
+    # Verify trees captured before ready (the drafts' num_draft_tokens); other sizes run eagerly.
+    cuda_graph_tree_sizes: tuple[int, ...] = (8,)
 
 
 @dataclass
@@ -115,10 +117,11 @@ class TargetRuntime:
         self.backend = make_backend(cfg.attention_backend)
         self.graphs: TargetGraphs | None = None
         if graphs_enabled(cfg.cuda_graph, cfg.device, cfg.attention_backend):
-            max_bs = cfg.cuda_graph_max_bs
             self.graphs = TargetGraphs(
-                self.model, self.cache, self.backend, mode="cuda-graph", max_bs=max_bs
-            )
+                self.model, self.cache, self.backend, mode="cuda-graph",
+                max_bs=cfg.cuda_graph_max_bs, tree_sizes=cfg.cuda_graph_tree_sizes,
+                aux=self.aux_layers,
+            )  # fmt: skip
         self.pending: dict[str, int] = {}
 
     @staticmethod
@@ -129,11 +132,8 @@ class TargetRuntime:
         """What the draft needs per token: EAGLE-3 aux states, the final hidden state, or none."""
         if feature not in FEATURES:
             raise ValueError(f"feature must be one of {FEATURES}, got {feature!r}")
-        changed = (feature == "aux") != (self.feature == "aux")
         self.feature = feature
         self.model.set_aux_layers(self.aux_layers if feature == "aux" else None)
-        if changed and self.graphs is not None:  # the outputs gain / lose aux_hidden
-            self.graphs.recapture()
 
     @property
     def feature_dim(self) -> int:

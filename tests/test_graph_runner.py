@@ -194,17 +194,45 @@ def test_engine_through_static_paths_equals_transformers(tiny_dir: Path, oracle)
                     spec=SpecParams(2, 2, 4))  # fmt: skip
     t = engine.target
     assert t.graphs is None and t.cfg.cuda_graph  # enabled, but never on CPU
-    t.graphs = TargetGraphs(t.model, t.cache, t.backend, mode="eager-static", max_bs=4)
+    assert t.cfg.cuda_graph_tree_sizes == (4,)  # the engine's num_draft_tokens
+    t.graphs = TargetGraphs(t.model, t.cache, t.backend, mode="eager-static", max_bs=4,
+                            tree_sizes=t.cfg.cuda_graph_tree_sizes, aux=t.aux_layers)  # fmt: skip
     engine.draft.drafter.enable_step_graphs("eager-static", max_bs=4)
     used = []
-    for runner in [t.graphs.decode, *engine.draft.drafter.step_graphs.runners.values()]:
+    runners = [t.graphs.decode, t.graphs.verify[4], *engine.draft.drafter.step_graphs.runners.values()]
+    for runner in runners:
         run = runner.run
         runner.run = lambda *a, _run=run, **k: used.append(1) or _run(*a, **k)
     prompts = [[5, 6, 7, 8, 9], [11, 12], [40, 41, 42]]
     results = engine.generate(prompts, SamplingParams(max_new_tokens=5, ignore_eos=True))
     for prompt, res in zip(prompts, results, strict=True):
         assert res.token_ids == oracle(tiny_dir / "target", prompt, 5)
-    assert used and 4 in t.graphs.verify  # draft steps and 4-node verify ran through runners
+    assert used  # draft steps and 4-node verify ran through runners
+
+
+def test_target_graphs_are_captured_up_front_with_aux_states(tiny_dir: Path) -> None:
+    """Decode and every declared tree size are captured when the graphs are built (before the
+    service reports ready), with the aux layers on whatever feature is current; a tree size that
+    was not declared runs eagerly instead of capturing on the request path."""
+    from specmesh.target_service.graphs import TargetGraphs
+    from specmesh.target_service.runtime import TargetRuntime
+
+    t = TargetRuntime.from_dir(tiny_dir / "target", dtype="fp32", max_context=32)
+    seen: list[tuple] = []
+    forward = t.model.forward
+    t.model.forward = lambda *a, **k: seen.append(t.model.aux_points) or forward(*a, **k)
+    graphs = TargetGraphs(t.model, t.cache, t.backend, mode="eager-static", max_bs=2,
+                          tree_sizes=(4, 6), aux=t.aux_layers)  # fmt: skip
+    assert sorted(graphs.verify) == [4, 6]
+    assert len(seen) == 3 * 2 and all(points for points in seen)  # 3 runners x buckets {1, 2}
+    assert t.model.aux_points == ()  # the feature in force before is back
+    cache = _prefilled(t.model)
+    items = _verify_items(cache)[:2]  # 4-node trees
+    assert graphs.runner_for(items) is graphs.verify[4]
+    five = [dataclasses.replace(it, input_ids=torch.arange(5)) for it in items]
+    assert graphs.runner_for(five) is None
+    with pytest.raises(ValueError, match="tree size 1 must be in 2..max_context"):
+        TargetGraphs(t.model, t.cache, t.backend, mode="eager-static", max_bs=2, tree_sizes=(1,))
 
 
 @pytest.mark.parametrize("kind", ["eagle", "mtp", "standalone"])
@@ -252,3 +280,10 @@ def test_disable_cuda_graph_flags() -> None:
         off = p.parse_args([*argv, "--disable-cuda-graph"])
         assert cmd_serve._runtime_kwargs(off)["cuda_graph"] is False
     assert p.parse_args(["generate", "--prompt", "x", "--disable-cuda-graph"]).disable_cuda_graph
+    args = p.parse_args(["target", "--model", "m", "--cuda-graph-tree-sizes", "8,16",
+                         "--cuda-graph-max-bs", "48"])  # fmt: skip
+    assert args.cuda_graph_tree_sizes == (8, 16)
+    assert cmd_serve._runtime_kwargs(args)["cuda_graph_max_bs"] == 48
+    assert p.parse_args(["target", "--model", "m"]).cuda_graph_tree_sizes == (8,)
+    with pytest.raises(SystemExit):
+        p.parse_args(["target", "--model", "m", "--cuda-graph-tree-sizes", "eight"])
