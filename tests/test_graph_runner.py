@@ -199,7 +199,11 @@ def test_engine_through_static_paths_equals_transformers(tiny_dir: Path, oracle)
                             tree_sizes=t.cfg.cuda_graph_tree_sizes, aux=t.aux_layers)  # fmt: skip
     engine.draft.drafter.enable_step_graphs("eager-static", max_bs=4)
     used = []
-    runners = [t.graphs.decode, t.graphs.verify[4], *engine.draft.drafter.step_graphs.runners.values()]
+    runners = [
+        t.graphs.decode,
+        t.graphs.verify[4],
+        *engine.draft.drafter.step_graphs.runners.values(),
+    ]
     for runner in runners:
         run = runner.run
         runner.run = lambda *a, _run=run, **k: used.append(1) or _run(*a, **k)
@@ -231,7 +235,7 @@ def test_target_graphs_are_captured_up_front_with_aux_states(tiny_dir: Path) -> 
     assert graphs.runner_for(items) is graphs.verify[4]
     five = [dataclasses.replace(it, input_ids=torch.arange(5)) for it in items]
     assert graphs.runner_for(five) is None
-    with pytest.raises(ValueError, match="tree size 1 must be in 2..max_context"):
+    with pytest.raises(ValueError, match=r"tree size 1 must be in 2\.\.max_context"):
         TargetGraphs(t.model, t.cache, t.backend, mode="eager-static", max_bs=2, tree_sizes=(1,))
 
 
