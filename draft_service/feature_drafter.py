@@ -9,6 +9,7 @@ pending token is embedded by the draft: placeholder ids are never looked up (inv
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +18,9 @@ from specmesh.runtime.attention.base import AttentionBackend
 from specmesh.runtime.errors import InvalidRequestError
 from specmesh.runtime.kv_cache import KVCache
 from specmesh.runtime.model_runner import BatchItem
+
+if TYPE_CHECKING:
+    from specmesh.draft_service.extend_graph import DraftExtendGraph
 
 
 @dataclass
@@ -72,6 +76,14 @@ class FeatureDrafter(TreeDrafter):
     ) -> None:
         super().__init__(cache, backend, spec)
         self.net, self.feature = net, feature
+        self.extend_graph: DraftExtendGraph | None = None  # see enable_step_graphs
+
+    def enable_step_graphs(self, mode: str, max_bs: int) -> None:
+        """Decode steps and the extend after each verify through static-shape runners."""
+        from specmesh.draft_service.extend_graph import DraftExtendGraph
+
+        super().enable_step_graphs(mode, max_bs)
+        self.extend_graph = DraftExtendGraph(self, mode=mode, max_bs=max_bs)
 
     @torch.inference_mode()
     def extend(self, inputs: list[ExtendInput]) -> None:
@@ -84,14 +96,24 @@ class FeatureDrafter(TreeDrafter):
             start = self.cache.get(inp.rid).committed_len
             items.append(BatchItem(inp.rid, ids, start, input_embeds=embeds))
             feats.append(inp.features)
-        hidden, logits = forward_draft(
-            self.net, self.cache, self.backend, items, self.pools_for_step(0), torch.cat(feats)
-        )
-        last = torch.tensor([it.q_len for it in items]).cumsum(0) - 1
-        for it, row in zip(items, last.tolist(), strict=True):
+        hidden, logits = self._forward_extend(items, torch.cat(feats))
+        for b, it in enumerate(items):
             end = it.start + it.q_len
             self.cache.commit(it.rid, end)
-            self.roots[it.rid] = RootState(end - 1, end, hidden[row], logits[row])
+            self.roots[it.rid] = RootState(end - 1, end, hidden[b], logits[b])
+
+    def _forward_extend(
+        self, items: list[BatchItem], feats: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, logits) of each request's last extend row."""
+        graph = self.extend_graph
+        if graph is not None and graph.fits(items):
+            return graph.run(items, feats)
+        hidden, logits = forward_draft(
+            self.net, self.cache, self.backend, items, self.pools_for_step(0), feats
+        )
+        last = torch.tensor([it.q_len for it in items]).cumsum(0) - 1
+        return hidden[last], logits[last]
 
     def step_forward(
         self, step: int, items: list[BatchItem], hidden_in: torch.Tensor

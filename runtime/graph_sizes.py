@@ -7,6 +7,7 @@ requests with exactly ``tokens_per_req`` query rows each:
     target decode   1                  causal   max_context
     target verify   num_draft_tokens   tree     max_context
     draft step      topk               tree     DraftSizes.max_kv_per_req
+    draft extend    num_steps + 1      causal   max_context
 
 Its kv-indices buffer holds ``max_bs * max_kv_per_req`` slot ids and its mask buffer every query
 row against its request's kv, ``max_bs * tokens_per_req * max_kv_per_req`` entries: the upper
@@ -84,3 +85,9 @@ def draft_step_sizes(draft: DraftSizes) -> GraphSizes:
         "draft-step", draft.max_bs, draft.topk, draft.max_kv_per_req, True,
         kv_indices_capacity=draft.kv_indices_capacity, mask_capacity=draft.mask_capacity,
     )  # fmt: skip
+
+
+def draft_extend_sizes(max_bs: int, width: int, max_context: int) -> GraphSizes:
+    """Draft extend after a verify: ``width = num_steps + 1`` causal rows per request (the
+    accepted tokens, then filler rows), prefix + rows within ``max_context``."""
+    return _sizes("draft-extend", max_bs, width, max_context, has_mask=False)

@@ -197,21 +197,21 @@ def test_engine_through_static_paths_equals_transformers(tiny_dir: Path, oracle)
     assert t.cfg.cuda_graph_tree_sizes == (4,)  # the engine's num_draft_tokens
     t.graphs = TargetGraphs(t.model, t.cache, t.backend, mode="eager-static", max_bs=4,
                             tree_sizes=t.cfg.cuda_graph_tree_sizes, aux=t.aux_layers)  # fmt: skip
-    engine.draft.drafter.enable_step_graphs("eager-static", max_bs=4)
-    used = []
-    runners = [
-        t.graphs.decode,
-        t.graphs.verify[4],
-        *engine.draft.drafter.step_graphs.runners.values(),
-    ]
-    for runner in runners:
+    drafter = engine.draft.drafter
+    drafter.enable_step_graphs("eager-static", max_bs=4)
+    runners = {"decode": t.graphs.decode, "verify": t.graphs.verify[4],
+               "draft extend": drafter.extend_graph.runner, "draft step": drafter.step_graphs.runners[1]}  # fmt: skip
+    used: set[str] = set()
+    for name, runner in runners.items():
         run = runner.run
-        runner.run = lambda *a, _run=run, **k: used.append(1) or _run(*a, **k)
+        runner.run = lambda *a, _run=run, _name=name, **k: used.add(_name) or _run(*a, **k)
     prompts = [[5, 6, 7, 8, 9], [11, 12], [40, 41, 42]]
-    results = engine.generate(prompts, SamplingParams(max_new_tokens=5, ignore_eos=True))
-    for prompt, res in zip(prompts, results, strict=True):
-        assert res.token_ids == oracle(tiny_dir / "target", prompt, 5)
-    assert used  # draft steps and 4-node verify ran through runners
+    params = SamplingParams(max_new_tokens=5, ignore_eos=True)
+    for plain in (False, True):
+        results = engine.generate(prompts, params, disable_speculation=plain)
+        for prompt, res in zip(prompts, results, strict=True):
+            assert res.token_ids == oracle(tiny_dir / "target", prompt, 5)
+    assert used == set(runners)  # every runner served batches
 
 
 def test_target_graphs_are_captured_up_front_with_aux_states(tiny_dir: Path) -> None:

@@ -64,6 +64,11 @@ class Eagle1Draft(nn.Module):
         self.rotary = Rotary(b.rope, b.head_dim)
         self._shared = [shared]  # a list, so the target's tensors stay out of the state dict
 
+    @property
+    def feature_width(self) -> int:
+        """Width of the target features an extend row takes: the final hidden state."""
+        return self.config.base.hidden_size
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self._shared[0].embed(input_ids)
 

@@ -91,6 +91,11 @@ class Eagle3Draft(nn.Module):
         self.rotary = Rotary(b.rope, b.head_dim)
         self._embed = [embed_tokens]  # shared with the target, not a parameter of the draft
 
+    @property
+    def feature_width(self) -> int:
+        """Width of the target features an extend row takes: the concatenated aux states."""
+        return self.fc.in_features
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self._embed[0](input_ids)
 

@@ -1,0 +1,72 @@
+"""A feature draft's extend after a verify through one static-shape runner (a CUDA graph per
+batch size on a GPU; the same buffers run eagerly on CPU).
+
+After every verify the draft extends each request over the 1 .. ``num_steps + 1`` tokens the
+target just committed. The runner forwards exactly ``width = num_steps + 1`` rows per request:
+
+    request b rows:  [ accepted rows (q_b) | filler rows (width - q_b): token 0, zero features ]
+    KV written:      committed area          the request's own slots past its committed length
+
+Filler rows sit after the real ones, so causal attention keeps every real row from seeing them,
+and they write only slots of the speculative area that the next decode step overwrites (nothing
+is committed there). The drafter commits the real rows and keeps each request's last real row.
+
+Prefill extends (new requests, multimodal embeddings), requests within ``width`` tokens of their
+context limit, and batches whose padded rows the KV cache cannot hold run eagerly.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from specmesh.runtime.graph_runner import GraphRunner
+from specmesh.runtime.graph_sizes import draft_extend_sizes
+from specmesh.runtime.model_runner import BatchItem
+
+if TYPE_CHECKING:
+    from specmesh.draft_service.feature_drafter import FeatureDrafter
+
+
+class DraftExtendGraph:
+    def __init__(self, drafter: FeatureDrafter, *, mode: str, max_bs: int) -> None:
+        cache = drafter.cache
+        self.cache, self.width = cache, drafter.spec.num_steps + 1
+        max_bs = min(max_bs, drafter.sizes.max_bs)
+        base = drafter.net.config.base
+        self.runner = GraphRunner(
+            drafter.net, cache, drafter.backend,
+            draft_extend_sizes(max_bs, self.width, cache.max_context), mode=mode,
+            kv_pools=drafter.pools_for_step(0), hidden_in=(drafter.net.feature_width, base.dtype),
+        )  # fmt: skip
+        self.runner.capture()
+
+    def fits(self, items: list[BatchItem]) -> bool:
+        w = self.width
+        return (
+            len(items) <= max(self.runner.batch_sizes)
+            and all(it.input_embeds is None and it.q_len <= w for it in items)
+            and all(it.start + w <= self.cache.max_context for it in items)
+            and self.cache.can_allocate({it.rid: it.start + w for it in items})
+        )
+
+    def run(
+        self, items: list[BatchItem], features: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, logits) of each request's last real row (``fits(items)`` must hold); copies,
+        so they outlive the next replay."""
+        w = self.width
+        padded = [_with_filler(it, w) for it in items]
+        feats = features.new_zeros(len(items) * w, features.shape[1])
+        dev = features.device
+        real = torch.cat([torch.arange(it.q_len, device=dev) + b * w for b, it in enumerate(items)])
+        feats[real] = features
+        hidden, logits = self.runner.run(padded, feats)
+        last = torch.tensor([b * w + it.q_len - 1 for b, it in enumerate(items)], device=dev)
+        return hidden[last], logits[last]
+
+
+def _with_filler(it: BatchItem, width: int) -> BatchItem:
+    filler = torch.zeros(width - it.q_len, dtype=it.input_ids.dtype)
+    return BatchItem(it.rid, torch.cat([it.input_ids, filler]), it.start)
