@@ -113,7 +113,7 @@ def result(
 class RouterBackend:
     """Targets and drafts (in-process or gRPC clients) that a `RouterCore` is built over."""
 
-    backend: str  # "inprocess" or "grpc"
+    backend: str  # "inprocess", "engine:<attention backend>[+graphs]" or "grpc"
     targets: list[Any]
     drafts_by_spec: Callable[[SpecParams], list[Any]]
     tokenizer: Any
@@ -140,7 +140,7 @@ class RouterBackend:
             num_bytes = wire_bytes([*targets, *drafts]) - bytes_before
         finally:
             await core.stop()
-        split = time_split(log, wall_s, remote=self.backend != "inprocess")
+        split = time_split(log, wall_s, remote=self.backend == "grpc")
         return result(spec, traces, wall_s, split, num_bytes, self.bytes_scope)
 
     @property

@@ -27,11 +27,19 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
 
 
 async def _run(s: BenchSettings) -> dict[str, Any]:
-    from specmesh.bench.stacks import inprocess_backend, local_deployment, model_dtype
+    from specmesh.bench.stacks import (
+        engine_backends,
+        inprocess_backend,
+        local_deployment,
+        model_dtype,
+    )
 
     started = time.time()
     runs = plan(s)
-    backends: dict[str, Any] = {"inprocess": inprocess_backend(s.models, s.runtime)}
+    specs = (s.spec, *s.sweep)
+    backends: dict[str, Any] = {"inprocess": inprocess_backend(s.models, s.runtime, specs)}
+    if s.engines:
+        backends |= engine_backends(s.models, s.runtime, s.engines, s.spec)
     tokenizer = backends["inprocess"].tokenizer
     num_prompts = max(max(r.num_requests for r in runs), 1)
     workloads = {

@@ -24,8 +24,19 @@ from specmesh.target_service.runtime import TargetConfig, TargetRuntime
 READY_TIMEOUT_S = 600.0
 
 
-def inprocess_backend(models: ModelChoice, runtime: dict[str, Any]) -> RouterBackend:
-    target = TargetRuntime(TargetConfig(model_dir=models.target, **runtime))
+def inprocess_backend(
+    models: ModelChoice,
+    runtime: dict[str, Any],
+    specs: tuple[SpecParams, ...] = (),
+    *,
+    name: str = "inprocess",
+    model: Any = None,
+) -> RouterBackend:
+    """The in-process stack; ``specs`` name the tree sizes a GPU captures verify graphs for, and
+    ``model`` shares already loaded target weights."""
+    tree_sizes = tuple(sorted({s.num_draft_tokens for s in specs})) or (8,)
+    tcfg = TargetConfig(models.target, **runtime, cuda_graph_tree_sizes=tree_sizes)
+    target = TargetRuntime(tcfg, model=model)
     loaded: dict[SpecParams, list[InProcessDraft]] = {}
 
     def drafts_by_spec(spec: SpecParams) -> list[InProcessDraft]:
@@ -38,12 +49,28 @@ def inprocess_backend(models: ModelChoice, runtime: dict[str, Any]) -> RouterBac
         return loaded[spec]
 
     return RouterBackend(
-        "inprocess",
+        name,
         [InProcessTarget(target)],
         drafts_by_spec,
         load_tokenizer(models.target),
         target.model_config.eos_token_ids,
     )
+
+
+def engine_backends(
+    models: ModelChoice, runtime: dict[str, Any], variants: tuple[str, ...], spec: SpecParams
+) -> dict[str, RouterBackend]:
+    """One in-process stack per engine variant (``<attention backend>[+graphs]``), all over one
+    copy of the target weights; each has its own KV cache, backend and graphs."""
+    out: dict[str, RouterBackend] = {}
+    model = None
+    for v in variants:
+        backend, _, graphs = v.partition("+")
+        rt = {**runtime, "attention_backend": backend, "cuda_graph": graphs == "graphs"}
+        stack = inprocess_backend(models, rt, (spec,), name=f"engine:{v}", model=model)
+        model = stack.targets[0].runtime.model
+        out[stack.backend] = stack
+    return out
 
 
 def model_dtype(backend: RouterBackend) -> Any:
@@ -65,8 +92,9 @@ async def local_deployment(
     clients: list = []
     threads = ["--threads", str(model_threads(2))]
     try:
+        tree_sizes = ["--cuda-graph-tree-sizes", str(spec.num_draft_tokens)]
         target_addr = spawn_service(
-            children, "target", ["--model", models.target, *threads, *service_args]
+            children, "target", ["--model", models.target, *tree_sizes, *threads, *service_args]
         )
         draft_flags = [
             "--kind", models.draft_kind, "--target-model", models.target,

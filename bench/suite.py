@@ -25,6 +25,7 @@ SWEEP = (
     SpecParams(5, 8, 16),
 )
 ACCEPT_GOAL_SPEC, ACCEPT_GOAL = SpecParams(5, 4, 8), 3.0
+ENGINE_BASELINE = "torch"  # the engine variant the others are divided by
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,10 @@ class BenchSettings:
     sweep: tuple[SpecParams, ...] = SWEEP
     runtime: dict[str, Any] = field(default_factory=dict)  # attention_backend, dtype, device
     service_args: tuple[str, ...] = ()
+    # In-process engine variants ("torch", "triton", "triton+graphs", ...; see engine_variants),
+    # each run plain and speculative, code, greedy, at engine_batch_sizes.
+    engines: tuple[str, ...] = ()
+    engine_batch_sizes: tuple[int, ...] = (1, 16)
 
     def validate(self) -> None:
         if not self.batch_sizes or min(self.batch_sizes) < 1:
@@ -71,6 +76,20 @@ class BenchSettings:
             raise ValueError("--max-new-tokens, --repeats and --min-requests must be >= 1")
         for spec in (self.spec, *self.sweep):
             spec.validate()
+        if self.engines and self.engines[0] != ENGINE_BASELINE:
+            raise ValueError(f"engine variants must start with {ENGINE_BASELINE!r}: {self.engines}")
+
+
+def engine_variants(attention_backends: tuple[str, ...], device: str) -> tuple[str, ...]:
+    """Every backend run eagerly, plus ``<backend>+graphs`` where CUDA graphs run (a CUDA device
+    and a backend with graph hooks); the torch backend first, as the baseline."""
+    from specmesh.runtime.graph_runner import graphs_enabled
+
+    out = [ENGINE_BASELINE]
+    for b in attention_backends:
+        out += [b] if b != ENGINE_BASELINE else []
+        out += [f"{b}+graphs"] if graphs_enabled(True, device, b) else []
+    return tuple(out)
 
 
 def plan(s: BenchSettings) -> list[RunSpec]:
@@ -81,11 +100,10 @@ def plan(s: BenchSettings) -> list[RunSpec]:
         run = RunSpec(backend, workload, b, temp, spec, s.max_new_tokens, n)
         runs.setdefault(run.name, run)
 
-    for b in s.compare_batch_sizes:
-        for c in COMPARISONS:
-            for backend, speculative in (c.numerator, c.denominator):
-                if _enabled(s, backend):
-                    add(backend, "code", b, 0.0, s.spec if speculative else None)
+    for c, b in comparisons(s):
+        for backend, speculative in (c.numerator, c.denominator):
+            if _enabled(s, backend):
+                add(backend, "code", b, 0.0, s.spec if speculative else None)
     for spec in s.sweep:
         add("inprocess", "code", 1, 0.0, spec)
     for workload in s.workloads:
@@ -101,6 +119,18 @@ def plan(s: BenchSettings) -> list[RunSpec]:
     return list(runs.values())
 
 
+def comparisons(s: BenchSettings) -> list[tuple[Comparison, int]]:
+    """Every side-by-side comparison with its batch size, engine variants grouped by variant."""
+    out = [(c, b) for b in s.compare_batch_sizes for c in COMPARISONS]
+    for v in s.engines[1:]:
+        for speculative in (False, True):
+            mode = "speculative" if speculative else "plain"
+            sides = (f"engine:{v}", speculative), (f"engine:{ENGINE_BASELINE}", speculative)
+            c = Comparison(f"{v}_vs_{ENGINE_BASELINE}_{mode}", *sides)
+            out += [(c, b) for b in s.engine_batch_sizes]
+    return out
+
+
 def _enabled(s: BenchSettings, backend: str) -> bool:
     return {"grpc": s.grpc, "cluster": s.grpc, "transformers": s.transformers}.get(backend, True)
 
@@ -112,19 +142,18 @@ def compare(s: BenchSettings, configs: list[dict[str, Any]]) -> list[dict[str, A
         if c["workload"] == "code" and c["temperature"] == 0.0 and _is_main(s, c)
     }
     out = []
-    for b in s.compare_batch_sizes:
-        for c in COMPARISONS:
-            num, den = by_key.get((*c.numerator, b)), by_key.get((*c.denominator, b))
-            if num is None or den is None:
-                continue
-            ratio = _ratio(num["tokens_per_s"], den["tokens_per_s"])
-            goal = c.goals.get(b)
-            out.append({
-                "name": c.name, "batch_size": b, "metric": "tokens_per_s",
-                "numerator": num["name"], "denominator": den["name"],
-                "numerator_value": num["tokens_per_s"], "denominator_value": den["tokens_per_s"],
-                "ratio": ratio, "goal": goal, "met": None if goal is None else ratio >= goal,
-            })  # fmt: skip
+    for c, b in comparisons(s):
+        num, den = by_key.get((*c.numerator, b)), by_key.get((*c.denominator, b))
+        if num is None or den is None:
+            continue
+        ratio = _ratio(num["tokens_per_s"], den["tokens_per_s"])
+        goal = c.goals.get(b)
+        out.append({
+            "name": c.name, "batch_size": b, "metric": "tokens_per_s",
+            "numerator": num["name"], "denominator": den["name"],
+            "numerator_value": num["tokens_per_s"], "denominator_value": den["tokens_per_s"],
+            "ratio": ratio, "goal": goal, "met": None if goal is None else ratio >= goal,
+        })  # fmt: skip
     return out
 
 

@@ -55,6 +55,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--no-grpc", action="store_true", help="skip the local gRPC deployment")
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
+    p.add_argument(
+        "--compare-attention-backends",
+        default="",
+        metavar="torch,triton,flashinfer",
+        help="also run the in-process engine on each attention backend, eagerly and (on CUDA, "
+        "triton / flashinfer) with CUDA graphs, plain and speculative; ratios vs torch eager",
+    )
+    p.add_argument(
+        "--engine-batch-sizes",
+        default="1,16",
+        metavar="1,16",
+        help="batch sizes of the attention-backend comparison",
+    )
     p.add_argument("--quick", action="store_true", help="few prompts and tokens (CI smoke run)")
     p.add_argument(
         "--out", default="bench_results", metavar="DIR", help="output folder (or a .json file path)"
@@ -70,7 +83,7 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
 
 
 def settings_from_args(args: argparse.Namespace):  # -> BenchSettings
-    from specmesh.bench.suite import SWEEP, BenchSettings
+    from specmesh.bench.suite import SWEEP, BenchSettings, engine_variants
     from specmesh.defaults import resolve_models
     from specmesh.draft_service.drafter import SpecParams
 
@@ -103,7 +116,21 @@ def settings_from_args(args: argparse.Namespace):  # -> BenchSettings
         sweep=() if args.no_sweep else SWEEP,
         runtime=runtime,
         service_args=tuple(service_args),
+        engines=engine_variants(_names(args.compare_attention_backends), args.device)
+        if args.compare_attention_backends
+        else (),
+        engine_batch_sizes=_ints(args.engine_batch_sizes, "--engine-batch-sizes"),
     )
+
+
+def _names(text: str) -> tuple[str, ...]:
+    from specmesh.cmd_serve import BACKENDS
+
+    names = tuple(t.strip() for t in text.split(",") if t.strip())
+    unknown = [n for n in names if n not in BACKENDS]
+    if unknown:
+        raise ValueError(f"unknown attention backend(s) {unknown}; choose from {BACKENDS}")
+    return names
 
 
 def run(args: argparse.Namespace) -> int:

@@ -80,3 +80,43 @@ def test_quick_bench_over_grpc(tmp_path: Path) -> None:
     results = json.loads((tmp_path / "r.json").read_text())
     _check(results, {"inprocess", "grpc", "cluster"})
     assert {c["name"] for c in results["comparisons"]} >= {"grpc_cluster_vs_inprocess"}
+
+
+def test_engine_variants_add_graphs_only_where_they_run() -> None:
+    from specmesh.bench.suite import engine_variants
+
+    assert engine_variants(("triton", "torch"), "cpu") == ("torch", "triton")
+    assert engine_variants(("torch", "triton", "flashinfer"), "cuda:0") == (
+        "torch", "triton", "triton+graphs", "flashinfer", "flashinfer+graphs",
+    )  # fmt: skip
+
+
+def test_attention_backend_comparison(tiny_dir: Path, tmp_path: Path) -> None:
+    """torch vs triton (interpreted on CPU) engines over one copy of the weights, plain and
+    speculative, each divided by torch at the same batch size."""
+    argv = ["bench", "--quick", "--no-grpc", "--no-transformers", "--no-sweep",
+            "--target-model", str(tiny_dir / "target"), "--draft-model", str(tiny_dir / "draft"),
+            "--draft-kind", "eagle3", "--dtype", "fp32", "--workloads", "code",
+            "--temperatures", "0", "--batch-sizes", "1", "--compare-batch-sizes", "1",
+            "--compare-attention-backends", "triton", "--engine-batch-sizes", "1,2",
+            "--max-new-tokens", "3", "--min-requests", "1", "--prompt-len", "8",
+            "--out", str(tmp_path)]  # fmt: skip
+    assert main(argv) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    _check(results, {"inprocess", "engine:torch", "engine:triton"})
+    engines = [c for c in results["configs"] if c["backend"].startswith("engine:")]
+    assert len(engines) == 2 * 2 * 2  # 2 variants x plain / speculative x batch 1, 2
+    got = {(c["name"], c["batch_size"]) for c in results["comparisons"]}
+    assert got >= {(f"triton_vs_torch_{m}", b) for m in ("plain", "speculative") for b in (1, 2)}
+    shared = {id(s.targets[0].runtime.model) for s in _engine_stacks(tiny_dir)}
+    assert len(shared) == 1
+
+
+def _engine_stacks(tiny_dir: Path) -> list:
+    from specmesh.bench.stacks import engine_backends
+    from specmesh.defaults import ModelChoice
+    from specmesh.draft_service.drafter import SpecParams
+
+    models = ModelChoice(str(tiny_dir / "target"), str(tiny_dir / "draft"), "eagle3")
+    runtime = {"dtype": "fp32", "device": "cpu"}
+    return list(engine_backends(models, runtime, ("torch", "triton"), SpecParams()).values())
