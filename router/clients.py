@@ -15,7 +15,8 @@ from typing import Protocol
 from specmesh.draft_service.feature_drafter import ExtendInput
 from specmesh.draft_service.runtime import DraftRuntime
 from specmesh.runtime.tree import Tree
-from specmesh.target_service.runtime import PrefillInput, StepOutput, TargetRuntime, VerifyInput
+from specmesh.target_service.runtime import TargetRuntime
+from specmesh.target_service.steps import PrefillInput, StepOutput, VerifyInput
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ from specmesh.runtime.codec import (
     split_hidden_states,
 )
 from specmesh.runtime.tree import Tree
-from specmesh.target_service.runtime import PrefillInput, StepOutput, VerifyInput
+from specmesh.target_service.steps import PrefillInput, StepOutput, VerifyInput
 from specmesh.v1 import (
     common_pb2,
     draft_pb2,

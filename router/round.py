@@ -23,7 +23,7 @@ from specmesh.router.faults import ServiceDownError
 from specmesh.router.request import Request
 from specmesh.runtime.errors import KVCacheFullError, SpecmeshError
 from specmesh.runtime.tree import Tree
-from specmesh.target_service.runtime import PrefillInput, StepOutput, VerifyInput
+from specmesh.target_service.steps import PrefillInput, StepOutput, VerifyInput
 
 if TYPE_CHECKING:
     from specmesh.router.core import RouterCore

@@ -12,7 +12,7 @@ from specmesh.kernels.tree_verify import TreeVerifyResult, verify_tree_greedy, v
 from specmesh.runtime.sampling import processed_probs, uniforms
 
 if TYPE_CHECKING:
-    from specmesh.target_service.runtime import VerifyInput
+    from specmesh.target_service.steps import VerifyInput
 
 
 def accept_trees(inputs: list[VerifyInput], logits: torch.Tensor, n_max: int) -> TreeVerifyResult:

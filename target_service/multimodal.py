@@ -31,7 +31,7 @@ from specmesh.runtime.errors import InvalidRequestError, SpecmeshError
 
 if TYPE_CHECKING:
     from specmesh.target_service.llava import ImageEncoder
-    from specmesh.target_service.runtime import PrefillInput
+    from specmesh.target_service.steps import PrefillInput
 
 IMAGE_FORMATS = ("PNG", "JPEG")
 

@@ -9,7 +9,7 @@ else about a request and can rebuild this state by prefilling prompt + emitted t
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,6 +33,7 @@ from specmesh.target_service.acceptance import accept_trees, padded_row_index
 from specmesh.target_service.graphs import TargetGraphs
 from specmesh.target_service.llava import ImageEncoder, is_llava_checkpoint, load_llava
 from specmesh.target_service.multimodal import merge_images
+from specmesh.target_service.steps import PrefillInput, StepOutput, VerifyInput
 
 FEATURES = ("none", "aux", "hidden", "hidden_pre_norm")
 
@@ -54,38 +55,6 @@ class TargetConfig:
     cuda_graph_max_bs: int = 32  # largest captured batch; bigger batches run eagerly
     # Verify trees captured before ready (the drafts' num_draft_tokens); other sizes run eagerly.
     cuda_graph_tree_sizes: tuple[int, ...] = (8,)
-
-
-@dataclass
-class PrefillInput:
-    rid: str
-    input_ids: list[int]
-    params: SamplingParams
-    sample_offset: int = 0  # tokens already generated (a replay after failover)
-    input_embeds: torch.Tensor | None = None  # [len(input_ids), hidden], merged multimodal embeds
-    images: list[bytes] = field(default_factory=list)  # encoded images, for a multimodal target
-
-
-@dataclass
-class VerifyInput:
-    rid: str
-    tree: Tree
-    params: SamplingParams
-    sample_offset: int
-
-
-@dataclass
-class StepOutput:
-    """Per-request tokens plus per-row features, rows grouped request by request."""
-
-    tokens: dict[str, list[int]] = field(default_factory=dict)
-    features: torch.Tensor | None = None  # [sum row_counts, feature_dim]
-    mm_input_embeds: torch.Tensor | None = None  # [sum row_counts, hidden], prefill only
-    # Prefill of a multimodal request: the ids actually run (image placeholders expanded), set
-    # only where expansion changed them. Row counts and the draft's committed ids follow these.
-    prompt_ids: dict[str, list[int]] = field(default_factory=dict)
-    row_counts: dict[str, int] = field(default_factory=dict)
-    errors: dict[str, SpecmeshError] = field(default_factory=dict)
 
 
 class TargetRuntime:

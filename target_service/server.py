@@ -19,7 +19,8 @@ from specmesh.runtime.codec import DEFAULT_MAX_MESSAGE_BYTES, DTYPE_NAMES, split
 from specmesh.runtime.errors import InvalidRequestError, SpecmeshError, UnknownRequestError
 from specmesh.runtime.sampling import SamplingParams
 from specmesh.runtime.tree import Tree
-from specmesh.target_service.runtime import PrefillInput, StepOutput, TargetRuntime, VerifyInput
+from specmesh.target_service.runtime import TargetRuntime
+from specmesh.target_service.steps import PrefillInput, StepOutput, VerifyInput
 from specmesh.v1 import target_pb2, target_pb2_grpc
 
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["Target"].full_name

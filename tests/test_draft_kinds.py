@@ -23,7 +23,8 @@ from specmesh.runtime.loader import load_tensors
 from specmesh.runtime.sampling import SamplingParams
 from specmesh.runtime.tiny import make_tiny_target
 from specmesh.runtime.tiny_drafts import make_tiny_draft
-from specmesh.target_service.runtime import PrefillInput, TargetRuntime
+from specmesh.target_service.runtime import TargetRuntime
+from specmesh.target_service.steps import PrefillInput
 
 KINDS = ("eagle3", "eagle", "mtp", "standalone", "ngram")
 SPECS = ((1, 1, 2), (3, 1, 4), (3, 4, 8), (5, 4, 16), (2, 8, 10))

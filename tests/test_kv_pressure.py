@@ -11,7 +11,8 @@ from specmesh.router.engine import Engine
 from specmesh.runtime.errors import KVCacheFullError
 from specmesh.runtime.sampling import SamplingParams
 from specmesh.runtime.tree import Tree
-from specmesh.target_service.runtime import TargetConfig, TargetRuntime, VerifyInput
+from specmesh.target_service.runtime import TargetConfig, TargetRuntime
+from specmesh.target_service.steps import VerifyInput
 
 
 def test_small_kv_cache_preempts_and_replays(tiny_dir: Path, oracle) -> None:
@@ -29,7 +30,7 @@ def test_small_kv_cache_preempts_and_replays(tiny_dir: Path, oracle) -> None:
 
 
 def test_verify_that_does_not_fit_fails_alone(tiny_dir: Path) -> None:
-    from specmesh.target_service.runtime import PrefillInput
+    from specmesh.target_service.steps import PrefillInput
 
     rt = TargetRuntime(TargetConfig(str(tiny_dir / "target"), num_kv_slots=24))
     rt.prefill([PrefillInput("a", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], SamplingParams()),

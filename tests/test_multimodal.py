@@ -19,7 +19,8 @@ from specmesh.router.engine import Engine
 from specmesh.runtime.errors import InvalidRequestError
 from specmesh.runtime.sampling import SamplingParams
 from specmesh.runtime.tiny_llava import make_tiny_llava, make_tiny_llava_eagle3, tiny_image
-from specmesh.target_service.runtime import PrefillInput, TargetConfig, TargetRuntime
+from specmesh.target_service.runtime import TargetConfig, TargetRuntime
+from specmesh.target_service.steps import PrefillInput
 
 SPEC = SpecParams(num_steps=3, topk=2, num_draft_tokens=5)
 IMAGES = [tiny_image(0), tiny_image(1, (30, 17), "JPEG"), tiny_image(2, (16, 16))]

@@ -17,7 +17,8 @@ from specmesh.runtime.models.causal_lm import AuxLayers, load_causal_lm
 from specmesh.runtime.sampling import SamplingParams
 from specmesh.runtime.tiny import make_tiny_target
 from specmesh.runtime.tree import Tree
-from specmesh.target_service.runtime import PrefillInput, TargetConfig, TargetRuntime, VerifyInput
+from specmesh.target_service.runtime import TargetConfig, TargetRuntime
+from specmesh.target_service.steps import PrefillInput, VerifyInput
 
 LLAMA3_ROPE = {
     "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -1,0 +1,44 @@
+"""What one target step takes and returns, in process and on either side of the wire: the
+inputs of prefill and verify per request, and a step's per-request output."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specmesh.runtime.errors import SpecmeshError
+from specmesh.runtime.sampling import SamplingParams
+from specmesh.runtime.tree import Tree
+
+
+@dataclass
+class PrefillInput:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    sample_offset: int = 0  # tokens already generated (a replay after failover)
+    input_embeds: torch.Tensor | None = None  # [len(input_ids), hidden], merged multimodal embeds
+    images: list[bytes] = field(default_factory=list)  # encoded images, for a multimodal target
+
+
+@dataclass
+class VerifyInput:
+    rid: str
+    tree: Tree
+    params: SamplingParams
+    sample_offset: int
+
+
+@dataclass
+class StepOutput:
+    """Per-request tokens plus per-row features, rows grouped request by request."""
+
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    features: torch.Tensor | None = None  # [sum row_counts, feature_dim]
+    mm_input_embeds: torch.Tensor | None = None  # [sum row_counts, hidden], prefill only
+    # Prefill of a multimodal request: the ids actually run (image placeholders expanded), set
+    # only where expansion changed them. Row counts and the draft's committed ids follow these.
+    prompt_ids: dict[str, list[int]] = field(default_factory=dict)
+    row_counts: dict[str, int] = field(default_factory=dict)
+    errors: dict[str, SpecmeshError] = field(default_factory=dict)
