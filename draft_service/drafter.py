@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specmesh.draft_service.sizes import DraftSizes
+from specmesh.kernels.common import kernel_impl
 from specmesh.kernels.tree_build import build_tree
 from specmesh.runtime.attention.base import AttentionBackend
 from specmesh.runtime.kv_cache import KVCache
@@ -73,6 +74,7 @@ class TreeDrafter:
     def __init__(self, cache: KVCache, backend: AttentionBackend, spec: SpecParams) -> None:
         spec.validate()
         self.cache, self.backend, self.spec = cache, backend, spec
+        self.kernel_impl = kernel_impl(backend.name)
         self.sizes = DraftSizes(
             cache.req_to_slot.shape[0], spec.topk, spec.num_steps, cache.max_context
         )
@@ -138,14 +140,15 @@ class TreeDrafter:
         states = [self.roots[r] for r in rids]
         bs = len(rids)
         logp = torch.log_softmax(torch.stack([s.logits for s in states]).float(), -1)
+        dev = logp.device  # the search runs where the draft's logits are; trees go to the host
         top_logp, top_ids = logp.topk(k, dim=-1)  # [bs, k]
         tokens = self.to_target_ids(top_ids)
         pool_tokens, pool_scores = [tokens], [top_logp]
-        pool_parents = [torch.full((bs, k), -1, dtype=torch.int64)]
+        pool_parents = [torch.full((bs, k), -1, dtype=torch.int64, device=dev)]
         frontier = _Frontier(
             tokens,
             top_logp,
-            torch.arange(k).expand(bs, k).clone(),
+            torch.arange(k, device=dev).expand(bs, k).clone(),
             torch.stack([s.hidden for s in states])[:, None].expand(bs, k, -1).clone(),
             [[[] for _ in range(k)] for _ in range(bs)],
         )
@@ -155,13 +158,15 @@ class TreeDrafter:
                 step, rids, states, frontier, pool_tokens, pool_scores, pool_parents
             )
         tree = build_tree(
-            torch.tensor(roots, dtype=torch.int64),
+            torch.tensor(roots, dtype=torch.int64, device=dev),
             torch.cat(pool_scores, 1),
             torch.cat(pool_tokens, 1),
             torch.cat(pool_parents, 1),
             self.spec.num_draft_tokens,
+            impl=self.kernel_impl,
         )
-        return [Tree.from_parents(tree.tokens[b], tree.parents[b]) for b in range(bs)]
+        tokens, parents = tree.tokens.cpu(), tree.parents.cpu()  # one copy each
+        return [Tree.from_parents(tokens[b], parents[b]) for b in range(bs)]
 
     def _expand(self, step, rids, states, fr, pool_tokens, pool_scores, pool_parents):
         k = self.spec.topk
@@ -183,8 +188,8 @@ class TreeDrafter:
         parent = best // k
         hidden = hidden_out.view(bs, k, -1)
         ancestors = [
-            [fr.ancestors[b][p] + [items[b].start + p] for p in parent[b].tolist()]
-            for b in range(bs)
+            [fr.ancestors[b][p] + [items[b].start + p] for p in row]
+            for b, row in enumerate(parent.tolist())  # one copy for the batch
         ]
         return _Frontier(
             child_tokens.gather(1, best),

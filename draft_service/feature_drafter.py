@@ -61,8 +61,9 @@ def rotated_rows(
             f"request {inp.rid!r}: mm_input_embeds has {inp.mm_input_embeds.shape[0]} rows for "
             f"{len(inp.committed_ids)} tokens"
         )
-    nxt = embed(torch.tensor([inp.next_token])).to(inp.mm_input_embeds.dtype)
-    return ids, torch.cat([inp.mm_input_embeds[1:], nxt])
+    mm = inp.mm_input_embeds
+    nxt = embed(torch.tensor([inp.next_token], device=mm.device)).to(mm.dtype)
+    return ids, torch.cat([mm[1:], nxt])
 
 
 class FeatureDrafter(TreeDrafter):

@@ -94,7 +94,12 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServicer):
     def warm_up(self, runtime: DraftRuntime) -> None:
         """One extend + propose of a throwaway request on zero features, then release."""
         field = FEATURE_FIELDS.get(self.feature)
-        feats = torch.zeros(2, self.feature_width, dtype=self.feature_dtype) if field else None
+        dev = runtime.cfg.device
+        feats = (
+            torch.zeros(2, self.feature_width, dtype=self.feature_dtype, device=dev)
+            if field
+            else None
+        )
         res = runtime.step([ExtendInput(WARMUP_RID, [0, 1], 1, feats, new=True)], propose=True)
         runtime.release(WARMUP_RID)
         if WARMUP_RID in res.errors:
@@ -127,7 +132,7 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServicer):
         if batch.propose_after:
             self._check_params(batch.propose_params)
         rows = [len(r.token_ids) for r in batch.requests]
-        features, mm = self._decode_states(states, rows)
+        features, mm = self._decode_states(runtime, states, rows)
         inputs, errors, start = [], {}, 0
         for r, n in zip(batch.requests, rows, strict=True):
             cut = lambda t: None if t is None else t[start : start + n]  # noqa: B023
@@ -169,7 +174,7 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServicer):
         committed = [first, *ids[:-1]]
         return ExtendInput(rid, committed, ids[-1], features, mm, mm is not None, r.starts_request)
 
-    def _decode_states(self, states: list, rows: list[int]):
+    def _decode_states(self, runtime: DraftRuntime, states: list, rows: list[int]):
         """The batch's feature rows and multimodal embeddings, checked against the requests."""
         if not any(s.ByteSize() for s in states):
             return None, None
@@ -182,7 +187,8 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServicer):
         features, mm = tensors.get(field) if field else None, tensors.get("mm_input_embeds")
         _check_rows(field, features, self.feature_width)
         _check_rows("mm_input_embeds", mm, self.hidden_size)
-        return features, mm
+        dev = runtime.cfg.device  # decoded on the host; the drafter runs on its device
+        return tuple(None if t is None else t.to(dev) for t in (features, mm))
 
     def _propose(self, runtime: DraftRuntime, requests) -> list:
         ok, errors = [], {}

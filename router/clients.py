@@ -117,7 +117,7 @@ def configure_target(runtime: TargetRuntime, draft: DraftInfo | None) -> None:
     if draft.feature == "aux" and draft.aux_layer_ids:
         from specmesh.runtime.models.causal_lm import AuxLayers
 
-        runtime.aux_layers = AuxLayers(draft.aux_layer_ids, draft.aux_convention)
+        runtime.set_aux_layers(AuxLayers(draft.aux_layer_ids, draft.aux_convention))
     runtime.set_feature(draft.feature)
 
 

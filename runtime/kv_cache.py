@@ -94,12 +94,14 @@ class KVCache:
                 f"request {rid!r} needs {need} more KV pages of {self.page_size} tokens, "
                 f"{len(self.free_pages)} free"
             )
+        if need == 0:
+            return
         ps = self.page_size
-        for _ in range(need):
-            page = self.free_pages.pop()
-            start = len(req.pages) * ps
-            self.req_to_slot[req.row, start : start + ps] = torch.arange(page * ps, (page + 1) * ps)
-            req.pages.append(page)
+        pages = [self.free_pages.pop() for _ in range(need)]
+        slots = (torch.tensor(pages)[:, None] * ps + torch.arange(ps)).flatten()
+        start = len(req.pages) * ps
+        self.req_to_slot[req.row, start : start + need * ps] = slots  # one host-to-device copy
+        req.pages.extend(pages)
 
     def release(self, rid: str) -> None:
         req = self.requests.pop(rid, None)

@@ -53,7 +53,8 @@ def pad_batch(items: list[BatchItem], num_tokens: int, pad_rid: str = PAD_RID) -
     n = num_tokens - raw
     ref = next((it.input_embeds for it in items if it.input_embeds is not None), None)
     embeds = None if ref is None else ref.new_zeros(n, ref.shape[-1])  # [n, hidden]
-    return [*items, BatchItem(pad_rid, torch.zeros(n, dtype=torch.int64), 0, input_embeds=embeds)]
+    ids = items[0].input_ids.new_zeros(n) if items else torch.zeros(n, dtype=torch.int64)
+    return [*items, BatchItem(pad_rid, ids, 0, input_embeds=embeds)]
 
 
 def unpad(out: Output, raw_num_tokens: int) -> Output:

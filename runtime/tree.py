@@ -28,7 +28,9 @@ class Tree:
 
     @staticmethod
     def from_parents(tokens: list[int] | torch.Tensor, parents: list[int] | torch.Tensor) -> Tree:
-        tokens_t = torch.as_tensor(tokens, dtype=torch.int64)
+        tokens_t = torch.as_tensor(
+            tokens, dtype=torch.int64, device="cpu"
+        )  # trees live on the host
         par = [int(p) for p in parents]
         n = len(par)
         if n == 0 or tokens_t.numel() != n:

@@ -15,9 +15,12 @@ if TYPE_CHECKING:
     from specmesh.target_service.steps import VerifyInput
 
 
-def accept_trees(inputs: list[VerifyInput], logits: torch.Tensor, n_max: int) -> TreeVerifyResult:
+def accept_trees(
+    inputs: list[VerifyInput], logits: torch.Tensor, n_max: int, impl: str = "torch"
+) -> TreeVerifyResult:
     """Accept a path of every request's tree: greedy when every request is greedy, else by
-    lossless tree sampling with each request's own uniforms (seed, generation offset)."""
+    lossless tree sampling with each request's own uniforms (seed, generation offset). ``impl``
+    picks the verifier kernel (`specmesh.kernels.common.kernel_impl`)."""
     bs = len(inputs)
     tokens = torch.zeros(bs, n_max, dtype=torch.int64)
     first_child = torch.full((bs, n_max), -1, dtype=torch.int64)
@@ -29,16 +32,17 @@ def accept_trees(inputs: list[VerifyInput], logits: torch.Tensor, n_max: int) ->
             inp.tree.first_child,
             inp.tree.next_sibling,
         )
+    dev = logits.device  # the trees are built on the host, verified where the logits are
+    tree = [t.to(dev) for t in (tokens, first_child, next_sibling)]
     counts = [i.tree.num_nodes for i in inputs]
     padded = pad_rows(logits, counts, n_max)  # [bs, n_max, vocab]
     if all(i.params.greedy for i in inputs):
-        return verify_tree_greedy(tokens, first_child, next_sibling, padded.argmax(-1))
+        return verify_tree_greedy(*tree, padded.argmax(-1), impl=impl)
     params = [i.params for i in inputs for _ in range(n_max)]
     probs = processed_probs(padded.flatten(0, 1), params).view(bs, n_max, -1)
-    rand = [uniforms(i.params.seed or 0, i.sample_offset, n_max + 1) for i in inputs]
-    accept_u = torch.stack([r[:n_max] for r in rand])
-    final_u = torch.stack([r[n_max] for r in rand])
-    return verify_tree_sampling(tokens, first_child, next_sibling, probs, accept_u, final_u)
+    rand = torch.stack([uniforms(i.params.seed or 0, i.sample_offset, n_max + 1) for i in inputs])
+    rand = rand.to(dev)
+    return verify_tree_sampling(*tree, probs, rand[:, :n_max], rand[:, n_max], impl=impl)
 
 
 def padded_row_index(counts: list[int], n_max: int) -> torch.Tensor:
@@ -51,5 +55,5 @@ def padded_row_index(counts: list[int], n_max: int) -> torch.Tensor:
 
 
 def pad_rows(x: torch.Tensor, counts: list[int], n_max: int) -> torch.Tensor:
-    idx = padded_row_index(counts, n_max)
+    idx = padded_row_index(counts, n_max).to(x.device)
     return x[idx].view(len(counts), n_max, *x.shape[1:])

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from specmesh.kernels.common import kernel_impl
 from specmesh.kernels.compaction import compact_accepted
 from specmesh.runtime.attention.torch_backend import make_backend
 from specmesh.runtime.config import parse_dtype
@@ -84,18 +85,34 @@ class TargetRuntime:
             max_context=cfg.max_context,
         )
         self.backend = make_backend(cfg.attention_backend)
-        self.graphs: TargetGraphs | None = None
-        if graphs_enabled(cfg.cuda_graph, cfg.device, cfg.attention_backend):
-            self.graphs = TargetGraphs(
-                self.model, self.cache, self.backend, mode="cuda-graph",
-                max_bs=cfg.cuda_graph_max_bs, tree_sizes=cfg.cuda_graph_tree_sizes,
-                aux=self.aux_layers,
-            )  # fmt: skip
+        self.kernel_impl = kernel_impl(cfg.attention_backend)
+        self.graphs = self._capture_graphs()
         self.pending: dict[str, int] = {}
+
+    def _capture_graphs(self) -> TargetGraphs | None:
+        cfg = self.cfg
+        if not graphs_enabled(cfg.cuda_graph, cfg.device, cfg.attention_backend):
+            return None
+        return TargetGraphs(
+            self.model, self.cache, self.backend, mode="cuda-graph",
+            max_bs=cfg.cuda_graph_max_bs, tree_sizes=cfg.cuda_graph_tree_sizes,
+            aux=self.aux_layers,
+        )  # fmt: skip
 
     @staticmethod
     def from_dir(model_dir: str | Path, **kw: object) -> TargetRuntime:
         return TargetRuntime(TargetConfig(model_dir=str(model_dir), **kw))  # type: ignore[arg-type]
+
+    def set_aux_layers(self, aux: AuxLayers) -> None:
+        """Capture the layers an in-process EAGLE-3 draft reads (its own ids); CUDA graphs, which
+        bake the captured layers in, are captured again when they change."""
+        n = self.model_config.num_layers
+        if aux.capture_points(n) == self.aux_layers.capture_points(n):
+            return
+        self.aux_layers = aux
+        self.set_feature(self.feature)
+        if self.graphs is not None:
+            self.graphs = self._capture_graphs()
 
     def set_feature(self, feature: str) -> None:
         """What the draft needs per token: EAGLE-3 aux states, the final hidden state, or none."""
@@ -260,14 +277,17 @@ class TargetRuntime:
         if all(i.tree.num_nodes == 1 and i.params.greedy for i in inputs):
             return self._greedy_decode(inputs, res, logits)
         n_max = max(i.tree.num_nodes for i in inputs)
-        result = accept_trees(inputs, logits, n_max)
-        flat, _ = compact_accepted(result.accept_path, result.accept_len)
-        row_of = padded_row_index([i.tree.num_nodes for i in inputs], n_max)
+        result = accept_trees(inputs, logits, n_max, self.kernel_impl)
+        flat, _ = compact_accepted(result.accept_path, result.accept_len, self.kernel_impl)
+        row_of = padded_row_index([i.tree.num_nodes for i in inputs], n_max).to(flat.device)
         out = StepOutput(features=self._features(res.select(row_of[flat])))
-        for b, inp in enumerate(inputs):
-            path = result.accept_path[b, : result.accept_len[b]].tolist()
+        # One device-to-host copy per field; the per-request bookkeeping below is host-side.
+        paths, lens = result.accept_path.tolist(), result.accept_len.tolist()
+        for inp, full_path, n, bonus in zip(
+            inputs, paths, lens, result.bonus.tolist(), strict=True
+        ):
+            path = full_path[:n]
             self.cache.accept_path(inp.rid, path, inp.tree.num_nodes)
-            bonus = int(result.bonus[b])
             out.tokens[inp.rid] = [*inp.tree.tokens[path[1:]].tolist(), bonus]
             out.row_counts[inp.rid] = len(path)
             self.pending[inp.rid] = bonus
@@ -278,7 +298,8 @@ class TargetRuntime:
     ) -> StepOutput:
         """Plain greedy decoding (every tree is its root alone): the tree verifier would pick
         the argmax and keep the one row, so do just that."""
-        out = StepOutput(features=self._features(res))
+        feats = self._features(res)  # a copy: a graph replay's outputs are overwritten next call
+        out = StepOutput(features=None if feats is None else feats.clone())
         for inp, tok in zip(inputs, logits.argmax(-1).tolist(), strict=True):
             self.cache.commit(inp.rid, self.cache.get(inp.rid).committed_len + 1)
             out.tokens[inp.rid], out.row_counts[inp.rid] = [tok], 1

@@ -27,8 +27,11 @@ class CpuMetadataFreeTorch(TorchBackend):
 
 @pytest.mark.parametrize("backend", ["torch-no-cpu-metadata", "triton"])
 def test_backend_greedy_speculative_equals_transformers(
-    tiny_dir: Path, oracle, backend: str
+    tiny_dir: Path, oracle, backend: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """With the triton backend the speculative kernels (tree build, greedy tree verify,
+    compaction) are the Triton ones too."""
+    called = _spy_triton_kernels(monkeypatch)
     engine = Engine(
         tiny_dir / "target", draft_model=tiny_dir / "draft", draft_kind="eagle3",
         spec=SpecParams(2, 2, 4), target_config={"attention_backend": "torch" if "torch" in backend else backend},
@@ -41,6 +44,22 @@ def test_backend_greedy_speculative_equals_transformers(
     for prompt, res in zip(PROMPTS, results, strict=True):
         assert res.token_ids == oracle(tiny_dir / "target", prompt, 6)
     assert engine.target.backend.name == ("triton" if backend == "triton" else "torch")
+    want = (
+        {"build_tree", "verify_tree_greedy", "compact_accepted"} if backend == "triton" else set()
+    )
+    assert called == want
+
+
+def _spy_triton_kernels(monkeypatch: pytest.MonkeyPatch) -> set[str]:
+    from specmesh.kernels import compaction, tree_build, tree_verify
+
+    called: set[str] = set()
+    for module, name in [(tree_build, "build_tree"), (tree_verify, "verify_tree_greedy"),
+                         (compaction, "compact_accepted")]:  # fmt: skip
+        fn = getattr(module, f"{name}_triton")
+        spy = lambda *a, _fn=fn, _name=name, **k: called.add(_name) or _fn(*a, **k)
+        monkeypatch.setattr(module, f"{name}_triton", spy)
+    return called
 
 
 def test_unknown_backend_is_a_clear_error() -> None:

@@ -234,3 +234,14 @@ def test_ngram_tree_branches_and_budget():
     assert tree.parents.tolist() == [-1, 0, 0, 1, 3, 4]
     drafter.extend([ExtendInput("q", [4, 5], 6, new=True)])
     assert drafter.propose(["q"], [6])[0].num_nodes == 1  # no match: root only
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "eagle", "mtp"])
+def test_half_precision_drafts_keep_fp32_rope_frequencies(models, kind):
+    """Casting a draft to bf16 must not round its RoPE inverse frequencies (the angles of far
+    positions would drift from the ones the draft was trained with)."""
+    cfg = DraftConfig(kind, str(models[kind]), str(models["target"]), SpecParams(), dtype="bf16")
+    net = load_draft(cfg).drafter.net
+    rotaries = [m for m in net.modules() if hasattr(m, "inv_freq")]
+    assert rotaries and all(m.inv_freq.dtype == torch.float32 for m in rotaries)
+    assert next(p for p in net.parameters() if p.is_floating_point()).dtype == torch.bfloat16

@@ -291,3 +291,21 @@ def test_disable_cuda_graph_flags() -> None:
     assert p.parse_args(["target", "--model", "m"]).cuda_graph_tree_sizes == (8,)
     with pytest.raises(SystemExit):
         p.parse_args(["target", "--model", "m", "--cuda-graph-tree-sizes", "eight"])
+
+
+def test_new_aux_layers_capture_the_target_graphs_again(tiny_dir: Path, monkeypatch) -> None:
+    """An in-process EAGLE-3 draft with its own aux layer ids: the eager path captures them at
+    once and CUDA graphs (which bake the layers in) are captured again, only when they change."""
+    from specmesh.target_service.runtime import TargetRuntime
+
+    t = TargetRuntime.from_dir(tiny_dir / "target", dtype="fp32", max_context=32)
+    captured: list[AuxLayers] = []
+    monkeypatch.setattr(t, "_capture_graphs", lambda: captured.append(t.aux_layers) or "graphs")
+    t.graphs = "graphs"  # as on a GPU
+    t.set_feature("aux")
+    t.set_aux_layers(AuxLayers(t.aux_layers.layer_ids, t.aux_layers.convention))
+    assert captured == []  # the same capture points: nothing to do
+    new = AuxLayers((0, 1), "input")
+    t.set_aux_layers(new)
+    n = t.model_config.num_layers
+    assert captured == [new] and t.model.aux_points == new.capture_points(n)

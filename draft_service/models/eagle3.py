@@ -135,6 +135,7 @@ def load_eagle3(
     width = embed_tokens.weight.shape[1]
     cfg = replace(cfg, base=resolve_draft_base(draft_dir, cfg.base, dtype, width))
     model = Eagle3Draft(cfg, embed_tokens).to(cfg.base.dtype)
+    model.rotary = Rotary(cfg.base.rope, cfg.base.head_dim)  # inv_freq stays fp32
     tensors = {k.removeprefix("model."): v for k, v in load_tensors(draft_dir).items()}
     tensors = {
         ("midlayer." + k[len("layers.0.") :] if k.startswith("layers.0.") else k): v
