@@ -57,26 +57,29 @@ def uniforms(seed: int, offset: int, n: int) -> torch.Tensor:
 
 def processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Temperature, then top-k, then top-p, per row; returns fp32 probabilities ``[rows, vocab]``.
-    Rows with greedy params become one-hot on the argmax."""
+    Rows with greedy params become one-hot on the argmax. Batched over rows (a few kernels for
+    the whole batch; each row's result depends on that row alone: sorts are stable)."""
     logits = logits.float()
-    out = torch.empty_like(logits)
-    for i, p in enumerate(params):
-        row = logits[i]
-        if p.greedy:
-            out[i] = torch.nn.functional.one_hot(row.argmax(), row.numel()).float()
-            continue
-        row = row / p.temperature
-        if 0 < p.top_k < row.numel():
-            kth = torch.topk(row, p.top_k).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        probs = torch.softmax(row, -1)
-        if p.top_p < 1.0:
-            sorted_p, order = probs.sort(descending=True)
-            drop = sorted_p.cumsum(-1) - sorted_p >= p.top_p  # keep the smallest set reaching top_p
-            probs = probs.scatter(0, order, sorted_p.masked_fill(drop, 0.0))
-            probs = probs / probs.sum()
-        out[i] = probs
-    return out
+    vocab = logits.shape[-1]
+    dev = logits.device
+    col = lambda values, dtype=torch.float32: torch.tensor(values, dtype=dtype, device=dev)[:, None]
+    x = logits / col([1.0 if p.greedy else p.temperature for p in params])
+    probs = torch.softmax(x, -1)
+    if any(0 < p.top_k < vocab for p in params):  # decided on the host: no device sync
+        top_k = col([p.top_k if 0 < p.top_k < vocab else vocab for p in params], torch.int64)
+        kth = x.sort(dim=-1, descending=True, stable=True).values.gather(-1, top_k - 1)
+        probs = torch.softmax(x.masked_fill(x < kth, float("-inf")), -1)
+    if any(p.top_p < 1.0 for p in params):
+        top_p = col([p.top_p for p in params])
+        sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
+        # keep the smallest set reaching top_p (rows with top_p = 1 keep everything)
+        drop = (sorted_p.cumsum(-1) - sorted_p >= top_p) & (top_p < 1.0)
+        cut = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+        probs = torch.where(top_p < 1.0, cut / cut.sum(-1, keepdim=True), probs)
+    if not any(p.greedy for p in params):
+        return probs
+    greedy = col([p.greedy for p in params], torch.bool)
+    return torch.where(greedy, torch.nn.functional.one_hot(logits.argmax(-1), vocab).float(), probs)
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
