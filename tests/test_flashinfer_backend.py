@@ -16,7 +16,11 @@ import torch
 
 from specmesh.kernels.attention import paged_attention_ref
 from specmesh.runtime.attention.base import AttentionMetadata
-from specmesh.runtime.attention.flashinfer_backend import FlashInferBackend, plan_inputs
+from specmesh.runtime.attention.flashinfer_backend import (
+    FlashInferBackend,
+    decode_tensor_cores,
+    plan_inputs,
+)
 from specmesh.runtime.attention.torch_backend import TorchBackend, make_backend
 from specmesh.runtime.graph_runner import GraphRunner
 from specmesh.runtime.graph_sizes import decode_sizes, verify_sizes
@@ -33,6 +37,10 @@ class _FakeWrapper:
 
     def __init__(self, workspace, kv_layout="NHD", use_cuda_graph=False, **buffers) -> None:
         assert kv_layout == "NHD" and workspace.dtype == torch.uint8
+        if isinstance(self, FakePrefill):  # fa2: the masked prefill kernels
+            assert buffers.pop("backend") == "fa2"
+        else:  # the tiny model's 2 query heads per KV head run on CUDA cores
+            assert buffers.pop("use_tensor_cores") is False
         self.use_cuda_graph, self.buffers = use_cuda_graph, buffers
 
     def _store(self, name: str, value: torch.Tensor | None) -> None:
@@ -107,6 +115,8 @@ def fake_flashinfer(monkeypatch):
     mod.BatchDecodeWithPagedKVCacheWrapper = FakeDecode
     mod.BatchPrefillWithPagedKVCacheWrapper = FakePrefill
     monkeypatch.setitem(sys.modules, "flashinfer", mod)
+    # the real kernels run fp16 / bf16 only; the fake runs the fp32 reference
+    monkeypatch.setattr(FlashInferBackend, "SUPPORTED_DTYPES", (torch.float32,))
     _FakeWrapper.plans = []
     return _FakeWrapper.plans
 
@@ -205,11 +215,24 @@ def test_flashinfer_graph_hooks_through_static_buffers(target, fake_flashinfer, 
     assert len(backend.graph_wrappers) == len(runner.batch_sizes)
 
 
+def test_flashinfer_limits_are_named() -> None:
+    """Query groups the CUDA-core decode kernels lack go to tensor cores; fp32 is refused with
+    the way out, before any kernel runs."""
+    assert [decode_tensor_cores(q, 4) for q in (4, 8, 16, 28, 32, 64)] == [
+        False, False, False, True, True, True,
+    ]  # fmt: skip
+    q = torch.zeros(2, 4, 8)
+    with pytest.raises(ValueError, match=r"runs fp16 / bf16 models.*--dtype bf16"):
+        FlashInferBackend().forward(q, q, q, q, q, 1.0)
+
+
 @pytest.mark.skipif(
     not torch.cuda.is_available() or importlib.util.find_spec("flashinfer") is None,
     reason="needs a CUDA GPU and the flashinfer package",
 )
 def test_real_flashinfer_matches_reference_on_gpu() -> None:
+    """One backend through decode, causal extend and a tree mask, in that order (a prefill
+    wrapper keeps the kernels of its first plan: they must take masks)."""
     torch.manual_seed(0)
     dev, heads, kv_heads, dim = "cuda", 8, 2, 64
     k_pool = torch.randn(64, kv_heads, dim, device=dev, dtype=torch.float16)
@@ -218,6 +241,7 @@ def test_real_flashinfer_matches_reference_on_gpu() -> None:
     kv_indices = torch.randperm(64, device=dev)[: sum(lens)]
     kv_indptr = torch.tensor([0, *lens], device=dev).cumsum(0)
     tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    backend = FlashInferBackend()
     for q_lens, masked in [([1, 1, 1], False), ([2, 3, 4], False), ([3, 3, 3], True)]:
         mask = None
         if masked:
@@ -234,7 +258,6 @@ def test_real_flashinfer_matches_reference_on_gpu() -> None:
             q_lens_cpu=q_lens, kv_lens_cpu=lens, max_q_len=max(q_lens), max_kv_len=max(lens),
         )  # fmt: skip
         q = torch.randn(sum(q_lens), heads, dim, device=dev, dtype=torch.float16)
-        backend = FlashInferBackend()
         backend.prepare(meta)
         got = backend.forward(q, None, None, k_pool, v_pool, dim**-0.5)
         want = paged_attention_ref(q, k_pool, v_pool, meta, dim**-0.5)

@@ -39,10 +39,11 @@ class PlanInputs:
     """One batch's metadata in FlashInfer's terms (page size 1)."""
 
     decode: bool  # one causal row per request: the decode wrapper
-    qo_indptr: torch.Tensor  # [bs + 1] int32, host
-    kv_indptr: torch.Tensor  # [bs + 1] int32, host
+    # The indptrs and last-page lengths are on the host, or on the mask's device with a mask.
+    qo_indptr: torch.Tensor  # [bs + 1] int32
+    kv_indptr: torch.Tensor  # [bs + 1] int32
     kv_indices: torch.Tensor  # [sum kv_len] int32, device
-    kv_last_page_len: torch.Tensor  # [bs] int32 ones, host
+    kv_last_page_len: torch.Tensor  # [bs] int32 ones
     custom_mask: torch.Tensor | None  # [sum q_len * kv_len] bool, device; None = causal
 
 
@@ -56,12 +57,14 @@ def plan_inputs(meta: AttentionMetadata) -> PlanInputs:
     mask = None
     if meta.custom_mask is not None:  # a static buffer may be longer: pass the used part only
         mask = meta.custom_mask[: sum(q * k for q, k in zip(q_lens, kv_lens, strict=True))]
+    # FlashInfer packs a custom mask into bits on the mask's device, reading the indptrs there.
+    dev = "cpu" if mask is None else mask.device
     return PlanInputs(
         decode=mask is None and all(q == 1 for q in q_lens),
-        qo_indptr=_indptr(q_lens),
-        kv_indptr=_indptr(kv_lens),
+        qo_indptr=_indptr(q_lens).to(dev),
+        kv_indptr=_indptr(kv_lens).to(dev),
         kv_indices=meta.kv_indices[:kv_total].to(torch.int32),
-        kv_last_page_len=torch.ones(len(kv_lens), dtype=torch.int32),
+        kv_last_page_len=torch.ones(len(kv_lens), dtype=torch.int32, device=dev),
         custom_mask=mask,
     )
 
@@ -82,9 +85,19 @@ class _Dims:
     kv_dtype: torch.dtype
 
 
+def decode_tensor_cores(num_qo_heads: int, num_kv_heads: int) -> bool:
+    """FlashInfer's CUDA-core decode kernels take query groups of 1, 2, 3, 4 or 8 heads per KV
+    head; wider groups (and any other size) run on the tensor-core (prefill) kernels."""
+    return num_qo_heads // num_kv_heads > 4
+
+
 class FlashInferBackend(AttentionBackend):
     name = "flashinfer"
     needs_cpu_metadata = True  # plan() works from host-side lengths
+    SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
+    # fa2: the prefill kernels that take a custom mask (fa3, which "auto" picks on Hopper for a
+    # causal first plan, takes none, and a wrapper keeps the kernels of its first plan).
+    PREFILL_KERNELS = "fa2"
 
     def __init__(self, workspace_bytes: int = DEFAULT_WORKSPACE_BYTES) -> None:
         self.workspace_bytes = workspace_bytes
@@ -98,15 +111,22 @@ class FlashInferBackend(AttentionBackend):
         self.capturing_bs: int | None = None
         self.wrapper: Any = None  # planned for the current batch
         self.plan: PlanInputs | None = None  # waiting for the first forward's dims
+        self.pick: Any = None  # () -> the wrapper for the current batch, once dims are known
 
     # -- per batch -------------------------------------------------------------------------------
     def prepare(self, meta: AttentionMetadata) -> None:
         self.meta = meta
         self.plan = plan_inputs(meta)
-        self.wrapper = self._eager_wrapper("decode" if self.plan.decode else "prefill", meta)
+        kind = "decode" if self.plan.decode else "prefill"
+        self.pick = lambda: self._eager_wrapper(kind, meta)
         self._plan_if_ready()
 
     def forward(self, q, k, v, k_pool, v_pool, scale):
+        if q.dtype not in self.SUPPORTED_DTYPES or k_pool.dtype not in self.SUPPORTED_DTYPES:
+            raise ValueError(
+                f"the flashinfer backend runs fp16 / bf16 models, got {q.dtype} queries and a "
+                f"{k_pool.dtype} KV cache: use --dtype bf16, or the triton backend"
+            )
         dims = _Dims(q.shape[1], k_pool.shape[1], q.shape[2], float(scale), q.dtype, k_pool.dtype)
         if self.dims is None:
             self.dims = dims
@@ -120,6 +140,7 @@ class FlashInferBackend(AttentionBackend):
         if self.plan is None or self.dims is None:
             return
         p, d = self.plan, self.dims
+        self.wrapper = self.pick()
         common = dict(q_data_type=d.q_dtype, kv_data_type=d.kv_dtype, sm_scale=d.scale)
         if p.decode:
             self.wrapper.plan(
@@ -141,19 +162,25 @@ class FlashInferBackend(AttentionBackend):
 
     def _workspace(self, device: torch.device) -> torch.Tensor:
         if self.workspace is None:
-            self.workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=device)
+            self.workspace = torch.zeros(self.workspace_bytes, dtype=torch.uint8, device=device)
         return self.workspace
 
     def _eager_wrapper(self, kind: str, meta: AttentionMetadata) -> Any:
         if kind not in self.wrappers:
             fi, ws = self._flashinfer(), self._workspace(meta.kv_indices.device)
-            cls = (
-                fi.BatchDecodeWithPagedKVCacheWrapper
-                if kind == "decode"
-                else fi.BatchPrefillWithPagedKVCacheWrapper
-            )
-            self.wrappers[kind] = cls(ws, "NHD")
+            if kind == "decode":
+                self.wrappers[kind] = fi.BatchDecodeWithPagedKVCacheWrapper(
+                    ws, "NHD", use_tensor_cores=self._tensor_cores()
+                )
+            else:
+                self.wrappers[kind] = fi.BatchPrefillWithPagedKVCacheWrapper(
+                    ws, "NHD", backend=self.PREFILL_KERNELS
+                )
         return self.wrappers[kind]
+
+    def _tensor_cores(self) -> bool:
+        assert self.dims is not None  # wrappers are built at the first plan, after a forward
+        return decode_tensor_cores(self.dims.num_qo_heads, self.dims.num_kv_heads)
 
     # -- CUDA-graph hooks ------------------------------------------------------------------------
     def init_capture(self, max_bs: int, max_num_tokens: int) -> None:
@@ -172,11 +199,13 @@ class FlashInferBackend(AttentionBackend):
         self.meta = meta
         self.plan = plan_inputs(meta)
         key = (meta.kv_indices.data_ptr(), bs)
-        if key not in self.graph_wrappers:
-            if self.capturing_bs != bs:
-                raise ValueError(f"flashinfer: no graph wrapper for bs={bs}; capture it first")
-            self.graph_wrappers[key] = self._graph_wrapper(meta, bs, self.plan.decode)
-        self.wrapper = self.graph_wrappers[key]
+        if key not in self.graph_wrappers and self.capturing_bs != bs:
+            raise ValueError(f"flashinfer: no graph wrapper for bs={bs}; capture it first")
+        decode = self.plan.decode
+        self.pick = lambda: (
+            self.graph_wrappers.get(key)
+            or self.graph_wrappers.setdefault(key, self._graph_wrapper(meta, bs, decode))
+        )
         self._plan_if_ready()
 
     def _graph_wrapper(self, meta: AttentionMetadata, bs: int, decode: bool) -> Any:
@@ -189,8 +218,9 @@ class FlashInferBackend(AttentionBackend):
         ws = self._workspace(dev)
         if decode:
             return fi.BatchDecodeWithPagedKVCacheWrapper(
-                ws, "NHD", use_cuda_graph=True, paged_kv_indptr_buffer=kv_indptr,
-                paged_kv_indices_buffer=kv_indices, paged_kv_last_page_len_buffer=last,
+                ws, "NHD", use_cuda_graph=True, use_tensor_cores=self._tensor_cores(),
+                paged_kv_indptr_buffer=kv_indptr, paged_kv_indices_buffer=kv_indices,
+                paged_kv_last_page_len_buffer=last,
             )  # fmt: skip
         mask = mask_indptr = None
         if meta.custom_mask is not None:  # bit-packed, each request padded to whole bytes
@@ -200,4 +230,5 @@ class FlashInferBackend(AttentionBackend):
             ws, "NHD", use_cuda_graph=True, qo_indptr_buf=torch.zeros(bs + 1, **ints),
             paged_kv_indptr_buf=kv_indptr, paged_kv_indices_buf=kv_indices,
             paged_kv_last_page_len_buf=last, custom_mask_buf=mask, mask_indptr_buf=mask_indptr,
+            backend=self.PREFILL_KERNELS,
         )  # fmt: skip
