@@ -34,8 +34,8 @@ def inprocess_backend(
 ) -> RouterBackend:
     """The in-process stack; ``specs`` name the tree sizes a GPU captures verify graphs for, and
     ``model`` shares already loaded target weights."""
-    tree_sizes = tuple(sorted({s.num_draft_tokens for s in specs})) or (8,)
-    tcfg = TargetConfig(models.target, **runtime, cuda_graph_tree_sizes=tree_sizes)
+    sizes = {"cuda_graph_tree_sizes": tuple(sorted({s.num_draft_tokens for s in specs}))}
+    tcfg = TargetConfig(models.target, **runtime, **(sizes if specs else {}))
     target = TargetRuntime(tcfg, model=model)
     loaded: dict[SpecParams, list[InProcessDraft]] = {}
 
