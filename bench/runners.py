@@ -180,7 +180,7 @@ class ClusterBackend:
     async def run(self, spec: RunSpec, prompts: list[list[int]]) -> dict[str, Any]:
         import grpc
 
-        from specmesh.router.service_common import channel_options
+        from specmesh.rpc.service_common import channel_options
         from specmesh.v1 import generation_pb2_grpc
 
         if spec.spec is not None and spec.spec != self.spec:
@@ -206,7 +206,7 @@ class ClusterBackend:
     async def _stream(
         self, stub: Any, spec: RunSpec, ids: list[int], params: SamplingParams, trace: RequestTrace
     ) -> None:
-        from specmesh.router.wire import sampling_to_pb
+        from specmesh.rpc.wire import sampling_to_pb
         from specmesh.v1 import generation_pb2
 
         request = generation_pb2.GenerateRequest(

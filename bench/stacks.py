@@ -17,7 +17,7 @@ from specmesh.bench.runners import ClusterBackend, RouterBackend
 from specmesh.defaults import ModelChoice
 from specmesh.draft_service.drafter import SpecParams
 from specmesh.draft_service.runtime import DraftConfig, load_draft
-from specmesh.router.clients import InProcessDraft, InProcessTarget
+from specmesh.router.in_process import InProcessDraft, InProcessTarget
 from specmesh.runtime.tokenizer import load_tokenizer
 from specmesh.target_service.runtime import TargetConfig, TargetRuntime
 

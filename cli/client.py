@@ -21,8 +21,8 @@ from typing import Any
 
 import grpc
 
-from specmesh.router.service_common import channel_options
-from specmesh.router.wire import sampling_to_pb
+from specmesh.rpc.service_common import channel_options
+from specmesh.rpc.wire import sampling_to_pb
 from specmesh.runtime.sampling import SamplingParams
 from specmesh.v1 import generation_pb2, generation_pb2_grpc
 

@@ -116,7 +116,7 @@ def spawn_service(
 
 
 def wait_ready(children: list[Child], timeout_s: float) -> None:
-    from specmesh.router.service_common import check_health
+    from specmesh.rpc.service_common import check_health
 
     deadline = time.monotonic() + timeout_s
     for child in children:

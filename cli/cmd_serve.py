@@ -142,6 +142,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--num-micro-batches", type=int, default=_default(RouterConfig, "num_micro_batches")
     )
     p.add_argument(
+        "--draft-timeout-s",
+        type=float,
+        default=_default(RouterConfig, "draft_timeout_s"),
+        help="a draft step slower than this counts as a draft failure: its requests are "
+        "released there and continue without speculation",
+    )
+    p.add_argument(
         "--max-new-tokens", type=int, default=256, help="default for requests that leave it 0"
     )
     p.add_argument(
@@ -200,7 +207,7 @@ def _runtime_kwargs(args: argparse.Namespace) -> dict:
 
 def run_target(args: argparse.Namespace) -> int:
     apply_threads(args)
-    from specmesh.router.service_common import serve_model
+    from specmesh.rpc.service_common import serve_model
     from specmesh.target_service import server
     from specmesh.target_service.runtime import TargetRuntime
     from specmesh.v1 import target_pb2_grpc
@@ -225,7 +232,7 @@ def run_draft(args: argparse.Namespace) -> int:
     from specmesh.draft_service import server
     from specmesh.draft_service.drafter import SpecParams
     from specmesh.draft_service.runtime import load_draft
-    from specmesh.router.service_common import serve_model
+    from specmesh.rpc.service_common import serve_model
     from specmesh.v1 import draft_pb2_grpc
 
     spec = SpecParams(args.num_steps, args.topk, args.num_draft_tokens)
@@ -251,7 +258,9 @@ def run_router(args: argparse.Namespace) -> int:
         drafts=split(args.draft),
         address=_address(args),
         core=RouterConfig(
-            max_batch_size=args.max_batch_size, num_micro_batches=args.num_micro_batches
+            max_batch_size=args.max_batch_size,
+            num_micro_batches=args.num_micro_batches,
+            draft_timeout_s=args.draft_timeout_s,
         ),
         tokenizer=args.tokenizer,
         max_new_tokens=args.max_new_tokens,
@@ -271,7 +280,7 @@ def run_up(args: argparse.Namespace) -> int:
 
 
 def run_health(args: argparse.Namespace) -> int:
-    from specmesh.router.service_common import check_health
+    from specmesh.rpc.service_common import check_health
 
     ok = check_health(args.address, args.service, args.timeout)
     print(

@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specmesh.draft_service.sizes import DraftSizes
 from specmesh.kernels.common import kernel_impl
 from specmesh.kernels.tree_build import build_tree
 from specmesh.runtime.attention.base import AttentionBackend
+from specmesh.runtime.draft_sizes import DraftSizes
 from specmesh.runtime.kv_cache import KVCache
 from specmesh.runtime.model_runner import BatchItem, run_batch
 from specmesh.runtime.models.layers import KVPair

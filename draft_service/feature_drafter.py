@@ -8,14 +8,15 @@ pending token is embedded by the draft: placeholder ids are never looked up (inv
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from specmesh.draft_service.drafter import RootState, SpecParams, TreeDrafter, forward_draft
+from specmesh.draft_service.steps import ExtendInput
 from specmesh.runtime.attention.base import AttentionBackend
 from specmesh.runtime.errors import InvalidRequestError
+from specmesh.runtime.features import Feature, FeatureSpec
 from specmesh.runtime.kv_cache import KVCache
 from specmesh.runtime.model_runner import BatchItem
 
@@ -23,24 +24,13 @@ if TYPE_CHECKING:
     from specmesh.draft_service.extend_graph import DraftExtendGraph
 
 
-@dataclass
-class ExtendInput:
-    rid: str
-    committed_ids: list[int]  # tokens the target just committed (prompt, or root + accepted)
-    next_token: int  # the target's pending token: the root of the next tree
-    features: torch.Tensor | None = None  # [len(committed_ids), feature_dim]
-    mm_input_embeds: torch.Tensor | None = None  # [len(committed_ids), hidden], multimodal prefill
-    is_multimodal: bool = False  # the request has images: mm_input_embeds is mandatory on prefill
-    new: bool = False  # first extend of the request (after prefill)
-
-
-def check_features(inp: ExtendInput, feature: str) -> None:
+def check_features(inp: ExtendInput, feature: Feature) -> None:
     """One feature row per committed token, or a precise error."""
     if inp.features is None or inp.features.shape[0] != len(inp.committed_ids):
         got = None if inp.features is None else inp.features.shape[0]
         raise InvalidRequestError(
             f"request {inp.rid!r}: extend needs {len(inp.committed_ids)} feature rows "
-            f"({feature}), got {got}"
+            f"({feature.value}), got {got}"
         )
 
 
@@ -73,10 +63,10 @@ class FeatureDrafter(TreeDrafter):
         cache: KVCache,
         backend: AttentionBackend,
         spec: SpecParams,
-        feature: str,
+        needs: FeatureSpec,
     ) -> None:
         super().__init__(cache, backend, spec)
-        self.net, self.feature = net, feature
+        self.net, self.needs = net, needs
         self.extend_graph: DraftExtendGraph | None = None  # see enable_step_graphs
 
     def enable_step_graphs(self, mode: str, max_bs: int) -> None:
@@ -90,7 +80,7 @@ class FeatureDrafter(TreeDrafter):
     def extend(self, inputs: list[ExtendInput]) -> None:
         items, feats = [], []
         for inp in inputs:
-            check_features(inp, self.feature)
+            check_features(inp, self.needs.feature)
             ids, embeds = rotated_rows(inp, self.net.embed)
             if inp.new:  # only after every check, so a rejected extend leaves no KV row behind
                 self.cache.add(inp.rid)

@@ -9,6 +9,7 @@ from specmesh.draft_service.feature_drafter import FeatureDrafter
 from specmesh.draft_service.runtime import DraftConfig, Drafter
 from specmesh.runtime.attention.torch_backend import make_backend
 from specmesh.runtime.config import parse_dtype
+from specmesh.runtime.features import Feature, FeatureSpec
 from specmesh.runtime.kv_cache import KVCache
 from specmesh.target_service.llava import language_model_tensors, target_model_config
 
@@ -47,9 +48,9 @@ def build_eagle3(cfg: DraftConfig, target_model: torch.nn.Module | None) -> Tree
     )
     b = net.config.base
     cache = make_cache(cfg, 1, b.num_kv_heads, b.head_dim, b.dtype)
-    drafter = FeatureDrafter(net, cache, make_backend(cfg.attention_backend), cfg.spec, "aux")
-    drafter.aux_layers = net.config.aux_layers
-    return drafter
+    backend = make_backend(cfg.attention_backend)
+    aux = net.config.aux_layers
+    return FeatureDrafter(net, cache, backend, cfg.spec, FeatureSpec(Feature.AUX_HIDDEN, aux))
 
 
 def target_shared_head(cfg: DraftConfig, target_model: torch.nn.Module | None):
@@ -75,7 +76,7 @@ def build_eagle(cfg: DraftConfig, target_model: torch.nn.Module | None) -> TreeD
     b = net.config.base
     cache = make_cache(cfg, 1, b.num_kv_heads, b.head_dim, b.dtype)
     backend = make_backend(cfg.attention_backend)
-    return FeatureDrafter(net.to(cfg.device), cache, backend, cfg.spec, "hidden")
+    return FeatureDrafter(net.to(cfg.device), cache, backend, cfg.spec, FeatureSpec(Feature.HIDDEN))
 
 
 def build_mtp(cfg: DraftConfig, target_model: torch.nn.Module | None) -> TreeDrafter:

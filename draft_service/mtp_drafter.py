@@ -38,16 +38,18 @@ from __future__ import annotations
 import torch
 
 from specmesh.draft_service.drafter import RootState, SpecParams, TreeDrafter, forward_draft
-from specmesh.draft_service.feature_drafter import ExtendInput, check_features, rotated_rows
+from specmesh.draft_service.feature_drafter import check_features, rotated_rows
 from specmesh.draft_service.models.mtp import MTPDraft
+from specmesh.draft_service.steps import ExtendInput
 from specmesh.runtime.attention.base import AttentionBackend
+from specmesh.runtime.features import Feature, FeatureSpec
 from specmesh.runtime.kv_cache import KVCache
 from specmesh.runtime.model_runner import BatchItem
 from specmesh.runtime.models.layers import KVPair
 
 
 class MTPDrafter(TreeDrafter):
-    feature = "hidden_pre_norm"
+    needs = FeatureSpec(Feature.HIDDEN_PRE_NORM)
 
     def __init__(
         self, net: MTPDraft, cache: KVCache, backend: AttentionBackend, spec: SpecParams
@@ -95,7 +97,7 @@ class MTPDrafter(TreeDrafter):
     def extend(self, inputs: list[ExtendInput]) -> None:
         items, feats = [], []
         for inp in inputs:
-            check_features(inp, self.feature)
+            check_features(inp, self.needs.feature)
             ids, embeds = rotated_rows(inp, self.net.embed)  # validates before any state changes
             if inp.new:
                 self.cache.add(inp.rid)

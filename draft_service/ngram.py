@@ -1,4 +1,4 @@
-"""N-gram drafting (prompt lookup): no model, no KV, feature ``"none"``.
+"""N-gram drafting (prompt lookup): no model, no KV, no target features.
 
 Per request the drafter keeps the token history (every committed id, then the pending token).
 To propose, it looks for earlier occurrences of the history's last n tokens, n = 3, 2, 1, most
@@ -22,15 +22,16 @@ from __future__ import annotations
 import torch
 
 from specmesh.draft_service.drafter import SpecParams
-from specmesh.draft_service.feature_drafter import ExtendInput
+from specmesh.draft_service.steps import ExtendInput
 from specmesh.runtime.errors import InvalidRequestError, UnknownRequestError
+from specmesh.runtime.features import FeatureSpec
 from specmesh.runtime.tree import Tree
 
 MAX_NGRAM = 3
 
 
 class NgramDrafter:
-    feature = "none"
+    needs = FeatureSpec()
 
     def __init__(self, spec: SpecParams) -> None:
         spec.validate()
@@ -39,11 +40,12 @@ class NgramDrafter:
         self.pending: dict[str, int] = {}
 
     def extend(self, inputs: list[ExtendInput]) -> None:
-        for inp in inputs:
+        for inp in inputs:  # every check before any change
             if inp.is_multimodal:  # placeholder ids are no text to look up (invariant 1)
                 raise InvalidRequestError(
                     f"request {inp.rid!r}: the n-gram draft does not look up image placeholders"
                 )
+        for inp in inputs:
             if inp.new:
                 self.history[inp.rid] = []
             self._get(inp.rid).extend(inp.committed_ids)

@@ -1,33 +1,47 @@
-"""The draft service's runtime: one drafter of a configured kind, behind `step` and `release`.
+"""The draft service's runtime: one drafter of a configured kind, and the registry of the
+requests it holds.
 
 Draft kinds (``--draft-kind``): ``eagle3`` (SpecForge / SGLang EAGLE-3), ``eagle`` (EAGLE-1/2),
 ``mtp`` (multi-layer EAGLE: one layer and one KV pool per step), ``standalone`` (a small causal LM
 with the target's tokenizer) and ``ngram`` (prompt lookup, no model).
+
+Lifecycle of a request here: created by its starting extend, advanced by later extends, freed
+by `release` or by any step that fails it. A failure is per request: the rows of a batch are
+checked before any state changes, and a batch whose forward raises is retried row by row, so a
+bad row fails alone and leaves nothing allocated.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
 from specmesh.draft_service.drafter import SpecParams, TreeDrafter
-from specmesh.draft_service.feature_drafter import ExtendInput
-from specmesh.runtime.errors import SpecmeshError
+from specmesh.draft_service.steps import DraftInfo, DraftStepResult, ExtendInput
+from specmesh.runtime.config import ModelConfig
+from specmesh.runtime.errors import (
+    DuplicateRequestError,
+    InvalidRequestError,
+    SpecmeshError,
+    UnknownRequestError,
+    as_specmesh_error,
+)
+from specmesh.runtime.features import FeatureSpec
 from specmesh.runtime.graph_runner import graphs_enabled
 from specmesh.runtime.tree import Tree
 
-if TYPE_CHECKING:
-    from specmesh.router.clients import DraftInfo, DraftStepResult
+log = logging.getLogger(__name__)
 
 DRAFT_KINDS = ("eagle3", "eagle", "mtp", "standalone", "ngram")
 
 
 class Drafter(Protocol):
-    feature: str
+    needs: FeatureSpec
     spec: SpecParams
 
     def extend(self, inputs: list[ExtendInput]) -> None:
@@ -55,64 +69,128 @@ class DraftConfig:
 
 
 class DraftRuntime:
-    def __init__(self, cfg: DraftConfig, drafter: Drafter) -> None:
-        self.cfg, self.drafter = cfg, drafter
+    def __init__(self, cfg: DraftConfig, drafter: Drafter, target: ModelConfig) -> None:
+        self.cfg, self.drafter, self.target = cfg, drafter, target
+        self.live: dict[str, int] = {}  # the requests held -> pending token (next tree's root)
 
     def info(self) -> DraftInfo:
-        from specmesh.router.clients import DraftInfo
-
-        aux = getattr(self.drafter, "aux_layers", None)
         s = self.cfg.spec
-        return DraftInfo(
-            kind=self.cfg.kind,
-            feature=self.drafter.feature,
-            aux_layer_ids=tuple(aux.layer_ids) if aux else (),
-            aux_convention=aux.convention if aux else "input",
-            num_steps=s.num_steps,
-            topk=s.topk,
-            num_draft_tokens=s.num_draft_tokens,
-        )
+        return DraftInfo(self.cfg.kind, self.drafter.needs, s.num_steps, s.topk, s.num_draft_tokens)
 
+    def holds(self, rid: str) -> bool:
+        return rid in self.live
+
+    def kv_slots(self) -> tuple[int, int]:
+        """(used, free) KV slots; (0, 0) for a drafter without a KV cache (n-gram)."""
+        cache = getattr(self.drafter, "cache", None)
+        return (0, 0) if cache is None else (cache.num_used_slots, cache.num_free_slots)
+
+    # -- step ----------------------------------------------------------------------------------
     def step(self, extends: list[ExtendInput], propose: bool = True) -> DraftStepResult:
         """Extend every request over its newly committed tokens, then (optionally) propose the
-        next tree for each. One bad request does not fail the others."""
-        from specmesh.router.clients import DraftStepResult
-
+        next tree for each. A request that fails is dropped; the others are served."""
         result = DraftStepResult()
-        good = list(extends)
-        try:
-            self.drafter.extend(good)  # the batched fast path
-        except SpecmeshError:
-            good = self._extend_one_by_one(extends, result.errors)
-        if propose and good:
-            trees = self.drafter.propose([i.rid for i in good], [i.next_token for i in good])
-            result.trees = {i.rid: t for i, t in zip(good, trees, strict=True)}
+        ok = [e for e in extends if self._admit(e, result.errors)]
+        ok = self._extend(ok, result.errors)
+        for inp in ok:
+            self.live[inp.rid] = inp.next_token
+        if propose:
+            self._propose(ok, result)
         return result
 
-    def _extend_one_by_one(self, extends: list[ExtendInput], errors: dict) -> list[ExtendInput]:
-        """Isolate the bad requests of a failed batch. Drafters validate before they forward, so
-        a failed batch changed nothing but the rows it added for new requests: drop those."""
-        for inp in extends:
-            if inp.new:
-                with contextlib.suppress(KeyError):
-                    self.drafter.release(inp.rid)
+    def propose(self, roots: list[ExtendInput]) -> DraftStepResult:
+        """Trees for requests already extended; ``roots[i].next_token`` must be the request's
+        pending token."""
+        result = DraftStepResult()
+        ok = []
+        for inp in roots:
+            pending = self.live.get(inp.rid)
+            if pending is None:
+                result.errors[inp.rid] = UnknownRequestError(f"unknown request id {inp.rid!r}")
+            elif inp.next_token != pending:
+                result.errors[inp.rid] = InvalidRequestError(
+                    f"request {inp.rid!r}: root {inp.next_token} is not the pending token {pending}"
+                )
+            else:
+                ok.append(inp)
+        self._propose(ok, result)
+        return result
+
+    def _propose(self, ok: list[ExtendInput], result: DraftStepResult) -> None:
+        if not ok:
+            return
+        try:
+            trees = self.drafter.propose([i.rid for i in ok], [i.next_token for i in ok])
+            result.trees.update({i.rid: t for i, t in zip(ok, trees, strict=True)})
+        except Exception as e:
+            self._fail(ok, e, result.errors)
+
+    def _admit(self, inp: ExtendInput, errors: dict[str, SpecmeshError]) -> bool:
+        """Checks that need no forward; a continuing request that fails them is dropped."""
+        try:
+            if inp.new and inp.rid in self.live:
+                raise DuplicateRequestError(f"request {inp.rid!r} already has draft state")
+            if not inp.new and inp.rid not in self.live:
+                raise UnknownRequestError(f"unknown request id {inp.rid!r}")
+            ids = [*inp.committed_ids, inp.next_token]
+            vocab = self.target.vocab_size
+            if not inp.committed_ids or not all(0 <= t < vocab for t in ids):
+                raise InvalidRequestError(
+                    f"request {inp.rid!r}: extend ids must be non-empty and in [0, {vocab}); "
+                    f"got {len(inp.committed_ids)} ids, max {max(ids)}"
+                )
+        except SpecmeshError as e:
+            errors[inp.rid] = e
+            if not isinstance(e, DuplicateRequestError):
+                self.release(inp.rid)
+            return False
+        return True
+
+    def _extend(self, inputs: list[ExtendInput], errors: dict) -> list[ExtendInput]:
+        if not inputs:
+            return []
+        try:
+            self.drafter.extend(inputs)  # the batched fast path
+            return inputs
+        except Exception:
+            # Drafters check every row before any forward, and commit only after it: a failed
+            # batch changed nothing but the rows it added for new requests. Drop those, then
+            # isolate the bad rows one by one.
+            for inp in inputs:
+                if inp.new:
+                    with contextlib.suppress(KeyError):
+                        self.drafter.release(inp.rid)
         good = []
-        for inp in extends:
+        for inp in inputs:
             try:
                 self.drafter.extend([inp])
                 good.append(inp)
-            except SpecmeshError as e:
-                errors[inp.rid] = e
+            except Exception as e:
+                self._fail([inp], e, errors)
         return good
 
-    def release(self, rid: str) -> None:
+    def _fail(self, inputs: list[ExtendInput], error: Exception, errors: dict) -> None:
+        if not isinstance(error, SpecmeshError):
+            log.exception("draft step failed for %s", [i.rid for i in inputs])
+        for inp in inputs:
+            errors[inp.rid] = as_specmesh_error(error, inp.rid)
+            with contextlib.suppress(KeyError):
+                self.drafter.release(inp.rid)
+            self.live.pop(inp.rid, None)
+
+    def release(self, rid: str) -> bool:
+        """Free ``rid``'s draft state; False (a no-op) when it holds none."""
+        if self.live.pop(rid, None) is None:
+            return False
         self.drafter.release(rid)
+        return True
 
 
 def load_draft(cfg: DraftConfig, target_model: torch.nn.Module | None = None) -> DraftRuntime:
     """Build the drafter for ``cfg.kind``. ``target_model`` (in-process) shares the target's
     embedding and head; otherwise they are read from ``cfg.target_dir``."""
     from specmesh.draft_service import kinds
+    from specmesh.target_service.llava import target_model_config
 
     if cfg.kind not in DRAFT_KINDS:
         raise ValueError(f"unknown draft kind {cfg.kind!r}; choose from {', '.join(DRAFT_KINDS)}")
@@ -123,4 +201,4 @@ def load_draft(cfg: DraftConfig, target_model: torch.nn.Module | None = None) ->
         cfg.cuda_graph, cfg.device, cfg.attention_backend
     ):
         drafter.enable_step_graphs("cuda-graph", cfg.cuda_graph_max_bs)
-    return DraftRuntime(cfg, drafter)
+    return DraftRuntime(cfg, drafter, target_model_config(cfg.target_dir))

@@ -1,6 +1,6 @@
 """Standalone drafting: a small causal LM with the target's tokenizer and its own KV cache.
 
-It needs no target features (feature ``"none"``). Extend forwards the newly committed ids and,
+It needs no target features (`Feature.NONE`). Extend forwards the newly committed ids and,
 as one more row, the pending token, which is not committed:
 
     draft KV row: [ committed ids 0 .. C-1 | pending (root) at C | step 1 nodes | step 2 ... ]
@@ -16,16 +16,17 @@ from __future__ import annotations
 import torch
 
 from specmesh.draft_service.drafter import RootState, SpecParams, TreeDrafter
-from specmesh.draft_service.feature_drafter import ExtendInput
+from specmesh.draft_service.steps import ExtendInput
 from specmesh.runtime.attention.base import AttentionBackend
 from specmesh.runtime.errors import InvalidRequestError
+from specmesh.runtime.features import FeatureSpec
 from specmesh.runtime.kv_cache import KVCache
 from specmesh.runtime.model_runner import BatchItem, run_batch
 from specmesh.runtime.models.causal_lm import CausalLM
 
 
 class StandaloneDrafter(TreeDrafter):
-    feature = "none"
+    needs = FeatureSpec()
 
     def __init__(
         self,

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from specmesh.draft_service.drafter import TreeDrafter
-from specmesh.draft_service.sizes import DraftSizes
+from specmesh.runtime.draft_sizes import DraftSizes
 from specmesh.runtime.graph_runner import GraphRunner
 from specmesh.runtime.graph_sizes import draft_step_sizes
 from specmesh.runtime.model_runner import BatchItem

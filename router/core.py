@@ -9,7 +9,14 @@ router. One round for a micro-batch reads like the algorithm:
 ``num_micro_batches`` workers run rounds concurrently, so the target verifies one micro-batch
 while the draft extends and proposes for another. Requests join a micro-batch between rounds
 (continuous batching) and leave when finished. A request is pinned to one target and one draft
-replica (least loaded at admission).
+replica (least loaded at admission, `specmesh.router.placement`).
+
+Lifecycle. The worker running a request is the only code that creates or frees its state in
+the services: a client that cancels (or whose deadline passes) only marks the request aborted;
+the worker, between two of its awaits, has it `leave` its replicas, which releases it in-band
+on their Step streams, behind every step already sent for it. A request that leaves to be
+replayed is released before it is queued again, so its new state can never be freed by the old
+release.
 """
 
 from __future__ import annotations
@@ -21,15 +28,17 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from specmesh.router.clients import DraftClient, TargetClient, TargetInfo
-from specmesh.router.faults import CircuitBreaker, ServiceDownError
+from specmesh.router.placement import Balancer
 from specmesh.router.request import Chunk, Phase, Request
 from specmesh.router.round import RoundRunner
 from specmesh.runtime.errors import (
     DuplicateRequestError,
     InvalidRequestError,
     KVCacheFullError,
+    ServiceDownError,
     SpecmeshError,
 )
+from specmesh.runtime.features import FeatureSpec
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +67,7 @@ class RouterCore:
         if not targets:
             raise ValueError("the router needs at least one target")
         self.targets, self.drafts, self.cfg = targets, drafts, cfg
-        self.breakers = {d.name: CircuitBreaker(cfg.draft_cooldown_s) for d in drafts}
-        # A target that failed is left alone for a while, then tried again (it may have
-        # restarted); its requests were replayed elsewhere meanwhile.
-        self.target_breakers = {t.name: CircuitBreaker(cfg.target_cooldown_s) for t in targets}
-        self.load: dict[str, int] = {c.name: 0 for c in [*targets, *drafts]}
+        self.replicas = Balancer(targets, drafts, cfg.target_cooldown_s, cfg.draft_cooldown_s)
         self.waiting: asyncio.Queue[Request] = asyncio.Queue()
         self.streams: dict[str, asyncio.Queue] = {}
         self.requests: dict[str, Request] = {}
@@ -71,16 +76,16 @@ class RouterCore:
 
     @property
     def num_live_targets(self) -> int:
-        return sum(b.allows() for b in self.target_breakers.values())
+        return len(self.replicas.live_targets())
 
     @property
     def info(self) -> TargetInfo:
         return self.targets[0].info
 
     async def start(self) -> None:
-        draft_info = self.drafts[0].info if self.drafts else None
-        for t in self.targets:
-            await t.configure(draft_info)
+        """The handshake with every target (what the drafts read), then the workers."""
+        needs = draft_needs([d.info.needs for d in self.drafts])
+        await asyncio.gather(*(t.configure(needs) for t in self.targets))
         self._workers = [
             asyncio.create_task(self._worker(i)) for i in range(self.cfg.num_micro_batches)
         ]
@@ -112,8 +117,8 @@ class RouterCore:
             raise KVCacheFullError(f"{self.waiting.qsize()} requests are waiting; try again later")
 
     async def generate(self, req: Request) -> AsyncIterator[Chunk]:
-        """Submit ``req`` and yield its chunks; the last has ``finish_reason``. Cancelling the
-        iteration aborts the request and frees its KV in both services."""
+        """Submit ``req`` and yield its chunks; the last has ``finish_reason``. Closing the
+        iteration early aborts the request; its worker then frees its state in both services."""
         self.validate(req)
         stream: asyncio.Queue = asyncio.Queue()
         self.streams[req.rid], self.requests[req.rid] = stream, req
@@ -128,8 +133,7 @@ class RouterCore:
                     return
         finally:
             if not req.finished:
-                req.abort()
-                await self.finish(req)
+                req.abort()  # the worker that runs it sees this and has it leave
             self.streams.pop(req.rid, None)
             self.requests.pop(req.rid, None)
 
@@ -144,40 +148,27 @@ class RouterCore:
         req.abort()
         self.push(req, error)
 
-    def requeue(self, req: Request) -> None:
-        """Send a request whose target died back to admission: it is re-placed and replayed."""
-        self.unplace(req)
-        req.phase, req.worker = Phase.WAITING, None
-        self.waiting.put_nowait(req)
+    # -- lifecycle (called by the worker that runs the request) ----------------------------------
+    async def leave(self, req: Request, *, requeue: bool = False) -> None:
+        """Release ``req`` in its replicas (in-band, behind its steps) and unpin it; with
+        ``requeue`` it then waits for admission again, to be replayed (prompt + emitted tokens)."""
+        placement, req.placement, req.tree = req.placement, None, None
+        if placement is not None:
+            clients = [c for c in (placement.target, placement.draft) if c is not None]
+            await asyncio.gather(*(c.release([req.rid]) for c in clients))
+            self.replicas.unplace(placement)
+        if requeue and not req.finished:
+            req.phase, req.worker = Phase.WAITING, None
+            self.waiting.put_nowait(req)
 
-    # -- placement -----------------------------------------------------------------------------
-    def place(self, req: Request) -> None:
-        live = [t for t in self.targets if self.target_breakers[t.name].allows()]
-        if not live:
-            raise ServiceDownError("no target replica is available")
-        req.target = min(live, key=lambda c: self.load[c.name])
-        self.load[req.target.name] += 1
-        ready = [d for d in self.drafts if self.breakers[d.name].allows()]
-        req.draft = min(ready, key=lambda c: self.load[c.name]) if ready and req.speculate else None
-        if req.draft is not None:
-            self.load[req.draft.name] += 1
-
-    def unplace(self, req: Request) -> tuple[TargetClient | None, DraftClient | None]:
-        target, draft = req.target, req.draft
-        if target is not None:
-            self.load[target.name] -= 1
-        if draft is not None:
-            self.load[draft.name] -= 1
-        req.target = req.draft = req.tree = None
-        return target, draft
-
-    async def finish(self, req: Request) -> None:
-        """Release the request's state in both services (idempotent, failures ignored)."""
-        target, draft = self.unplace(req)
-        for client in (target, draft):
-            if client is not None:
-                with contextlib.suppress(Exception):
-                    await client.release([req.rid])
+    async def drop_draft(self, req: Request, *, release: bool) -> None:
+        """Continue ``req`` without speculation (for now: `_resume_speculation` may replay it)."""
+        placement, req.tree = req.placement, None
+        if placement is None or placement.draft is None:
+            return
+        if release:
+            await placement.draft.release([req.rid])
+        self.replicas.unpin_draft(placement)
 
     # -- workers -------------------------------------------------------------------------------
     async def _worker(self, index: int) -> None:
@@ -185,47 +176,53 @@ class RouterCore:
         while True:
             new = self._admit(running, index)
             if new:
-                await self._guarded(self.rounds.prefill, new)
-                running.extend(r for r in new if self._owns(index, r))
+                await self._guarded(self.rounds.prefill, new, index)
+                running.extend(new)
+                running[:] = await self._retire(running, index)
             if not running:
                 req = await self.waiting.get()
                 self.waiting.put_nowait(req)  # re-queued: _admit takes it with its siblings
                 continue
-            await self._guarded(self.rounds.step, running)
-            running[:] = [r for r in running if self._owns(index, r)]
+            await self._guarded(self.rounds.step, running, index)
+            running[:] = await self._retire(running, index)
             await self._resume_speculation(running)
-            running[:] = [r for r in running if self._owns(index, r)]
+            running[:] = await self._retire(running, index)
+
+    async def _retire(self, running: list[Request], index: int) -> list[Request]:
+        """Requests still this worker's; the aborted ones leave their replicas."""
+        kept = []
+        for r in running:
+            if r.finished and r.placement is not None:
+                await self.leave(r)
+            elif not r.finished and r.phase is Phase.RUNNING and r.worker == index:
+                kept.append(r)
+        return kept
 
     async def _resume_speculation(self, running: list[Request]) -> None:
         """Requests that continued without speculation after a draft failure get a draft back
         once one is proven healthy again (its breaker closed by a successful step): their draft
         state can only be rebuilt from target features of the whole context, so they are
         replayed like after a failover (nothing emitted is lost or repeated)."""
-        if not any(b.failures == 0 for b in self.breakers.values()):
+        if not self.replicas.any_draft_healthy():
             return
         for r in running:
             remaining = r.params.max_new_tokens - r.num_generated
-            lost_draft = r.speculate and r.draft is None and r.phase is Phase.RUNNING
+            lost_draft = r.speculate and r.placement is not None and r.placement.draft is None
             if lost_draft and remaining >= self.cfg.resume_min_remaining:
-                await self.finish(r)
-                self.requeue(r)
+                await self.leave(r, requeue=True)
 
-    @staticmethod
-    def _owns(index: int, r: Request) -> bool:
-        """Still this worker's: not finished and not sent back to the queue (and maybe picked up
-        by another worker) by a failover or a full KV cache."""
-        return not r.finished and r.phase is Phase.RUNNING and r.worker == index
-
-    async def _guarded(self, fn, reqs: list[Request]) -> None:
+    async def _guarded(self, fn, reqs: list[Request], index: int) -> None:
         """A bug in one round fails that round's requests (INTERNAL), never the worker."""
         try:
             await fn(reqs)
         except Exception as e:
             log.exception("round failed for %d requests", len(reqs))
             for r in reqs:
+                if r.worker != index:  # requeued meanwhile: no longer ours to touch
+                    continue
                 if not r.finished:
                     self.fail(r, SpecmeshError(f"internal error: {type(e).__name__}: {e}"))
-                    await self.finish(r)
+                await self.leave(r)
 
     def _admit(self, running: list[Request], index: int) -> list[Request]:
         new = []
@@ -234,10 +231,23 @@ class RouterCore:
             if req.finished:
                 continue
             try:
-                self.place(req)
+                req.placement = self.replicas.place(req.speculate)
             except ServiceDownError as e:
                 self.fail(req, e)
                 continue
             req.phase, req.worker = Phase.RUNNING, index
             new.append(req)
         return new
+
+
+def draft_needs(needs: list[FeatureSpec]) -> FeatureSpec:
+    """What every target must return per token for these drafts: one thing, or a refusal that
+    says why (a target captures one set of aux layers and returns one feature per stream)."""
+    distinct = list(dict.fromkeys(needs))
+    if len(distinct) > 1:
+        raise ValueError(
+            "the draft replicas read different target features ("
+            + "; ".join(n.describe() for n in distinct)
+            + "); serve one kind of draft per router"
+        )
+    return distinct[0] if distinct else FeatureSpec()

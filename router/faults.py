@@ -1,17 +1,8 @@
-"""Failure handling: which errors mean "this service is gone", and the draft circuit breaker."""
+"""The circuit breaker the router keeps per replica."""
 
 from __future__ import annotations
 
 import time
-
-from specmesh.runtime.errors import SpecmeshError
-
-
-class ServiceDownError(SpecmeshError):
-    """A replica did not answer (connection lost, deadline passed). Maps to UNAVAILABLE when no
-    other replica can take over."""
-
-    grpc_code = "UNAVAILABLE"
 
 
 class CircuitBreaker:

@@ -2,13 +2,16 @@
 
 Every batch gets a stream-unique ``batch_id``; its chunks are written back to back (a write
 lock keeps batches from interleaving) and a reader task matches each reassembled answer to the
-waiting caller by id, so several micro-batches can be in flight on one stream.
+waiting caller by id, so several micro-batches can be in flight on one stream. A release is a
+batch nobody waits for: written in order behind the work it undoes, its answer dropped.
 
-Failures. A broken stream, UNAVAILABLE, DEADLINE_EXCEEDED or a step past its deadline raise
-`ServiceDownError` (the core then replays on another target, or drops speculation); the next
-call opens a fresh stream on the same channel, which reconnects by itself once the service is
-back (a restarted draft is used again after the core's circuit breaker cools down). Any other
-status raises the matching `runtime.errors` exception.
+Lifecycle. The service frees everything a stream created when the stream ends, so a broken
+stream needs no cleanup: the next call opens a fresh stream (starting with the target
+handshake) on the same channel, which reconnects by itself once the service is back.
+
+Failures. A broken stream, UNAVAILABLE, DEADLINE_EXCEEDED or a target step past its deadline
+raise `ServiceDownError` (the core then replays on another target, or drops speculation). Any
+other status raises the matching `runtime.errors` exception.
 """
 
 from __future__ import annotations
@@ -17,20 +20,22 @@ import asyncio
 import contextlib
 import itertools
 import logging
+from collections.abc import Callable
 
 import grpc
 import torch
 
-from specmesh.draft_service.feature_drafter import ExtendInput
-from specmesh.router.clients import DraftInfo, DraftStepResult, TargetInfo
-from specmesh.router.faults import ServiceDownError
-from specmesh.router.service_common import channel_options
-from specmesh.router.wire import (
+from specmesh.draft_service.steps import DraftInfo, DraftStepResult, ExtendInput
+from specmesh.router.clients import TargetInfo
+from specmesh.rpc.service_common import channel_options
+from specmesh.rpc.wire import (
     FramingError,
     Reassembler,
     error_from_rpc,
     error_from_status,
     frame,
+    needs_from_pb,
+    needs_to_pb,
     sampling_to_pb,
 )
 from specmesh.runtime.codec import (
@@ -38,6 +43,8 @@ from specmesh.runtime.codec import (
     join_hidden_states,
     split_hidden_states,
 )
+from specmesh.runtime.errors import ServiceDownError
+from specmesh.runtime.features import FeatureSpec
 from specmesh.runtime.tree import Tree
 from specmesh.target_service.steps import PrefillInput, StepOutput, VerifyInput
 from specmesh.v1 import (
@@ -50,15 +57,17 @@ from specmesh.v1 import (
 )
 
 log = logging.getLogger(__name__)
-
-FEATURE_FIELD = {"aux": "aux_hidden", "hidden": "hidden", "hidden_pre_norm": "hidden"}
+_BROKEN = (grpc.aio.UsageError, asyncio.InvalidStateError, RuntimeError)
 
 
 class StepStream:
-    """One bidi Step stream: `request` sends a batch's chunks and returns its answer's chunks."""
+    """One bidi Step stream: `request` sends a batch's chunks and returns its answer's chunks;
+    `send` writes a batch whose answer nobody awaits. ``handshake`` (when set) makes the first
+    message of every new stream."""
 
-    def __init__(self, open_call, peer: str, timeout_s: float) -> None:
+    def __init__(self, open_call, peer: str, timeout_s: float | None) -> None:
         self.open_call, self.peer, self.timeout_s = open_call, peer, timeout_s
+        self.handshake: Callable[[], object] | None = None
         self.call = None
         self.pending: dict[int, asyncio.Future] = {}
         self.ids = itertools.count(1)
@@ -70,27 +79,41 @@ class StepStream:
         future = asyncio.get_running_loop().create_future()
         self.pending[batch_id] = future
         try:
-            async with self.write_lock:
-                call = self._open()
-                for msg in frame(messages, batch_id):
-                    await call.write(msg)
+            # Shielded: a caller that gives up (a draft deadline) never leaves half a batch.
+            await asyncio.shield(self._write(messages, batch_id, open_stream=True))
             return await asyncio.wait_for(future, self.timeout_s)
         except asyncio.TimeoutError:
             self._break(ServiceDownError(f"{self.peer}: no answer within {self.timeout_s:.0f} s"))
             raise ServiceDownError(f"{self.peer}: step timed out") from None
-        except grpc.RpcError as e:
-            raise self._break(error_from_rpc(e, self.peer)) from None
-        except (grpc.aio.UsageError, asyncio.InvalidStateError, RuntimeError) as e:
-            raise self._break(ServiceDownError(f"{self.peer}: stream broken: {e}")) from None
         finally:
             self.pending.pop(batch_id, None)
             if future.done() and not future.cancelled():
                 future.exception()  # mark retrieved: a failed write already raised the error
 
-    def _open(self):
+    async def send(self, messages: list) -> None:
+        """Write a batch in order behind everything sent so far; no stream, nothing to do (the
+        service freed what the ended stream held)."""
+        await asyncio.shield(self._write(messages, next(self.ids), open_stream=False))
+
+    async def _write(self, messages: list, batch_id: int, *, open_stream: bool) -> None:
+        async with self.write_lock:
+            if self.call is None and not open_stream:
+                return
+            try:
+                call = await self._open()
+                for msg in frame(messages, batch_id):
+                    await call.write(msg)
+            except grpc.RpcError as e:
+                raise self._break(error_from_rpc(e, self.peer)) from None
+            except _BROKEN as e:
+                raise self._break(ServiceDownError(f"{self.peer}: stream broken: {e}")) from None
+
+    async def _open(self):
         if self.call is None:
             self.call = self.open_call()
             self.reader = asyncio.create_task(self._read(self.call))
+            if self.handshake is not None:  # its answer is dropped; a refusal ends the stream
+                await self.call.write(frame([self.handshake()], next(self.ids))[0])
         return self.call
 
     async def _read(self, call) -> None:
@@ -132,11 +155,12 @@ class StepStream:
 
 
 class _GrpcClient:
-    """Channel, GetInfo at connect, Release; the Step stream lives in ``self.stream``."""
+    """Channel, GetInfo at connect, in-band release; the Step stream lives in ``self.stream``."""
 
     stub_type: type
+    request_type: type  # TargetStepRequest / DraftStepRequest
 
-    def __init__(self, address: str, name: str | None, step_timeout_s: float) -> None:
+    def __init__(self, address: str, name: str | None, step_timeout_s: float | None) -> None:
         self.address, self.name = address, name or address
         self.channel = grpc.aio.insecure_channel(address, options=channel_options())
         self.stub = self.stub_type(self.channel)
@@ -156,10 +180,17 @@ class _GrpcClient:
                 await asyncio.sleep(0.2)  # UNAVAILABLE while the service is loading
 
     async def release(self, rids: list[str]) -> None:
-        try:
-            await self.stub.Release(common_pb2.ReleaseRequest(request_ids=rids), timeout=10.0)
-        except grpc.RpcError as e:
-            raise error_from_rpc(e, self.name) from None
+        release = common_pb2.ReleaseBatch(request_ids=rids)
+        with contextlib.suppress(ServiceDownError):  # a dead stream's state is freed with it
+            await self.stream.send([self.request_type(release=release)])
+
+    async def _answer(self, messages: list) -> list:
+        chunks = await self.stream.request(messages)
+        if chunks[0].status.code:
+            raise error_from_status(
+                chunks[0].status.code, f"{self.name}: {chunks[0].status.message}"
+            )
+        return chunks
 
     async def close(self) -> None:
         await self.stream.close()
@@ -168,6 +199,7 @@ class _GrpcClient:
 
 class GrpcTargetClient(_GrpcClient):
     stub_type = target_pb2_grpc.TargetStub
+    request_type = target_pb2.TargetStepRequest
 
     def __init__(
         self, address: str, name: str | None = None, step_timeout_s: float = 120.0
@@ -175,7 +207,6 @@ class GrpcTargetClient(_GrpcClient):
         super().__init__(address, name, step_timeout_s)
         self.info_pb: target_pb2.TargetInfo | None = None
         self.info: TargetInfo | None = None
-        self.flags: dict[str, bool] = {}
 
     async def connect(self, timeout_s: float = 60.0) -> None:
         self.info_pb = pb = await self.get_info(timeout_s)
@@ -187,19 +218,15 @@ class GrpcTargetClient(_GrpcClient):
             pb.hidden_size,
         )
 
-    async def configure(self, draft: DraftInfo | None) -> None:
-        """Ask every step for the features the draft consumes (the return_* flags)."""
-        feature = draft.feature if draft is not None else "none"
-        if feature == "aux" and tuple(draft.aux_layer_ids) != tuple(self.info_pb.aux_layer_ids):
-            raise ValueError(
-                f"{self.name}: the draft reads aux layers {list(draft.aux_layer_ids)} but the "
-                f"target captures {list(self.info_pb.aux_layer_ids)} (both in input numbering)"
-            )
-        self.flags = {
-            "return_aux_hidden": feature == "aux",
-            "return_hidden": feature in ("hidden", "hidden_pre_norm"),
-            "hidden_pre_norm": feature == "hidden_pre_norm",
-        }
+    async def configure(self, needs: FeatureSpec) -> None:
+        """The handshake, answered now (a refusal raises with the target's reason) and sent
+        again first on every stream opened later."""
+        hello = lambda: target_pb2.TargetStepRequest(
+            open=target_pb2.StreamOpen(**needs_to_pb(needs))
+        )
+        self.stream.handshake = None
+        await self._answer([hello()])
+        self.stream.handshake = hello
 
     async def prefill(self, inputs: list[PrefillInput]) -> StepOutput:
         batch = target_pb2.PrefillBatch(
@@ -215,32 +242,27 @@ class GrpcTargetClient(_GrpcClient):
             ]
         )
         mm = any(i.images for i in inputs)
-        out = await self._step(
+        return await self._step(
             target_pb2.TargetStepRequest(prefill=batch, return_mm_input_embeds=mm)
         )
-        return out
 
     async def verify(self, inputs: list[VerifyInput]) -> StepOutput:
-        batch = target_pb2.VerifyBatch(
-            requests=[
-                target_pb2.VerifyRequest(
-                    request_id=i.rid,
-                    tree=common_pb2.DraftTree(
-                        tokens=i.tree.tokens.tolist(), parents=i.tree.parents.tolist()
-                    ),
-                )
-                for i in inputs
-            ]
+        requests = [
+            target_pb2.VerifyRequest(
+                request_id=i.rid,
+                tree=common_pb2.DraftTree(
+                    tokens=i.tree.tokens.tolist(), parents=i.tree.parents.tolist()
+                ),
+            )
+            for i in inputs
+        ]
+        return await self._step(
+            target_pb2.TargetStepRequest(verify=target_pb2.VerifyBatch(requests=requests))
         )
-        return await self._step(target_pb2.TargetStepRequest(verify=batch))
 
     async def _step(self, req: target_pb2.TargetStepRequest) -> StepOutput:
-        for flag, value in self.flags.items():
-            setattr(req, flag, value)
-        chunks = await self.stream.request([req])
+        chunks = await self._answer([req])
         head = chunks[0]
-        if head.status.code:
-            raise error_from_status(head.status.code, f"{self.name}: {head.status.message}")
         row_counts, tensors = join_hidden_states([c.states for c in chunks])
         out = StepOutput(
             features=tensors.get("aux_hidden", tensors.get("hidden")),
@@ -259,81 +281,58 @@ class GrpcTargetClient(_GrpcClient):
 
 class GrpcDraftClient(_GrpcClient):
     stub_type = draft_pb2_grpc.DraftStub
+    request_type = draft_pb2.DraftStepRequest
 
     def __init__(
         self,
         address: str,
         name: str | None = None,
-        step_timeout_s: float = 30.0,
         chunk_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
-        super().__init__(address, name, step_timeout_s)
+        super().__init__(address, name, None)  # the round holds the draft's deadline
         self.chunk_bytes = chunk_bytes
         self.info_pb: draft_pb2.DraftInfo | None = None
         self.info: DraftInfo | None = None
-        self.committed: dict[str, int] = {}  # rows the draft holds per request (start_position)
 
     async def connect(self, timeout_s: float = 60.0) -> None:
         self.info_pb = pb = await self.get_info(timeout_s)
-        feature = "aux" if pb.needs_aux_hidden else "hidden" if pb.needs_hidden else "none"
-        if pb.needs_hidden_pre_norm:
-            feature = "hidden_pre_norm"
         self.info = DraftInfo(
-            pb.draft_kind, feature, tuple(pb.aux_layer_ids), "input", pb.num_steps, pb.topk,
-            pb.num_draft_tokens,
-        )  # fmt: skip
+            pb.draft_kind, needs_from_pb(pb), pb.num_steps, pb.topk, pb.num_draft_tokens
+        )
 
     async def step(self, extends: list[ExtendInput], propose: bool = True) -> DraftStepResult:
         requests = [
             draft_pb2.ExtendRequest(
                 request_id=e.rid,
-                token_ids=[*e.committed_ids[1:], e.next_token],  # rotated by one (draft.proto)
+                token_ids=e.committed_ids,
+                next_token_id=e.next_token,
                 starts_request=e.new,
-                start_position=0 if e.new else self.committed.get(e.rid, 0),
-                first_token_id=e.committed_ids[0] if e.new else 0,
+                multimodal=e.is_multimodal and e.new,
             )
             for e in extends
         ]
         states = split_hidden_states(
             [len(e.committed_ids) for e in extends], self._tensors(extends), self.chunk_bytes
         )
-        first = draft_pb2.DraftStepRequest(
-            extend=draft_pb2.ExtendBatch(requests=requests, states=states[0], propose_after=propose)
-        )
-        rest = [
-            draft_pb2.DraftStepRequest(extend=draft_pb2.ExtendBatch(states=s)) for s in states[1:]
-        ]
-        try:
-            chunks = await self.stream.request([first, *rest])
-        except ServiceDownError:
-            self.committed.clear()  # a restarted draft holds nothing
-            raise
-        head = chunks[0]
-        if head.status.code:
-            raise error_from_status(head.status.code, f"{self.name}: {head.status.message}")
+        first = draft_pb2.ExtendBatch(requests=requests, states=states[0], propose_after=propose)
+        rest = [draft_pb2.ExtendBatch(states=s) for s in states[1:]]
+        chunks = await self._answer([draft_pb2.DraftStepRequest(extend=b) for b in [first, *rest]])
         out = DraftStepResult()
-        for result in head.results:
+        for result in chunks[0].results:
             rid = result.request_id
             if result.status.code:
                 out.errors[rid] = error_from_status(result.status.code, result.status.message)
-                continue
-            self.committed[rid] = result.committed_len
-            if result.HasField("tree"):
+            elif result.HasField("tree"):
                 out.trees[rid] = Tree.from_parents(
                     list(result.tree.tokens), list(result.tree.parents)
                 )
         return out
 
     def _tensors(self, extends: list[ExtendInput]) -> dict[str, torch.Tensor | None]:
-        field = FEATURE_FIELD.get(self.info.feature)
+        field = self.info.needs.feature.wire_field
         feats = [e.features for e in extends]
         mm = [e.mm_input_embeds for e in extends]
         return {
             **({field: torch.cat(feats)} if field and all(f is not None for f in feats) else {}),
             "mm_input_embeds": torch.cat(mm) if all(m is not None for m in mm) and mm else None,
         }
-
-    async def release(self, rids: list[str]) -> None:
-        for rid in rids:
-            self.committed.pop(rid, None)
-        await super().release(rids)

@@ -10,10 +10,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING
 
 from specmesh.router.detokenizer import Detokenizer
 from specmesh.runtime.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from specmesh.router.placement import Placement
+    from specmesh.runtime.tree import Tree
 
 
 class Phase(Enum):
@@ -46,10 +50,10 @@ class Request:
     _full_text: str = ""  # decoded so far, incl. text held back for stop strings
     finish_reason: str | None = None
     accept_lens: list[int] = field(default_factory=list)
-    # Placement, owned by the router core: pinned replicas, the next tree, failovers so far.
-    target: Any = None
-    draft: Any = None
-    tree: Any = None
+    # Set by the router core: pinned replicas (its `Balancer` changes them), the next tree,
+    # failovers so far.
+    placement: Placement | None = None
+    tree: Tree | None = None
     replays: int = 0
     worker: int | None = None  # the micro-batch worker running it
     arrival_s: float = field(default_factory=time.monotonic)

@@ -2,9 +2,9 @@
 
 Generate validates and tokenizes the request, submits it to the core and streams its chunks.
 The call's end is the request's end: a client that cancels or passes its deadline cancels the
-handler, which closes the core's iterator, which aborts the request and releases its KV in
-both services. A request the core fails ends with the error's status; tokens already streamed
-stay streamed.
+handler, which closes the core's iterator, which aborts the request; its worker then releases
+its state in both services, in-band. A request the core fails ends with the error's status;
+tokens already streamed stay streamed.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from specmesh.router.core import RouterConfig, RouterCore
 from specmesh.router.detokenizer import Detokenizer
 from specmesh.router.grpc_clients import GrpcDraftClient, GrpcTargetClient
 from specmesh.router.request import Chunk, Request
-from specmesh.router.service_common import ServiceHost
-from specmesh.router.wire import abort_with, sampling_from_pb
+from specmesh.rpc.service_common import ServiceHost
+from specmesh.rpc.wire import abort_with, sampling_from_pb
 from specmesh.runtime.codec import GRPC_MAX_MESSAGE_BYTES
 from specmesh.runtime.errors import InvalidRequestError, SpecmeshError
 from specmesh.runtime.tokenizer import load_tokenizer, resolve_seed
@@ -76,7 +76,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             topk=draft.topk if draft else 0,
             num_draft_tokens=draft.num_draft_tokens if draft else 0,
             num_target_replicas=core.num_live_targets,
-            num_draft_replicas=sum(core.breakers[d.name].allows() for d in core.drafts),
+            num_draft_replicas=len(core.replicas.live_drafts()),
             version=__version__,
             supports_images=target.supports_images,
         )

@@ -28,3 +28,21 @@ class KVCacheFullError(SpecmeshError):
     """Not enough free KV slots; the scheduler queues or preempts, never crashes."""
 
     grpc_code = "RESOURCE_EXHAUSTED"
+
+
+class ServiceDownError(SpecmeshError):
+    """A replica did not answer (connection lost, deadline passed). Maps to UNAVAILABLE when no
+    other replica can take over."""
+
+    grpc_code = "UNAVAILABLE"
+
+
+def as_specmesh_error(error: Exception, rid: str) -> SpecmeshError:
+    """``error`` as a per-request status: a `SpecmeshError` as it is, a `ValueError` as
+    INVALID_ARGUMENT, anything else INTERNAL with the request named (a bug, or hostile input no
+    check caught)."""
+    if isinstance(error, SpecmeshError):
+        return error
+    if isinstance(error, ValueError):  # codec and shape checks
+        return InvalidRequestError(f"request {rid!r}: {error}")
+    return SpecmeshError(f"request {rid!r}: internal error: {type(error).__name__}: {error}")

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specmesh.draft_service.sizes import DraftSizes
+from specmesh.runtime.draft_sizes import DraftSizes
 
 
 @dataclass(frozen=True)

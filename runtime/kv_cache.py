@@ -73,6 +73,10 @@ class KVCache:
     def num_free_slots(self) -> int:
         return len(self.free_pages) * self.page_size
 
+    @property
+    def num_used_slots(self) -> int:
+        return self.pools[0].k.shape[0] - self.num_free_slots if self.pools else 0
+
     # -- act ----------------------------------------------------------------------------------
     def add(self, rid: str) -> None:
         if rid in self.requests:

@@ -6,6 +6,7 @@ Used by `specmesh make-tiny` and the tests. Models are written with `transformer
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -96,8 +97,14 @@ def make_tiny_eagle3(
     *,
     seed: int = 0,
     draft_vocab_size: int | None = None,
+    aux_layer_ids: Sequence[int] | None = None,
 ) -> Path:
-    """A random EAGLE-3 draft in the SpecForge / SGLang format, matching ``target_dir``."""
+    """A random EAGLE-3 draft in the SpecForge / SGLang format, matching ``target_dir``.
+
+    ``aux_layer_ids`` go to ``eagle_config.eagle_aux_hidden_state_layer_ids`` in SpecForge's
+    "output" numbering (id i = the output of target layer i); default ``[1, L/2 - 1, L - 4]``.
+    ``fc`` reads their concatenation, so its input width is ``len(aux_layer_ids) * hidden``.
+    """
     import json
 
     from safetensors.torch import save_file
@@ -105,14 +112,15 @@ def make_tiny_eagle3(
     from specmesh.runtime.config import load_model_config
 
     t = load_model_config(target_dir)
-    h, vocab = t.hidden_size, t.vocab_size
+    h, vocab, n = t.hidden_size, t.vocab_size, t.num_layers
+    aux_ids = list(aux_layer_ids) if aux_layer_ids is not None else [1, n // 2 - 1, n - 4]
     vd = draft_vocab_size or vocab
     g = torch.Generator().manual_seed(seed)
     rand = lambda *shape: torch.randn(*shape, generator=g) * 0.1
     heads, kv_heads, head_dim, inter = t.num_heads, t.num_kv_heads, t.head_dim, t.intermediate_size
     used = torch.randperm(vocab, generator=g)[:vd].sort().values
     tensors = {
-        "fc.weight": rand(h, 3 * h),
+        "fc.weight": rand(h, len(aux_ids) * h),
         "midlayer.self_attn.q_proj.weight": rand(heads * head_dim, 2 * h),
         "midlayer.self_attn.k_proj.weight": rand(kv_heads * head_dim, 2 * h),
         "midlayer.self_attn.v_proj.weight": rand(kv_heads * head_dim, 2 * h),
@@ -131,7 +139,6 @@ def make_tiny_eagle3(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"))
-    n = t.num_layers
     config = {
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
@@ -148,7 +155,7 @@ def make_tiny_eagle3(
         "draft_vocab_size": vd,
         "tie_word_embeddings": False,
         "torch_dtype": "float32",
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, n // 2 - 1, n - 4]},
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux_ids},
     }
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out

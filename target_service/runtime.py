@@ -1,14 +1,20 @@
 """The target model's runtime: prefill, plain decode and tree verification over a paged KV cache.
 
-Per request the target holds ``committed_len`` cached tokens plus one *pending* token (the last
-token it emitted, not yet forwarded). Decode forwards the pending token; verify forwards a tree
-whose root is the pending token. Both end with a new pending token. The router owns everything
-else about a request and can rebuild this state by prefilling prompt + emitted tokens.
+Per request the target holds ``committed_len`` cached tokens plus a `TargetRequest`: the *pending*
+token (the last token it emitted, not yet forwarded), the sampling parameters and the output
+offset of the next sampled token (sent once, at prefill). Decode forwards the pending token;
+verify forwards a tree whose root is the pending token. Both end with a new pending token. The
+router owns everything else about a request and can rebuild this state by prefilling prompt +
+emitted tokens.
+
+A request that fails a step is dropped and the others in the batch are served: rows are checked
+before any state changes, and a batch whose forward raises is run again request by request.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,11 +29,14 @@ from specmesh.runtime.errors import (
     InvalidRequestError,
     KVCacheFullError,
     SpecmeshError,
+    UnknownRequestError,
+    as_specmesh_error,
 )
+from specmesh.runtime.features import AuxLayers, Feature, FeatureSpec
 from specmesh.runtime.graph_runner import graphs_enabled
 from specmesh.runtime.kv_cache import KVCache
 from specmesh.runtime.model_runner import BatchItem, run_batch
-from specmesh.runtime.models.causal_lm import AuxLayers, CausalLM, ModelOutput, load_causal_lm
+from specmesh.runtime.models.causal_lm import CausalLM, ModelOutput, load_causal_lm
 from specmesh.runtime.sampling import SamplingParams, sample_tokens
 from specmesh.runtime.tree import Tree
 from specmesh.target_service.acceptance import accept_trees, padded_row_index
@@ -36,7 +45,7 @@ from specmesh.target_service.llava import ImageEncoder, is_llava_checkpoint, loa
 from specmesh.target_service.multimodal import merge_images
 from specmesh.target_service.steps import PrefillInput, StepOutput, VerifyInput
 
-FEATURES = ("none", "aux", "hidden", "hidden_pre_norm")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -58,6 +67,26 @@ class TargetConfig:
     cuda_graph_tree_sizes: tuple[int, ...] = (8,)
 
 
+@dataclass
+class TargetRequest:
+    """What the target keeps per request between steps."""
+
+    params: SamplingParams
+    next_offset: int  # output index of the next sampled token (seeded sampling)
+    pending: int  # the last sampled token, not yet in the KV cache
+
+
+@dataclass
+class _Verify:
+    """One tree with its request's sampling state (`accept_trees` reads these fields)."""
+
+    rid: str
+    tree: Tree
+    params: SamplingParams
+    sample_offset: int
+    item: BatchItem | None = None  # the forward's row (set once the tree fits the KV cache)
+
+
 class TargetRuntime:
     def __init__(self, cfg: TargetConfig, model: CausalLM | None = None) -> None:
         self.cfg = cfg
@@ -72,7 +101,6 @@ class TargetRuntime:
         self.aux_layers = (
             AuxLayers(ids, cfg.aux_convention) if ids else AuxLayers.default(mc.num_layers)
         )
-        self.feature = "none"
         self.cache = KVCache(
             num_layers=mc.num_layers,
             num_slots=cfg.num_kv_slots,
@@ -87,7 +115,7 @@ class TargetRuntime:
         self.backend = make_backend(cfg.attention_backend)
         self.kernel_impl = kernel_impl(cfg.attention_backend)
         self.graphs = self._capture_graphs()
-        self.pending: dict[str, int] = {}
+        self.requests: dict[str, TargetRequest] = {}
 
     def _capture_graphs(self) -> TargetGraphs | None:
         cfg = self.cfg
@@ -103,28 +131,29 @@ class TargetRuntime:
     def from_dir(model_dir: str | Path, **kw: object) -> TargetRuntime:
         return TargetRuntime(TargetConfig(model_dir=str(model_dir), **kw))  # type: ignore[arg-type]
 
-    def set_aux_layers(self, aux: AuxLayers) -> None:
-        """Capture the layers an in-process EAGLE-3 draft reads (its own ids); CUDA graphs, which
-        bake the captured layers in, are captured again when they change."""
-        n = self.model_config.num_layers
-        if aux.capture_points(n) == self.aux_layers.capture_points(n):
+    def configure(self, needs: FeatureSpec) -> None:
+        """Serve what a draft reads: for EAGLE-3, capture its aux layers (its own ids, or the
+        default) from now on; CUDA graphs, which bake the captured layers in, are captured
+        again when they change. Other features need no configuration."""
+        if needs.feature is not Feature.AUX_HIDDEN:
             return
+        aux = needs.aux or self.aux_layers
+        n = self.model_config.num_layers
+        changed = aux.capture_points(n) != self.aux_layers.capture_points(n)
         self.aux_layers = aux
-        self.set_feature(self.feature)
-        if self.graphs is not None:
+        self.model.set_aux_layers(aux)
+        if changed and self.graphs is not None:
             self.graphs = self._capture_graphs()
 
-    def set_feature(self, feature: str) -> None:
-        """What the draft needs per token: EAGLE-3 aux states, the final hidden state, or none."""
-        if feature not in FEATURES:
-            raise ValueError(f"feature must be one of {FEATURES}, got {feature!r}")
-        self.feature = feature
-        self.model.set_aux_layers(self.aux_layers if feature == "aux" else None)
+    def captures(self, needs: FeatureSpec) -> bool:
+        """Whether the features this target returns now are the ones ``needs`` asks for."""
+        if needs.feature is not Feature.AUX_HIDDEN or needs.aux is None:
+            return True
+        n = self.model_config.num_layers
+        return needs.aux.capture_points(n) == self.aux_layers.capture_points(n)
 
-    @property
-    def feature_dim(self) -> int:
-        h = self.model_config.hidden_size
-        return {"none": 0, "aux": h * len(self.aux_layers.layer_ids)}.get(self.feature, h)
+    def holds(self, rid: str) -> bool:
+        return rid in self.requests
 
     # -- validation ----------------------------------------------------------------------------
     def check_ids(self, rid: str, ids: list[int], *, what: str) -> None:
@@ -138,32 +167,56 @@ class TargetRuntime:
             )
 
     # -- prefill -------------------------------------------------------------------------------
-    def prefill(self, inputs: list[PrefillInput]) -> StepOutput:
+    def prefill(self, inputs: list[PrefillInput], feature: Feature = Feature.NONE) -> StepOutput:
+        """Start requests: run each whole input, sample its first token. Rows of the output's
+        ``feature`` (and of ``mm_input_embeds`` when a request has images) follow the ids run."""
         merged = merge_images(inputs, self.mm, self.model.embed, self.cfg.model_dir)
-        out = StepOutput(errors=merged.errors)
+        errors: dict[str, SpecmeshError] = dict(merged.errors)
         ok: list[PrefillInput] = []
         for inp in merged.inputs:
             try:
                 self._admit(inp, {i.rid: len(i.input_ids) for i in ok})
                 ok.append(inp)
             except SpecmeshError as e:
-                out.errors[inp.rid] = e
-        if not ok:
-            return out
+                errors[inp.rid] = e
+        out = self._isolated(ok, lambda b: self._prefill_batch(b, feature), self.cache.release)
+        out.errors.update(errors)
+        for inp in ok:
+            if inp.rid in merged.prompt_ids and inp.rid in out.tokens:
+                out.prompt_ids[inp.rid] = inp.input_ids
+        return out
+
+    def _prefill_batch(self, ok: list[PrefillInput], feature: Feature) -> StepOutput:
         outputs = self._extend_chunked(ok)
         last_rows = torch.tensor(list(itertools.accumulate([len(i.input_ids) for i in ok]))) - 1
         logits = self.model.compute_logits(outputs.hidden[last_rows])
         first = sample_tokens(logits, [i.params for i in ok], [i.sample_offset for i in ok])
+        out = StepOutput(features=self._features(outputs, feature))
+        out.mm_input_embeds = outputs.mm_input_embeds
         for inp, tok in zip(ok, first.tolist(), strict=True):
             self.cache.commit(inp.rid, len(inp.input_ids))
-            self.pending[inp.rid] = tok
+            self.requests[inp.rid] = TargetRequest(inp.params, inp.sample_offset + 1, tok)
             out.tokens[inp.rid] = [tok]
             out.row_counts[inp.rid] = len(inp.input_ids)
-            if inp.rid in merged.prompt_ids:
-                out.prompt_ids[inp.rid] = inp.input_ids
-        out.features = self._features(outputs)
-        out.mm_input_embeds = outputs.mm_input_embeds
         return out
+
+    def _isolated(self, items: list, run, undo) -> StepOutput:
+        """``run(items)`` as one batch; if it raises, each item alone, so that a row whose
+        forward fails (a bug, or input no check caught) fails by itself. ``undo(rid)`` drops a
+        failed request's state."""
+        if not items:
+            return StepOutput()
+        try:
+            return run(items)
+        except Exception as e:
+            if len(items) == 1:
+                rid = items[0].rid
+                if not isinstance(e, SpecmeshError):
+                    log.exception("target step failed for request %r", rid)
+                undo(rid)
+                self.requests.pop(rid, None)
+                return StepOutput(errors={rid: as_specmesh_error(e, rid)})
+        return StepOutput.merge([self._isolated([i], run, undo) for i in items])
 
     def _admit(self, inp: PrefillInput, admitted: dict[str, int]) -> None:
         """Validate one request and reserve its row, if its whole prompt fits in the KV cache
@@ -190,136 +243,137 @@ class TargetRuntime:
         chunk = self.cfg.max_prefill_tokens
         per_req: dict[str, list[ModelOutput]] = {i.rid: [] for i in inputs}
         longest = max(len(i.input_ids) for i in inputs)
-        try:
-            for start in range(0, longest, chunk):
-                items = [
-                    BatchItem(
-                        i.rid,
-                        torch.tensor(i.input_ids[start : start + chunk]),
-                        start,
-                        input_embeds=None
-                        if i.input_embeds is None
-                        else i.input_embeds[start : start + chunk],
-                    )
-                    for i in inputs
-                    if start < len(i.input_ids)
-                ]
-                res = run_batch(self.model, self.cache, self.backend, items)
-                for it, rows in zip(
-                    items, _split_rows(res, [it.q_len for it in items]), strict=True
-                ):
-                    per_req[it.rid].append(rows)
-        except SpecmeshError:
-            for i in inputs:
-                self.cache.release(i.rid)
-            raise
+        for start in range(0, longest, chunk):
+            items = [
+                BatchItem(
+                    i.rid,
+                    torch.tensor(i.input_ids[start : start + chunk]),
+                    start,
+                    input_embeds=None
+                    if i.input_embeds is None
+                    else i.input_embeds[start : start + chunk],
+                )
+                for i in inputs
+                if start < len(i.input_ids)
+            ]
+            res = run_batch(self.model, self.cache, self.backend, items)
+            for it, rows in zip(items, _split_rows(res, [it.q_len for it in items]), strict=True):
+                per_req[it.rid].append(rows)
         parts = [p for i in inputs for p in per_req[i.rid]]
         return _concat_outputs(parts)
 
     # -- decode / verify ------------------------------------------------------------------------
-    def decode(
-        self, rids: list[str], params: list[SamplingParams], offsets: list[int]
-    ) -> StepOutput:
+    def decode(self, rids: list[str], feature: Feature = Feature.NONE) -> StepOutput:
         """Plain decoding: one token per request."""
-        trees = [
-            VerifyInput(rid, Tree.chain([self._pending(rid)]), p, o)
-            for rid, p, o in zip(rids, params, offsets, strict=True)
-        ]
-        return self.verify(trees)
+        trees = [VerifyInput(rid, Tree.chain([self._get(rid).pending])) for rid in rids]
+        return self.verify(trees, feature)
 
-    def verify(self, inputs: list[VerifyInput]) -> StepOutput:
+    def verify(self, inputs: list[VerifyInput], feature: Feature = Feature.NONE) -> StepOutput:
         """Forward every tree (prefix + ancestors + self mask, positions ``committed + depth``),
         accept a path greedily or by lossless tree sampling, keep the path's KV by length.
-        A request that is invalid or whose tree does not fit in the KV cache fails alone (its
-        state is kept, so the router can release or retry it)."""
+        A request that is invalid or whose tree does not fit in the KV cache fails alone and
+        is dropped."""
         errors: dict[str, SpecmeshError] = {}
-        items, ok, demand = [], [], {}
+        rows, demand = [], {}
         for inp in inputs:
             try:
-                item = self._verify_item(inp, demand)
+                row = self._verify_row(inp)
+                row.item = self._verify_item(row, demand)
             except SpecmeshError as e:
                 errors[inp.rid] = e
+                self.release(inp.rid)
                 continue
-            demand[inp.rid] = item.start + item.q_len
-            items.append(item)
-            ok.append(inp)
-        if not ok:
-            return StepOutput(errors=errors)
-        out = self._verify_batch(ok, items)
+            demand[inp.rid] = row.item.start + row.item.q_len
+            rows.append(row)
+        out = self._isolated(rows, lambda b: self._verify_batch(b, feature), self.release)
         out.errors.update(errors)
         return out
 
-    def _verify_item(self, inp: VerifyInput, demand: dict[str, int]) -> BatchItem:
-        pending = self._pending(inp.rid)
-        if int(inp.tree.tokens[0]) != pending:
+    def _verify_row(self, inp: VerifyInput) -> _Verify:
+        req = self._get(inp.rid)
+        root = int(inp.tree.tokens[0])
+        if root != req.pending:
             raise InvalidRequestError(
-                f"request {inp.rid!r}: tree root {int(inp.tree.tokens[0])} is not the pending token {pending}"
+                f"request {inp.rid!r}: tree root {root} is not the pending token {req.pending}"
             )
         self.check_ids(inp.rid, inp.tree.tokens.tolist(), what="draft tree")
-        base = self.cache.get(inp.rid).committed_len
-        n = inp.tree.num_nodes
-        if not self.cache.can_allocate({**demand, inp.rid: base + n}):
+        return _Verify(inp.rid, inp.tree, req.params, req.next_offset)
+
+    def _verify_item(self, row: _Verify, demand: dict[str, int]) -> BatchItem:
+        base = self.cache.get(row.rid).committed_len
+        n = row.tree.num_nodes
+        if not self.cache.can_allocate({**demand, row.rid: base + n}):
             raise KVCacheFullError(
-                f"request {inp.rid!r}: a {n}-node tree does not fit; {self.cache.num_free_slots} KV slots free"
+                f"request {row.rid!r}: a {n}-node tree does not fit; {self.cache.num_free_slots} KV slots free"
             )
-        mask = torch.cat([torch.ones(n, base, dtype=torch.bool), inp.tree.mask], dim=1)
+        mask = torch.cat([torch.ones(n, base, dtype=torch.bool), row.tree.mask], dim=1)
         # A one-node tree (plain decode) sees its whole prefix: causal, the decode graph's mode.
         mask = mask if n > 1 else None
-        return BatchItem(inp.rid, inp.tree.tokens, base, base + inp.tree.depths, mask)
+        return BatchItem(row.rid, row.tree.tokens, base, base + row.tree.depths, mask)
 
-    def _verify_batch(self, inputs: list[VerifyInput], items: list[BatchItem]) -> StepOutput:
+    def _verify_batch(self, rows: list[_Verify], feature: Feature) -> StepOutput:
+        items = [r.item for r in rows]
         runner = self.graphs.runner_for(items) if self.graphs is not None else None
         if runner is not None:  # a CUDA graph of this batch's shape
             res = runner.run(items)
         else:
             res = run_batch(self.model, self.cache, self.backend, items)
         logits = self.model.compute_logits(res.hidden)
-        if all(i.tree.num_nodes == 1 and i.params.greedy for i in inputs):
-            return self._greedy_decode(inputs, res, logits)
-        n_max = max(i.tree.num_nodes for i in inputs)
-        result = accept_trees(inputs, logits, n_max, self.kernel_impl)
+        if all(r.tree.num_nodes == 1 and r.params.greedy for r in rows):
+            return self._greedy_decode(rows, res, logits, feature)
+        n_max = max(r.tree.num_nodes for r in rows)
+        result = accept_trees(rows, logits, n_max, self.kernel_impl)
         flat, _ = compact_accepted(result.accept_path, result.accept_len, self.kernel_impl)
-        row_of = padded_row_index([i.tree.num_nodes for i in inputs], n_max).to(flat.device)
-        out = StepOutput(features=self._features(res.select(row_of[flat])))
+        row_of = padded_row_index([r.tree.num_nodes for r in rows], n_max).to(flat.device)
+        out = StepOutput(features=self._features(res.select(row_of[flat]), feature))
         # One device-to-host copy per field; the per-request bookkeeping below is host-side.
         paths, lens = result.accept_path.tolist(), result.accept_len.tolist()
-        for inp, full_path, n, bonus in zip(
-            inputs, paths, lens, result.bonus.tolist(), strict=True
-        ):
+        for row, full_path, n, bonus in zip(rows, paths, lens, result.bonus.tolist(), strict=True):
             path = full_path[:n]
-            self.cache.accept_path(inp.rid, path, inp.tree.num_nodes)
-            out.tokens[inp.rid] = [*inp.tree.tokens[path[1:]].tolist(), bonus]
-            out.row_counts[inp.rid] = len(path)
-            self.pending[inp.rid] = bonus
+            self.cache.accept_path(row.rid, path, row.tree.num_nodes)
+            self._advance(row.rid, [*row.tree.tokens[path[1:]].tolist(), bonus], out)
         return out
 
     def _greedy_decode(
-        self, inputs: list[VerifyInput], res: ModelOutput, logits: torch.Tensor
+        self, rows: list[_Verify], res: ModelOutput, logits: torch.Tensor, feature: Feature
     ) -> StepOutput:
         """Plain greedy decoding (every tree is its root alone): the tree verifier would pick
         the argmax and keep the one row, so do just that."""
-        feats = self._features(res)  # a copy: a graph replay's outputs are overwritten next call
+        feats = self._features(res, feature)  # a copy: a graph replay's outputs are overwritten
         out = StepOutput(features=None if feats is None else feats.clone())
-        for inp, tok in zip(inputs, logits.argmax(-1).tolist(), strict=True):
-            self.cache.commit(inp.rid, self.cache.get(inp.rid).committed_len + 1)
-            out.tokens[inp.rid], out.row_counts[inp.rid] = [tok], 1
-            self.pending[inp.rid] = tok
+        for row, tok in zip(rows, logits.argmax(-1).tolist(), strict=True):
+            self.cache.commit(row.rid, self.cache.get(row.rid).committed_len + 1)
+            self._advance(row.rid, [tok], out)
         return out
 
-    def _features(self, res: ModelOutput) -> torch.Tensor | None:
+    def _advance(self, rid: str, tokens: list[int], out: StepOutput) -> None:
+        """Record a step's new tokens: the last is the new pending token."""
+        req = self.requests[rid]
+        req.pending = tokens[-1]
+        req.next_offset += len(tokens)
+        out.tokens[rid], out.row_counts[rid] = tokens, len(tokens)
+
+    @staticmethod
+    def _features(res: ModelOutput, feature: Feature) -> torch.Tensor | None:
         return {
-            "aux": res.aux_hidden,
-            "hidden": res.hidden,
-            "hidden_pre_norm": res.hidden_pre_norm,
-        }.get(self.feature)
+            Feature.AUX_HIDDEN: res.aux_hidden,
+            Feature.HIDDEN: res.hidden,
+            Feature.HIDDEN_PRE_NORM: res.hidden_pre_norm,
+        }.get(feature)
 
-    def _pending(self, rid: str) -> int:
-        self.cache.get(rid)  # NOT_FOUND for an unknown id
-        return self.pending[rid]
+    def _get(self, rid: str) -> TargetRequest:
+        req = self.requests.get(rid)
+        if req is None:
+            raise UnknownRequestError(f"unknown request id {rid!r}")
+        return req
 
-    def release(self, rid: str) -> None:
+    def release(self, rid: str) -> bool:
+        """Free ``rid``'s KV and state; False (a no-op) when the target holds none."""
+        self.requests.pop(rid, None)
+        if rid not in self.cache.requests:
+            return False
         self.cache.release(rid)
-        self.pending.pop(rid, None)
+        return True
 
 
 def _split_rows(res: ModelOutput, counts: list[int]) -> list[ModelOutput]:

@@ -1,11 +1,11 @@
-"""The target service: `specmesh.v1.Target` around one `TargetRuntime`.
+"""The target service: `specmesh.v1.Target` around one `TargetRuntime`, as a codec.
 
-Step answers each batch once, in arrival order (the shared loop is `ModelServicer`). A bad
-request fails alone (a Status in its TargetResult, and the target drops its state); a bad batch
-fails with TargetStepResponse.status; the stream itself fails only on broken framing.
-
-Per request the service keeps what the wire does not repeat on every verify: the sampling
-parameters and the offset of the next sampled token (prefill's sample_offset + tokens since).
+Step answers each batch once, in arrival order (the shared loop, request ownership and stream
+cleanup are `ModelServicer`'s). The stream's handshake (`StreamOpen`) names the feature its
+answers carry; the target configures itself for it or ends the stream with a precise status.
+A bad request fails alone (a Status in its TargetResult, and the target drops its state); a bad
+batch fails with TargetStepResponse.status. Per-request state (sampling parameters, sample
+offset, pending token) is the runtime's.
 """
 
 from __future__ import annotations
@@ -13,10 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specmesh import __version__
-from specmesh.router.service_common import ModelServicer, ServiceHost
-from specmesh.router.wire import sampling_from_pb, status_pb
+from specmesh.rpc.ownership import StreamOwner
+from specmesh.rpc.service_common import ModelServicer, ServiceHost, StreamRefusedError
+from specmesh.rpc.wire import needs_from_pb, sampling_from_pb, status_pb
 from specmesh.runtime.codec import DEFAULT_MAX_MESSAGE_BYTES, DTYPE_NAMES, split_hidden_states
-from specmesh.runtime.errors import InvalidRequestError, SpecmeshError, UnknownRequestError
+from specmesh.runtime.errors import InvalidRequestError, SpecmeshError
+from specmesh.runtime.features import Feature, FeatureSpec
 from specmesh.runtime.sampling import SamplingParams
 from specmesh.runtime.tree import Tree
 from specmesh.target_service.runtime import TargetRuntime
@@ -29,23 +31,29 @@ WARMUP_RID = "__warmup__"
 
 
 @dataclass
-class Session:
-    params: SamplingParams
-    next_offset: int  # output index of the next sampled token (seeded sampling)
+class _Batch:
+    """One decoded batch: its request ids in order and the runtime's answer."""
+
+    rids: list[str]
+    out: StepOutput
 
 
 class TargetServicer(ModelServicer, target_pb2_grpc.TargetServicer):
     response_type = target_pb2.TargetStepResponse
+    result_type = target_pb2.TargetResult
 
     def __init__(self, host: ServiceHost, chunk_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
         super().__init__(host)
         self.chunk_bytes = chunk_bytes
-        self.sessions: dict[str, Session] = {}
+        self.needs: dict[int, FeatureSpec] = {}  # per open stream: what its drafts read
 
-    # -- hooks (worker thread, under the lock) ---------------------------------------------------
-    def run_batch(self, runtime: TargetRuntime, chunks: list) -> list:
+    # -- hooks (worker thread) -----------------------------------------------------------------
+    def run_batch(self, runtime: TargetRuntime, stream: StreamOwner, chunks: list) -> list:
         req = chunks[0]  # target requests carry no tensors: one chunk
         work = req.WhichOneof("work")
+        if work == "open":
+            self._open(runtime, stream, needs_from_pb(req.open))
+            return [target_pb2.TargetStepResponse()]
         if work is None:
             raise InvalidRequestError("TargetStepRequest has no work (prefill, decode or verify)")
         requests = getattr(req, work).requests
@@ -56,20 +64,62 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServicer):
             raise InvalidRequestError(
                 f"batch of {len(rids)} requests exceeds max_batch_size {runtime.cfg.max_requests}"
             )
-        runtime.set_feature(_feature(req))
-        if work == "prefill":
-            out = self._prefill(runtime, requests)
-        else:
-            out = self._verify(runtime, requests, decode=work == "decode")
-        return self._response(req, rids, out)
+        feature = self.needs.get(stream.id, FeatureSpec()).feature
+        errors, run = {}, []
+        for r in requests:
+            error = self.owners.check(
+                stream, r.request_id, new=work == "prefill", release=runtime.release
+            )
+            if error is None:
+                run.append(r)
+            else:
+                errors[r.request_id] = error
+        out = self._run(runtime, work, run, feature)
+        out.errors.update(errors)
+        self.owners.settle(stream, [r.request_id for r in run], runtime.holds)
+        return self._response(req, _Batch(rids, out), feature)
 
-    def release_one(self, runtime: TargetRuntime, rid: str) -> bool:
-        self.sessions.pop(rid, None)
+    def _run(self, runtime: TargetRuntime, work: str, requests: list, feature: Feature):
+        if work == "prefill":
+            return self._prefill(runtime, requests, feature)
+        if work == "decode":
+            return runtime.decode([r.request_id for r in requests], feature)
+        trees = [
+            VerifyInput(r.request_id, Tree.from_parents(list(r.tree.tokens), list(r.tree.parents)))
+            for r in requests
+            if len(r.tree.tokens) <= MAX_DRAFT_TOKENS  # checked before any mask is built
+        ]
+        out = runtime.verify(trees, feature)
+        for r in requests:
+            if len(r.tree.tokens) > MAX_DRAFT_TOKENS:
+                runtime.release(r.request_id)
+                out.errors[r.request_id] = InvalidRequestError(
+                    f"request {r.request_id!r}: tree of {len(r.tree.tokens)} nodes exceeds "
+                    f"{MAX_DRAFT_TOKENS}"
+                )
+        return out
+
+    def _open(self, runtime: TargetRuntime, stream: StreamOwner, needs: FeatureSpec) -> None:
+        """The handshake: serve ``needs`` unless another open stream reads different aux layers
+        (graphs bake one set in)."""
+        num_layers = runtime.model_config.num_layers
+        points = lambda n: None if n.aux is None else n.aux.capture_points(num_layers)
+        live = {sid: n for sid, n in self.needs.items() if sid in self.owners.streams}
+        mine = points(needs)
+        clash = [
+            n for sid, n in live.items() if sid != stream.id and None not in (points(n), mine)
+            and points(n) != mine
+        ]  # fmt: skip
+        if clash:
+            raise StreamRefusedError(
+                f"this target serves {clash[0].describe()} to another router stream; it cannot "
+                f"also serve {needs.describe()} (one set of aux layers per target)"
+            )
         try:
-            runtime.release(rid)
-        except KeyError:
-            return False
-        return True
+            runtime.configure(needs)
+        except ValueError as e:
+            raise StreamRefusedError(f"cannot serve {needs.describe()}: {e}") from None
+        self.needs = {**live, stream.id: needs}
 
     def info(self, runtime: TargetRuntime) -> target_pb2.TargetInfo:
         mc, cfg = runtime.model_config, runtime.cfg
@@ -93,10 +143,15 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServicer):
             max_message_bytes=self.host.max_message_bytes,
             chunk_bytes=self.chunk_bytes,
             version=__version__,
+            occupancy=self.occupancy(
+                runtime,
+                len(runtime.requests),
+                (runtime.cache.num_used_slots, runtime.cache.num_free_slots),
+            ),
         )
 
-    # -- work ------------------------------------------------------------------------------------
-    def _prefill(self, runtime: TargetRuntime, requests) -> StepOutput:
+    # -- codec -------------------------------------------------------------------------------------
+    def _prefill(self, runtime: TargetRuntime, requests, feature: Feature) -> StepOutput:
         inputs, errors = [], {}
         for r in requests:
             try:
@@ -109,52 +164,13 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServicer):
                     r.request_id, list(r.input_ids), params, r.sample_offset, images=list(r.images)
                 )
             )
-        out = runtime.prefill(inputs) if inputs else StepOutput()
+        out = runtime.prefill(inputs, feature)
         out.errors.update(errors)
-        for inp in inputs:
-            if inp.rid not in out.errors:
-                self.sessions[inp.rid] = Session(inp.params, inp.sample_offset + 1)
         return out
 
-    def _verify(self, runtime: TargetRuntime, requests, *, decode: bool) -> StepOutput:
-        inputs, errors = [], {}
-        for r in requests:
-            try:
-                tree = (
-                    Tree.chain([r.token_id])
-                    if decode
-                    else Tree.from_parents(list(r.tree.tokens), list(r.tree.parents))
-                )
-                inputs.append(self._verify_input(runtime, r.request_id, tree))
-            except SpecmeshError as e:
-                errors[r.request_id] = e
-                self.release_one(runtime, r.request_id)  # a failed request loses its state
-        out = runtime.verify(inputs) if inputs else StepOutput()
-        out.errors.update(errors)
-        for inp in inputs:
-            self.sessions[inp.rid].next_offset += len(out.tokens[inp.rid])
-        return out
-
-    def _verify_input(self, runtime: TargetRuntime, rid: str, tree: Tree) -> VerifyInput:
-        """Check one tree against the request's state, so that a bad one fails alone."""
-        session = self.sessions.get(rid)
-        if session is None:
-            raise UnknownRequestError(f"unknown request id {rid!r}")
-        if tree.num_nodes > MAX_DRAFT_TOKENS:
-            raise InvalidRequestError(
-                f"request {rid!r}: tree of {tree.num_nodes} nodes exceeds {MAX_DRAFT_TOKENS}"
-            )
-        runtime.check_ids(rid, tree.tokens.tolist(), what="draft tree")
-        pending = runtime.pending[rid]
-        if int(tree.tokens[0]) != pending:
-            raise InvalidRequestError(
-                f"request {rid!r}: tree root {int(tree.tokens[0])} is not the pending token {pending}"
-            )
-        return VerifyInput(rid, tree, session.params, session.next_offset)
-
-    def _response(self, req, rids: list[str], out: StepOutput) -> list:
-        results, row_counts = [], []
-        for rid in rids:
+    def _response(self, req, batch: _Batch, feature: Feature) -> list:
+        out, results, row_counts = batch.out, [], []
+        for rid in batch.rids:
             error = out.errors.get(rid)
             if error is not None:
                 results.append(target_pb2.TargetResult(request_id=rid, status=status_pb(error)))
@@ -168,21 +184,12 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServicer):
                 )
             row_counts.append(0 if error is not None else out.row_counts[rid])
         tensors = {
-            "aux_hidden" if req.return_aux_hidden else "hidden": out.features,
+            feature.wire_field or "hidden": out.features,
             "mm_input_embeds": out.mm_input_embeds if req.return_mm_input_embeds else None,
         }
         states = split_hidden_states(row_counts, tensors, self.chunk_bytes)
         first = target_pb2.TargetStepResponse(results=results, states=states[0])
         return [first, *(target_pb2.TargetStepResponse(states=s) for s in states[1:])]
-
-
-def _feature(req) -> str:
-    """The runtime feature a batch's return_* flags ask for (TargetRuntime.set_feature)."""
-    if req.return_aux_hidden and req.return_hidden:
-        raise InvalidRequestError("return_aux_hidden and return_hidden are exclusive")
-    if req.return_hidden:
-        return "hidden_pre_norm" if req.hidden_pre_norm else "hidden"
-    return "aux" if req.return_aux_hidden else "none"
 
 
 def warm_up(runtime: TargetRuntime) -> None:
@@ -191,7 +198,7 @@ def warm_up(runtime: TargetRuntime) -> None:
     out = runtime.prefill([PrefillInput(WARMUP_RID, [0, 1], params)])
     if out.errors:
         raise out.errors[WARMUP_RID]
-    runtime.decode([WARMUP_RID], [params], [1])
+    runtime.decode([WARMUP_RID])
     runtime.release(WARMUP_RID)
 
 

@@ -24,10 +24,11 @@ class PrefillInput:
 
 @dataclass
 class VerifyInput:
+    """Verify one tree; the request's sampling parameters and offset are the target's (sent at
+    prefill)."""
+
     rid: str
     tree: Tree
-    params: SamplingParams
-    sample_offset: int
 
 
 @dataclass
@@ -42,3 +43,18 @@ class StepOutput:
     prompt_ids: dict[str, list[int]] = field(default_factory=dict)
     row_counts: dict[str, int] = field(default_factory=dict)
     errors: dict[str, SpecmeshError] = field(default_factory=dict)
+
+    @staticmethod
+    def merge(parts: list[StepOutput]) -> StepOutput:
+        """One output from the outputs of consecutive sub-batches, rows kept in order."""
+        cat = lambda ts: None if any(t is None for t in ts) or not ts else torch.cat(ts)
+        out = StepOutput(
+            features=cat([p.features for p in parts if p.tokens]),
+            mm_input_embeds=cat([p.mm_input_embeds for p in parts if p.tokens]),
+        )
+        for p in parts:
+            out.tokens.update(p.tokens)
+            out.prompt_ids.update(p.prompt_ids)
+            out.row_counts.update(p.row_counts)
+            out.errors.update(p.errors)
+        return out

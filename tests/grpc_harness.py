@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -15,7 +16,7 @@ from specmesh.draft_service.drafter import SpecParams
 from specmesh.draft_service.runtime import DraftConfig, DraftRuntime, load_draft
 from specmesh.router.core import RouterConfig
 from specmesh.router.server import RouterService, RouterSettings
-from specmesh.router.service_common import start_model
+from specmesh.rpc.service_common import start_model
 from specmesh.runtime.sampling import SamplingParams
 from specmesh.target_service import server as target_server
 from specmesh.target_service.runtime import TargetConfig, TargetRuntime
@@ -70,6 +71,16 @@ def count_batches(servicer) -> dict:
 
     servicer.run_batch = run_batch
     return counter
+
+
+def wait_until(predicate, timeout_s: float = 10.0) -> bool:
+    """Poll ``predicate`` until it holds (a service frees a stream's state on its own thread)."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 def collect(responses) -> tuple[list[int], str, object]:

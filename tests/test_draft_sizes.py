@@ -1,4 +1,4 @@
-"""Draft-decode buffer sizes (`draft_service/sizes.py`, DESIGN.md §4 invariant 5; SGLang PR
+"""Draft-decode buffer sizes (`runtime/draft_sizes.py`, DESIGN.md §4 invariant 5; SGLang PR
 #27460, where a kv-indices buffer sized without topk overflowed once topk > 1)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 from specmesh.draft_service.drafter import SpecParams
 from specmesh.draft_service.feature_drafter import ExtendInput
 from specmesh.draft_service.runtime import DraftConfig, load_draft
-from specmesh.draft_service.sizes import DraftSizes
+from specmesh.runtime.draft_sizes import DraftSizes
 from specmesh.runtime.tiny import make_tiny_target
 
 MAX_BS, STEPS, CONTEXT = 4, 3, 100

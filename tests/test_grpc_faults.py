@@ -8,17 +8,13 @@ transformers produces (no token lost, none repeated).
 from __future__ import annotations
 
 import functools
-import subprocess
-import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
+from procs import Services, start_cluster
 
 from specmesh.client import GenerationClient
-from specmesh.cluster import free_port
-from specmesh.router.service_common import check_health
 from specmesh.runtime.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -41,60 +37,6 @@ def expected(target_dir: Path) -> list[list[int]]:
             pad_token_id=0,
         )  # fmt: skip
     return out[:, len(PROMPTS[0]) :].tolist()
-
-
-class Services:
-    """Child processes ``python -m specmesh <service>``, logs in ``log_dir``, all stopped at
-    the end."""
-
-    def __init__(self, log_dir: Path) -> None:
-        self.log_dir, self.procs = log_dir, {}
-
-    def start(self, name: str, kind: str, *flags: str) -> str:
-        port = free_port()
-        log = open(self.log_dir / f"{name}.log", "w")  # noqa: SIM115
-        cmd = [sys.executable, "-m", "specmesh", kind, "--host", "127.0.0.1", "--port", str(port)]
-        self.procs[name] = subprocess.Popen([*cmd, *flags], stdout=log, stderr=subprocess.STDOUT)
-        return f"127.0.0.1:{port}"
-
-    def wait_ready(self, name: str, address: str, service: str, timeout_s: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not check_health(address, service, timeout_s=1.0):
-            assert self.procs[name].poll() is None, (self.log_dir / f"{name}.log").read_text()
-            assert time.monotonic() < deadline, f"{name} not ready"
-            time.sleep(0.2)
-
-    def kill(self, name: str) -> None:
-        self.procs[name].kill()
-        self.procs[name].wait()
-
-    def stop(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs.values():
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-
-
-def start_cluster(tmp_path: Path, tiny_dir: Path, num_targets: int) -> tuple[Services, str]:
-    services = Services(tmp_path)
-    target_dir, draft_dir = str(tiny_dir / "target"), str(tiny_dir / "draft")
-    targets = [
-        services.start(f"target{i}", "target", "--model", target_dir) for i in range(num_targets)
-    ]
-    draft = services.start(
-        "draft", "draft", "--kind", "eagle3", "--model", draft_dir, "--target-model", target_dir,
-        "--num-steps", "3", "--topk", "2", "--num-draft-tokens", "6",
-    )  # fmt: skip
-    router = services.start("router", "router", "--target", ",".join(targets), "--draft", draft)
-    for i, address in enumerate(targets):
-        services.wait_ready(f"target{i}", address, "specmesh.v1.Target")
-    services.wait_ready("draft", draft, "specmesh.v1.Draft")
-    services.wait_ready("router", router, "specmesh.v1.Generation")
-    return services, router
 
 
 def stream_through_fault(router: str, services: Services, victim: str):

@@ -24,6 +24,7 @@ from grpc_harness import (
     serve_draft,
     serve_router,
     serve_target,
+    wait_until,
 )
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -31,8 +32,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from specmesh.client import GenerationClient
 from specmesh.draft_service.drafter import SpecParams
 from specmesh.draft_service.runtime import DraftConfig, DraftRuntime, load_draft
-from specmesh.router.service_common import check_health
-from specmesh.runtime.models.causal_lm import AuxLayers
+from specmesh.rpc.service_common import check_health
+from specmesh.runtime.features import AuxLayers, Feature, FeatureSpec
 from specmesh.runtime.tree import Tree
 from specmesh.target_service.runtime import TargetConfig, TargetRuntime
 
@@ -44,11 +45,9 @@ class OracleDrafter:
     """Proposes the true greedy continuation beside a wrong sibling, so verify accepts several
     tokens per round; checks that the features the target sent match the extended rows."""
 
-    feature = "aux"
-
     def __init__(self, sequences: list[list[int]], num_layers: int, width: int) -> None:
         self.sequences, self.width = sequences, width
-        self.aux_layers = AuxLayers.default(num_layers)
+        self.needs = FeatureSpec(Feature.AUX_HIDDEN, AuxLayers.default(num_layers))
         self.spec = SPEC
         self.history: dict[str, list[int]] = {}
 
@@ -61,7 +60,7 @@ class OracleDrafter:
         trees = []
         for rid, root in zip(rids, roots, strict=True):
             h = self.history[rid]
-            ctx = [*h[1:], root]  # h[0] is not on the wire (the rotation drops it)
+            ctx = [*h[1:], root]
             seq = next((s for s in self.sequences if s[1 : len(ctx) + 1] == ctx), [])
             cont = seq[len(h) + 1 : len(h) + 4]
             wrong = [(cont[0] + 1) % 320] if cont else []
@@ -71,15 +70,6 @@ class OracleDrafter:
 
     def release(self, rid: str) -> None:
         self.history.pop(rid)
-
-
-def wait_until(predicate, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 # -- correctness -------------------------------------------------------------------------------
@@ -118,7 +108,8 @@ def test_oracle_draft_accepts_several_tokens_per_round(stack) -> None:
     target_rt = stack.target.runtime
     mc = target_rt.model_config
     drafter = OracleDrafter(sequences, mc.num_layers, 3 * mc.hidden_size)
-    runtime = DraftRuntime(DraftConfig("eagle3", None, stack.dirs.target, SPEC), drafter)
+    cfg = DraftConfig("eagle3", None, stack.dirs.target, SPEC)
+    runtime = DraftRuntime(cfg, drafter, mc)
     draft = stack.loop.run(serve_draft(runtime))
     router = stack.loop.run(serve_router(stack.target, draft))
     try:
@@ -169,7 +160,7 @@ def test_ended_stream_frees_kv_in_both_services(stack, how: str) -> None:
         assert e.value.code() == CODE.DEADLINE_EXCEEDED
     target_cache, draft_cache = stack.target.runtime.cache, stack.draft.runtime.drafter.cache
     assert wait_until(lambda: not target_cache.requests and not draft_cache.requests)
-    assert not stack.target.sessions and not stack.draft.positions
+    assert not stack.target.runtime.requests and not stack.draft.runtime.live
     assert not stack.router.core.requests
 
 

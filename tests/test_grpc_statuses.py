@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from grpc_harness import collect, greedy, serve_router, serve_target
+from grpc_harness import collect, greedy, serve_router, serve_target, wait_until
 
 from specmesh.client import GenerationClient
 from specmesh.runtime.codec import split_hidden_states
@@ -88,6 +88,10 @@ def _verify(rid: str, tokens: list[int]) -> target_pb2.TargetStepRequest:
     return target_pb2.TargetStepRequest(verify=batch)
 
 
+def _release(rids: list[str]) -> target_pb2.TargetStepRequest:
+    return target_pb2.TargetStepRequest(release=common_pb2.ReleaseBatch(request_ids=rids))
+
+
 def test_target_step_statuses_keep_the_stream_alive(stack) -> None:
     batches = [
         _verify("ghost", [5]),  # unknown id
@@ -96,8 +100,10 @@ def test_target_step_statuses_keep_the_stream_alive(stack) -> None:
         _prefill("b", [5, 999]),  # out of vocabulary
         _prefill("c", []),  # empty
         target_pb2.TargetStepRequest(),  # no work
-        _verify("a", [5, 6]),  # root is not the pending token
         _prefill("d", [9, 10]),  # still serving
+        _verify("a", [5, 6]),  # root is not the pending token: "a" fails and is dropped
+        _release(["d", "a", "ghost"]),  # in-band; unknown ids are no-ops
+        _prefill("e", [9, 10]),  # held until the stream ends
     ]
     for i, b in enumerate(batches):
         b.batch_id = i + 1
@@ -106,26 +112,26 @@ def test_target_step_statuses_keep_the_stream_alive(stack) -> None:
         out = list(stub.Step(iter(batches), timeout=30))
         assert [o.batch_id for o in out] == [b.batch_id for b in batches]
         codes = [o.status.code or o.results[0].status.code for o in out]
-        assert codes == [5, 0, 6, 3, 3, 3, 3, 0]
-        assert "pending token" in out[6].results[0].status.message
-        assert out[7].results[0].token_ids and list(out[7].states.row_counts) == [2]
+        assert codes == [5, 0, 6, 3, 3, 3, 0, 3, 0, 0]
+        assert "pending token" in out[7].results[0].status.message
+        assert out[6].results[0].token_ids and list(out[6].states.row_counts) == [2]
+        assert [r.request_id for r in out[8].results] == ["d", "a", "ghost"]
         # a broken framing ends that stream only
         bad = target_pb2.TargetStepRequest(batch_id=9, chunk_index=1)
         with pytest.raises(grpc.RpcError) as e:
             list(stub.Step(iter([bad]), timeout=10))
         assert e.value.code() == CODE.INVALID_ARGUMENT and "chunk 1" in e.value.details()
-        rel = stub.Release(common_pb2.ReleaseRequest(request_ids=["d", "a", "ghost"]), timeout=10)
-        assert rel.num_released == 1 and list(rel.unknown_request_ids) == ["a", "ghost"]
-    assert not stack.target.runtime.cache.requests
+    runtime = stack.target.runtime  # the ended stream's "e" is freed with it
+    assert wait_until(lambda: not runtime.requests and not runtime.cache.requests)
 
 
-def _extend(rid: str, ids: list[int], width: int, *, start: bool = True, position: int = 0):
+def _extend(rid: str, ids: list[int], nxt: int, width: int, *, start: bool = True, mm=False):
     import torch
 
     feats = torch.randn(len(ids), width)
     states = split_hidden_states([len(ids)], {"aux_hidden": feats})[0]
     req = draft_pb2.ExtendRequest(
-        request_id=rid, token_ids=ids, starts_request=start, start_position=position
+        request_id=rid, token_ids=ids, next_token_id=nxt, starts_request=start, multimodal=mm
     )
     batch = draft_pb2.ExtendBatch(requests=[req], states=states, propose_after=True)
     return draft_pb2.DraftStepRequest(extend=batch)
@@ -134,22 +140,26 @@ def _extend(rid: str, ids: list[int], width: int, *, start: bool = True, positio
 def test_draft_step_statuses_and_malformed_tensors(stack) -> None:
     mc = stack.target.runtime.model_config
     width = 3 * mc.hidden_size
-    short, bad_dtype, bad_rank = (_extend("m", [5, 6], width) for _ in range(3))
+    short, bad_dtype, bad_rank = (_extend("m", [5, 6], 7, width) for _ in range(3))
     short.extend.states.aux_hidden.data = short.extend.states.aux_hidden.data[:-4]
     bad_dtype.extend.states.aux_hidden.dtype = "fp8"
     del bad_rank.extend.states.aux_hidden.shape[:]
     bad_rank.extend.states.aux_hidden.shape.extend([2, 3, mc.hidden_size])
     propose = draft_pb2.ProposeBatch(requests=[draft_pb2.ProposeRequest(request_id="ghost")])
+    release = common_pb2.ReleaseBatch(request_ids=["x", "ghost"])
     batches = [
         short,
         bad_dtype,
         bad_rank,
         draft_pb2.DraftStepRequest(propose=propose),  # unknown id
-        _extend("ghost", [5], width, start=False, position=3),  # unknown id
-        _extend("x", [5, 6, 7], width),  # good: extends and proposes
-        _extend("x", [8], width),  # starts a request it holds
-        _extend("x", [8], width, start=False, position=1),  # wrong start_position
-        _extend("x", [8, 9], width, start=False, position=3),  # good
+        _extend("ghost", [5], 6, width, start=False),  # unknown id
+        _extend("x", [5, 6, 7], 8, width),  # good: extends and proposes
+        _extend("x", [8], 9, width),  # starts a request it holds
+        _extend("y", [5, 400], 6, width),  # out of vocabulary
+        _extend("img", [5, 6], 7, width, mm=True),  # images but no mm_input_embeds (invariant 1)
+        _extend("x", [8, 9], 10, width, start=False),  # good
+        draft_pb2.DraftStepRequest(release=release),  # in-band; unknown ids are no-ops
+        _extend("z", [5, 6], 7, width),  # held until the stream ends
     ]
     for i, b in enumerate(batches):
         b.batch_id = i + 1
@@ -157,14 +167,14 @@ def test_draft_step_statuses_and_malformed_tensors(stack) -> None:
         stub = draft_pb2_grpc.DraftStub(channel)
         out = list(stub.Step(iter(batches), timeout=30))
         codes = [o.status.code or o.results[0].status.code for o in out]
-        assert codes == [3, 3, 3, 5, 5, 0, 6, 9, 0]
+        assert codes == [3, 3, 3, 5, 5, 0, 6, 3, 3, 0, 0, 0]
         assert "bytes but shape" in out[0].status.message
         assert "unknown dtype 'fp8'" in out[1].status.message
         assert "expected [rows, 192]" in out[2].status.message
-        assert out[5].results[0].tree.tokens[0] == 7 and out[5].results[0].committed_len == 3
-        assert out[8].results[0].committed_len == 5
-        stub.Release(common_pb2.ReleaseRequest(request_ids=["x"]), timeout=10)
-    assert not stack.draft.runtime.drafter.cache.requests and not stack.draft.positions
+        assert "mm_input_embeds" in out[8].results[0].status.message
+        assert out[5].results[0].tree.tokens[0] == 8 and out[9].results[0].tree.tokens[0] == 10
+    runtime = stack.draft.runtime  # the ended stream's "z" is freed with it
+    assert wait_until(lambda: not runtime.live and not runtime.drafter.cache.requests)
 
 
 def test_full_kv_cache_is_resource_exhausted(stack) -> None:

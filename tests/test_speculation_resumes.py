@@ -7,10 +7,10 @@ import asyncio
 from pathlib import Path
 
 from specmesh.draft_service.drafter import SpecParams
-from specmesh.router.clients import InProcessDraft, InProcessTarget
 from specmesh.router.core import RouterConfig, RouterCore
 from specmesh.router.engine import Engine
-from specmesh.router.faults import ServiceDownError
+from specmesh.router.in_process import InProcessDraft, InProcessTarget
+from specmesh.runtime.errors import ServiceDownError
 from specmesh.runtime.sampling import SamplingParams
 
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from specmesh.router.clients import InProcessTarget
 from specmesh.router.core import RouterConfig, RouterCore
 from specmesh.router.engine import Engine
-from specmesh.router.faults import ServiceDownError
+from specmesh.router.in_process import InProcessTarget
+from specmesh.runtime.errors import ServiceDownError
 from specmesh.runtime.sampling import SamplingParams
 
 

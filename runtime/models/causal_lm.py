@@ -11,41 +11,9 @@ from torch import nn
 
 from specmesh.runtime.attention.base import AttentionBackend
 from specmesh.runtime.config import CheckpointError, ModelConfig, load_model_config
+from specmesh.runtime.features import AuxLayers
 from specmesh.runtime.loader import assign_parameters, load_tensors
 from specmesh.runtime.models.layers import DecoderLayer, KVPair, RMSNorm, Rotary, attention_shape
-
-
-@dataclass(frozen=True)
-class AuxLayers:
-    """Which residual-stream states to capture for EAGLE-3, with the numbering made explicit.
-
-    ``convention="input"``: id i is the input of layer i (SGLang's default ``[2, L//2, L-3]``,
-    transformers ``hidden_states[i]``). ``convention="output"``: id i is the output of layer i (the
-    SpecForge / SGLang-config numbering), i.e. the input of layer i + 1. A capture point equal to
-    ``num_layers`` is the last layer's output, before the final norm.
-    """
-
-    layer_ids: tuple[int, ...]
-    convention: str = "input"
-
-    def capture_points(self, num_layers: int) -> tuple[int, ...]:
-        if self.convention not in ("input", "output"):
-            raise ValueError(
-                f"aux layer convention must be 'input' or 'output', got {self.convention!r}"
-            )
-        shift = 0 if self.convention == "input" else 1
-        points = tuple(i + shift for i in self.layer_ids)
-        bad = [p for p in points if not 0 <= p <= num_layers]
-        if bad:
-            raise ValueError(
-                f"aux layer ids {list(self.layer_ids)} ({self.convention} convention) fall outside "
-                f"a {num_layers}-layer model"
-            )
-        return points
-
-    @staticmethod
-    def default(num_layers: int) -> AuxLayers:
-        return AuxLayers((2, num_layers // 2, num_layers - 3), "input")
 
 
 @dataclass

@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DraftInfo(_message.Message):
-    __slots__ = ("draft_kind", "model_path", "dtype", "vocab_size", "draft_vocab_size", "hidden_size", "aux_layer_ids", "needs_aux_hidden", "needs_hidden", "supports_images", "num_steps", "topk", "num_draft_tokens", "max_context_len", "max_batch_size", "attention_backend", "device", "max_message_bytes", "version", "needs_hidden_pre_norm")
+    __slots__ = ("draft_kind", "model_path", "dtype", "vocab_size", "draft_vocab_size", "hidden_size", "aux_layer_ids", "aux_numbering", "feature", "supports_images", "num_steps", "topk", "num_draft_tokens", "max_context_len", "max_batch_size", "attention_backend", "device", "max_message_bytes", "version", "occupancy")
     DRAFT_KIND_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -17,8 +17,8 @@ class DraftInfo(_message.Message):
     DRAFT_VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     AUX_LAYER_IDS_FIELD_NUMBER: _ClassVar[int]
-    NEEDS_AUX_HIDDEN_FIELD_NUMBER: _ClassVar[int]
-    NEEDS_HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    AUX_NUMBERING_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_FIELD_NUMBER: _ClassVar[int]
     SUPPORTS_IMAGES_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     TOPK_FIELD_NUMBER: _ClassVar[int]
@@ -29,7 +29,7 @@ class DraftInfo(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
-    NEEDS_HIDDEN_PRE_NORM_FIELD_NUMBER: _ClassVar[int]
+    OCCUPANCY_FIELD_NUMBER: _ClassVar[int]
     draft_kind: str
     model_path: str
     dtype: str
@@ -37,8 +37,8 @@ class DraftInfo(_message.Message):
     draft_vocab_size: int
     hidden_size: int
     aux_layer_ids: _containers.RepeatedScalarFieldContainer[int]
-    needs_aux_hidden: bool
-    needs_hidden: bool
+    aux_numbering: _common_pb2.AuxNumbering
+    feature: _common_pb2.Feature
     supports_images: bool
     num_steps: int
     topk: int
@@ -49,22 +49,24 @@ class DraftInfo(_message.Message):
     device: str
     max_message_bytes: int
     version: str
-    needs_hidden_pre_norm: bool
-    def __init__(self, draft_kind: _Optional[str] = ..., model_path: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., draft_vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., aux_layer_ids: _Optional[_Iterable[int]] = ..., needs_aux_hidden: _Optional[bool] = ..., needs_hidden: _Optional[bool] = ..., supports_images: _Optional[bool] = ..., num_steps: _Optional[int] = ..., topk: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., max_context_len: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., version: _Optional[str] = ..., needs_hidden_pre_norm: _Optional[bool] = ...) -> None: ...
+    occupancy: _common_pb2.Occupancy
+    def __init__(self, draft_kind: _Optional[str] = ..., model_path: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., draft_vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., aux_layer_ids: _Optional[_Iterable[int]] = ..., aux_numbering: _Optional[_Union[_common_pb2.AuxNumbering, str]] = ..., feature: _Optional[_Union[_common_pb2.Feature, str]] = ..., supports_images: _Optional[bool] = ..., num_steps: _Optional[int] = ..., topk: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., max_context_len: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., version: _Optional[str] = ..., occupancy: _Optional[_Union[_common_pb2.Occupancy, _Mapping]] = ...) -> None: ...
 
 class DraftStepRequest(_message.Message):
-    __slots__ = ("batch_id", "chunk_index", "more_chunks", "extend", "propose")
+    __slots__ = ("batch_id", "chunk_index", "more_chunks", "extend", "propose", "release")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
     MORE_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     EXTEND_FIELD_NUMBER: _ClassVar[int]
     PROPOSE_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
     batch_id: int
     chunk_index: int
     more_chunks: bool
     extend: ExtendBatch
     propose: ProposeBatch
-    def __init__(self, batch_id: _Optional[int] = ..., chunk_index: _Optional[int] = ..., more_chunks: _Optional[bool] = ..., extend: _Optional[_Union[ExtendBatch, _Mapping]] = ..., propose: _Optional[_Union[ProposeBatch, _Mapping]] = ...) -> None: ...
+    release: _common_pb2.ReleaseBatch
+    def __init__(self, batch_id: _Optional[int] = ..., chunk_index: _Optional[int] = ..., more_chunks: _Optional[bool] = ..., extend: _Optional[_Union[ExtendBatch, _Mapping]] = ..., propose: _Optional[_Union[ProposeBatch, _Mapping]] = ..., release: _Optional[_Union[_common_pb2.ReleaseBatch, _Mapping]] = ...) -> None: ...
 
 class ProposeParams(_message.Message):
     __slots__ = ("num_steps", "topk", "num_draft_tokens")
@@ -89,18 +91,18 @@ class ExtendBatch(_message.Message):
     def __init__(self, requests: _Optional[_Iterable[_Union[ExtendRequest, _Mapping]]] = ..., states: _Optional[_Union[_common_pb2.HiddenStates, _Mapping]] = ..., propose_after: _Optional[bool] = ..., propose_params: _Optional[_Union[ProposeParams, _Mapping]] = ...) -> None: ...
 
 class ExtendRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "starts_request", "start_position", "first_token_id")
+    __slots__ = ("request_id", "token_ids", "starts_request", "next_token_id", "multimodal")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     STARTS_REQUEST_FIELD_NUMBER: _ClassVar[int]
-    START_POSITION_FIELD_NUMBER: _ClassVar[int]
-    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    MULTIMODAL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     starts_request: bool
-    start_position: int
-    first_token_id: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., starts_request: _Optional[bool] = ..., start_position: _Optional[int] = ..., first_token_id: _Optional[int] = ...) -> None: ...
+    next_token_id: int
+    multimodal: bool
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., starts_request: _Optional[bool] = ..., next_token_id: _Optional[int] = ..., multimodal: _Optional[bool] = ...) -> None: ...
 
 class ProposeBatch(_message.Message):
     __slots__ = ("requests", "params")
@@ -133,13 +135,11 @@ class DraftStepResponse(_message.Message):
     def __init__(self, batch_id: _Optional[int] = ..., chunk_index: _Optional[int] = ..., more_chunks: _Optional[bool] = ..., status: _Optional[_Union[_common_pb2.Status, _Mapping]] = ..., results: _Optional[_Iterable[_Union[DraftResult, _Mapping]]] = ...) -> None: ...
 
 class DraftResult(_message.Message):
-    __slots__ = ("request_id", "status", "tree", "committed_len")
+    __slots__ = ("request_id", "status", "tree")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
-    COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     status: _common_pb2.Status
     tree: _common_pb2.DraftTree
-    committed_len: int
-    def __init__(self, request_id: _Optional[str] = ..., status: _Optional[_Union[_common_pb2.Status, _Mapping]] = ..., tree: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ..., committed_len: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., status: _Optional[_Union[_common_pb2.Status, _Mapping]] = ..., tree: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ...) -> None: ...

@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TargetInfo(_message.Message):
-    __slots__ = ("model_path", "architecture", "dtype", "vocab_size", "hidden_size", "num_layers", "aux_layer_ids", "max_context_len", "max_batch_size", "max_tokens_per_batch", "max_draft_tokens", "eos_token_ids", "supports_images", "image_token_id", "attention_backend", "device", "max_message_bytes", "chunk_bytes", "version")
+    __slots__ = ("model_path", "architecture", "dtype", "vocab_size", "hidden_size", "num_layers", "aux_layer_ids", "max_context_len", "max_batch_size", "max_tokens_per_batch", "max_draft_tokens", "eos_token_ids", "supports_images", "image_token_id", "attention_backend", "device", "max_message_bytes", "chunk_bytes", "version", "occupancy")
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class TargetInfo(_message.Message):
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    OCCUPANCY_FIELD_NUMBER: _ClassVar[int]
     model_path: str
     architecture: str
     dtype: str
@@ -48,31 +49,40 @@ class TargetInfo(_message.Message):
     max_message_bytes: int
     chunk_bytes: int
     version: str
-    def __init__(self, model_path: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., aux_layer_ids: _Optional[_Iterable[int]] = ..., max_context_len: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_tokens_per_batch: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., supports_images: _Optional[bool] = ..., image_token_id: _Optional[int] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., version: _Optional[str] = ...) -> None: ...
+    occupancy: _common_pb2.Occupancy
+    def __init__(self, model_path: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., aux_layer_ids: _Optional[_Iterable[int]] = ..., max_context_len: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_tokens_per_batch: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., supports_images: _Optional[bool] = ..., image_token_id: _Optional[int] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., version: _Optional[str] = ..., occupancy: _Optional[_Union[_common_pb2.Occupancy, _Mapping]] = ...) -> None: ...
+
+class StreamOpen(_message.Message):
+    __slots__ = ("feature", "aux_layer_ids", "aux_numbering")
+    FEATURE_FIELD_NUMBER: _ClassVar[int]
+    AUX_LAYER_IDS_FIELD_NUMBER: _ClassVar[int]
+    AUX_NUMBERING_FIELD_NUMBER: _ClassVar[int]
+    feature: _common_pb2.Feature
+    aux_layer_ids: _containers.RepeatedScalarFieldContainer[int]
+    aux_numbering: _common_pb2.AuxNumbering
+    def __init__(self, feature: _Optional[_Union[_common_pb2.Feature, str]] = ..., aux_layer_ids: _Optional[_Iterable[int]] = ..., aux_numbering: _Optional[_Union[_common_pb2.AuxNumbering, str]] = ...) -> None: ...
 
 class TargetStepRequest(_message.Message):
-    __slots__ = ("batch_id", "chunk_index", "more_chunks", "return_aux_hidden", "return_hidden", "return_mm_input_embeds", "hidden_pre_norm", "prefill", "decode", "verify")
+    __slots__ = ("batch_id", "chunk_index", "more_chunks", "return_mm_input_embeds", "prefill", "decode", "verify", "release", "open")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
     MORE_CHUNKS_FIELD_NUMBER: _ClassVar[int]
-    RETURN_AUX_HIDDEN_FIELD_NUMBER: _ClassVar[int]
-    RETURN_HIDDEN_FIELD_NUMBER: _ClassVar[int]
     RETURN_MM_INPUT_EMBEDS_FIELD_NUMBER: _ClassVar[int]
-    HIDDEN_PRE_NORM_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    OPEN_FIELD_NUMBER: _ClassVar[int]
     batch_id: int
     chunk_index: int
     more_chunks: bool
-    return_aux_hidden: bool
-    return_hidden: bool
     return_mm_input_embeds: bool
-    hidden_pre_norm: bool
     prefill: PrefillBatch
     decode: DecodeBatch
     verify: VerifyBatch
-    def __init__(self, batch_id: _Optional[int] = ..., chunk_index: _Optional[int] = ..., more_chunks: _Optional[bool] = ..., return_aux_hidden: _Optional[bool] = ..., return_hidden: _Optional[bool] = ..., return_mm_input_embeds: _Optional[bool] = ..., hidden_pre_norm: _Optional[bool] = ..., prefill: _Optional[_Union[PrefillBatch, _Mapping]] = ..., decode: _Optional[_Union[DecodeBatch, _Mapping]] = ..., verify: _Optional[_Union[VerifyBatch, _Mapping]] = ...) -> None: ...
+    release: _common_pb2.ReleaseBatch
+    open: StreamOpen
+    def __init__(self, batch_id: _Optional[int] = ..., chunk_index: _Optional[int] = ..., more_chunks: _Optional[bool] = ..., return_mm_input_embeds: _Optional[bool] = ..., prefill: _Optional[_Union[PrefillBatch, _Mapping]] = ..., decode: _Optional[_Union[DecodeBatch, _Mapping]] = ..., verify: _Optional[_Union[VerifyBatch, _Mapping]] = ..., release: _Optional[_Union[_common_pb2.ReleaseBatch, _Mapping]] = ..., open: _Optional[_Union[StreamOpen, _Mapping]] = ...) -> None: ...
 
 class PrefillBatch(_message.Message):
     __slots__ = ("requests",)

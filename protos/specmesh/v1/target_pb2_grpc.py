@@ -3,7 +3,6 @@
 import grpc
 import warnings
 
-from specmesh.v1 import common_pb2 as specmesh_dot_v1_dot_common__pb2
 from specmesh.v1 import generation_pb2 as specmesh_dot_v1_dot_generation__pb2
 from specmesh.v1 import target_pb2 as specmesh_dot_v1_dot_target__pb2
 
@@ -46,11 +45,6 @@ class TargetStub:
                 request_serializer=specmesh_dot_v1_dot_target__pb2.TargetStepRequest.SerializeToString,
                 response_deserializer=specmesh_dot_v1_dot_target__pb2.TargetStepResponse.FromString,
                 _registered_method=True)
-        self.Release = channel.unary_unary(
-                '/specmesh.v1.Target/Release',
-                request_serializer=specmesh_dot_v1_dot_common__pb2.ReleaseRequest.SerializeToString,
-                response_deserializer=specmesh_dot_v1_dot_common__pb2.ReleaseResponse.FromString,
-                _registered_method=True)
 
 
 class TargetServicer:
@@ -64,14 +58,7 @@ class TargetServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Step(self, request_iterator, context):
-        """The hot path: batched prefill / decode / verify.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Release(self, request, context):
-        """Free the KV cache of the given requests.
+        """The hot path: handshake, then batched prefill / decode / verify / release.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -89,11 +76,6 @@ def add_TargetServicer_to_server(servicer, server):
                     servicer.Step,
                     request_deserializer=specmesh_dot_v1_dot_target__pb2.TargetStepRequest.FromString,
                     response_serializer=specmesh_dot_v1_dot_target__pb2.TargetStepResponse.SerializeToString,
-            ),
-            'Release': grpc.unary_unary_rpc_method_handler(
-                    servicer.Release,
-                    request_deserializer=specmesh_dot_v1_dot_common__pb2.ReleaseRequest.FromString,
-                    response_serializer=specmesh_dot_v1_dot_common__pb2.ReleaseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -150,33 +132,6 @@ class Target:
             '/specmesh.v1.Target/Step',
             specmesh_dot_v1_dot_target__pb2.TargetStepRequest.SerializeToString,
             specmesh_dot_v1_dot_target__pb2.TargetStepResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Release(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/specmesh.v1.Target/Release',
-            specmesh_dot_v1_dot_common__pb2.ReleaseRequest.SerializeToString,
-            specmesh_dot_v1_dot_common__pb2.ReleaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

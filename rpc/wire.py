@@ -1,7 +1,8 @@
 """The wire conventions every service and client shares: exceptions <-> gRPC statuses (both
 directions, so the router handles a remote failure exactly like an in-process one), Step
 framing (a logical batch travels as consecutive chunks: chunk_index 0, 1, ...; more_chunks on
-all but the last), and sampling parameters between the wire message and the runtime dataclass.
+all but the last), and sampling parameters and draft features between the wire messages and
+the runtime dataclasses.
 """
 
 from __future__ import annotations
@@ -11,14 +12,15 @@ from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
-from specmesh.router.faults import ServiceDownError
 from specmesh.runtime.errors import (
     DuplicateRequestError,
     InvalidRequestError,
     KVCacheFullError,
+    ServiceDownError,
     SpecmeshError,
     UnknownRequestError,
 )
+from specmesh.runtime.features import AuxLayers, Feature, FeatureSpec
 from specmesh.runtime.sampling import SamplingParams
 from specmesh.v1 import common_pb2, generation_pb2
 
@@ -153,3 +155,25 @@ def sampling_to_pb(params: SamplingParams) -> generation_pb2.SamplingParams:
         stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
     )
+
+
+# -- features ----------------------------------------------------------------------------------
+def needs_to_pb(needs: FeatureSpec) -> dict:
+    """The ``feature``, ``aux_layer_ids`` and ``aux_numbering`` fields of a `DraftInfo` or a
+    `StreamOpen` for ``needs``."""
+    aux = needs.aux
+    return {
+        "feature": common_pb2.Feature.Value(f"FEATURE_{needs.feature.name}"),
+        "aux_layer_ids": list(aux.layer_ids) if aux else [],
+        "aux_numbering": common_pb2.AuxNumbering.Value(
+            f"AUX_NUMBERING_{(aux.convention if aux else 'input').upper()}"
+        ),
+    }
+
+
+def needs_from_pb(msg) -> FeatureSpec:
+    """The `FeatureSpec` a `DraftInfo` or `StreamOpen` names (inverse of `needs_to_pb`)."""
+    feature = Feature[common_pb2.Feature.Name(msg.feature).removeprefix("FEATURE_")]
+    numbering = common_pb2.AuxNumbering.Name(msg.aux_numbering).removeprefix("AUX_NUMBERING_")
+    aux = AuxLayers(tuple(msg.aux_layer_ids), numbering.lower()) if msg.aux_layer_ids else None
+    return FeatureSpec(feature, aux if feature is Feature.AUX_HIDDEN else None)

@@ -4,9 +4,10 @@
   (``""`` = the process is up, the service's full name = ready to serve) and reflection; on
   SIGTERM / SIGINT it turns NOT_SERVING, refuses new work, drains in-flight work for a grace
   period, then stops (DESIGN.md §3).
-- `ModelServicer`: the Step / Release / GetInfo loop of the target and draft services.
+- `ModelServicer`: the Step / GetInfo loop of the target and draft services, with request
+  ownership by stream (`specmesh.rpc.ownership`).
 - Channel options and `check_health` for clients. Statuses, framing and sampling conversion
-  live in `specmesh.router.wire`.
+  live in `specmesh.rpc.wire`.
 """
 
 from __future__ import annotations
@@ -16,16 +17,16 @@ import contextlib
 import logging
 import signal
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from specmesh.router.wire import frame, status_pb, step_batches
+from specmesh.rpc.ownership import Ownership, StreamOwner
+from specmesh.rpc.wire import abort_with, frame, status_pb, step_batches
 from specmesh.runtime.codec import GRPC_MAX_MESSAGE_BYTES, grpc_message_options
-from specmesh.runtime.errors import (
-    SpecmeshError,
-)
+from specmesh.runtime.errors import SpecmeshError
 from specmesh.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -127,68 +128,106 @@ class ServiceHost:
         await self.shutdown(grace_s)
 
 
+class StreamRefusedError(SpecmeshError):
+    """The stream's handshake cannot be served: the stream ends with this status."""
+
+    grpc_code = "FAILED_PRECONDITION"
+
+
 class ModelServicer:
-    """What the target and draft servicers share: the ready gate, Release and the Step loop.
+    """What the target and draft servicers share: the ready gate, request ownership and the
+    Step loop (DESIGN.md §3).
 
     Subclasses put their generated ``*Servicer`` base after this one and implement the hooks
-    `info`, `run_batch` (a batch's chunks -> response messages) and `release_one`. Hooks run in
-    a worker thread, one at a time (``self.lock``), so the event loop keeps reading the stream
-    and answering health checks while a forward runs.
+    `info` and `run_batch` (a batch's chunks -> response messages). Every piece of runtime work
+    (warm-up, each batch, each release, each stream's cleanup) runs on one worker thread, in the
+    order it was submitted; the event loop keeps reading streams and answering health checks. A
+    submitted job runs even if its stream is cancelled meanwhile, so the cleanup a stream's end
+    submits always runs after the work that stream sent before.
     """
 
     response_type: type  # TargetStepResponse / DraftStepResponse
+    result_type: type  # TargetResult / DraftResult
 
     def __init__(self, host: ServiceHost) -> None:
         self.host = host
         self.runtime = None  # set by `attach` once weights are loaded and warmed up
-        self.lock = asyncio.Lock()
+        self.owners = Ownership()
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix=host.service_name)
 
     async def attach(self, runtime, warm_up=None) -> None:
         if warm_up is not None:
-            await asyncio.to_thread(warm_up, runtime)
+            await self._submit(warm_up, runtime)
         self.runtime = runtime
         await self.host.set_ready()
+
+    def _submit(self, fn, *args) -> asyncio.Future:
+        return asyncio.get_running_loop().run_in_executor(self.worker, fn, *args)
 
     # -- hooks ---------------------------------------------------------------------------------
     def info(self, runtime):
         raise NotImplementedError
 
-    def run_batch(self, runtime, chunks: list) -> list:
+    def run_batch(self, runtime, stream: StreamOwner, chunks: list) -> list:
         raise NotImplementedError
 
-    def release_one(self, runtime, rid: str) -> bool:
-        raise NotImplementedError
+    def occupancy(
+        self, runtime, num_requests: int, kv_slots: tuple[int, int]
+    ) -> common_pb2.Occupancy:
+        return common_pb2.Occupancy(
+            num_requests=num_requests,
+            num_streams=len(self.owners.streams),
+            kv_slots_used=kv_slots[0],
+            kv_slots_free=kv_slots[1],
+        )
 
     # -- RPCs ----------------------------------------------------------------------------------
     async def GetInfo(self, request, context):
         return self.info(await self._ready(context))
 
-    async def Release(self, request, context) -> common_pb2.ReleaseResponse:
-        runtime = await self._ready(context)
-        rids = list(request.request_ids)
-        async with self.host.work(context), self.lock:
-            known = await asyncio.to_thread(lambda: [self.release_one(runtime, r) for r in rids])
-        unknown = [r for r, k in zip(rids, known, strict=True) if not k]
-        return common_pb2.ReleaseResponse(
-            num_released=len(rids) - len(unknown), unknown_request_ids=unknown
-        )
-
     async def Step(self, request_iterator, context):
         runtime = await self._ready(context)
-        async for chunks in step_batches(request_iterator, context):
-            async with self.host.work(context):
-                answer = await self._answer(runtime, chunks)
-            for msg in frame(answer, chunks[0].batch_id):
-                yield msg
-
-    async def _answer(self, runtime, chunks: list) -> list:
+        stream = self.owners.open(context.peer())
         try:
-            async with self.lock:
-                return await asyncio.to_thread(self.run_batch, runtime, chunks)
+            async for chunks in step_batches(request_iterator, context):
+                async with self.host.work(context):
+                    answer = await self._submit(self._answer, runtime, stream, chunks)
+                if isinstance(answer, StreamRefusedError):
+                    await abort_with(context, answer)
+                for msg in frame(answer, chunks[0].batch_id):
+                    yield msg
+        finally:
+            stream.closed = True
+            self._submit(self._close, runtime, stream).add_done_callback(_log_failure)
+
+    # -- worker thread ---------------------------------------------------------------------------
+    def _answer(self, runtime, stream: StreamOwner, chunks: list):
+        try:
+            if chunks[0].WhichOneof("work") == "release":
+                return self._release(runtime, stream, list(chunks[0].release.request_ids))
+            return self.run_batch(runtime, stream, chunks)
+        except StreamRefusedError as e:
+            return e
         except Exception as e:  # the whole batch fails; the stream and the service live on
             if not isinstance(e, (SpecmeshError, ValueError)):
                 log.exception("%s: step failed", self.host.service_name)
             return [self.response_type(status=status_pb(e))]
+
+    def _release(self, runtime, stream: StreamOwner, rids: list[str]) -> list:
+        for rid in rids:
+            self.owners.release(stream, rid, runtime.release)
+        results = [self.result_type(request_id=rid) for rid in rids]
+        return [self.response_type(results=results)]
+
+    def _close(self, runtime, stream: StreamOwner) -> None:
+        freed = self.owners.close(stream, runtime.release)
+        if freed:
+            log.info(
+                "%s: stream from %s ended; freed its %d requests",
+                self.host.service_name,
+                stream.peer,
+                freed,
+            )
 
     async def _ready(self, context: grpc.aio.ServicerContext):
         if self.runtime is None:
@@ -196,6 +235,11 @@ class ModelServicer:
                 grpc.StatusCode.UNAVAILABLE, f"{self.host.service_name} is still loading"
             )
         return self.runtime
+
+
+def _log_failure(future: asyncio.Future) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.error("stream cleanup failed", exc_info=future.exception())
 
 
 async def start_model(servicer: ModelServicer, add_to_server, runtime, warm_up=None) -> None:

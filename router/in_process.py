@@ -1,0 +1,67 @@
+"""`TargetClient` / `DraftClient` that call the runtimes in this process.
+
+Each client runs its runtime's calls on one worker thread, in the order they were made (as a
+service's Step stream does), so two micro-batches overlap and a release never overtakes the
+work it undoes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+from specmesh.draft_service.runtime import DraftRuntime
+from specmesh.draft_service.steps import DraftStepResult, ExtendInput
+from specmesh.router.clients import TargetInfo
+from specmesh.runtime.features import Feature, FeatureSpec
+from specmesh.target_service.runtime import TargetRuntime
+from specmesh.target_service.steps import PrefillInput, StepOutput, VerifyInput
+
+
+class _Worker:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix=name)
+
+    async def _call(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
+
+
+class InProcessTarget(_Worker):
+    def __init__(self, runtime: TargetRuntime, name: str = "target-0") -> None:
+        super().__init__(name)
+        self.runtime = runtime
+        mc = runtime.model_config
+        self.info = TargetInfo(
+            runtime.cfg.model_dir,
+            mc.vocab_size,
+            runtime.cfg.max_context,
+            mc.eos_token_ids,
+            mc.hidden_size,
+        )
+        self.feature = Feature.NONE
+
+    async def configure(self, needs: FeatureSpec) -> None:
+        await self._call(self.runtime.configure, needs)
+        self.feature = needs.feature
+
+    async def prefill(self, inputs: list[PrefillInput]) -> StepOutput:
+        return await self._call(self.runtime.prefill, inputs, self.feature)
+
+    async def verify(self, inputs: list[VerifyInput]) -> StepOutput:
+        return await self._call(self.runtime.verify, inputs, self.feature)
+
+    async def release(self, rids: list[str]) -> None:
+        await self._call(lambda: [self.runtime.release(r) for r in rids])
+
+
+class InProcessDraft(_Worker):
+    def __init__(self, runtime: DraftRuntime, name: str = "draft-0") -> None:
+        super().__init__(name)
+        self.runtime, self.info = runtime, runtime.info()
+
+    async def step(self, extends: list[ExtendInput], propose: bool = True) -> DraftStepResult:
+        return await self._call(self.runtime.step, extends, propose)
+
+    async def release(self, rids: list[str]) -> None:
+        await self._call(lambda: [self.runtime.release(r) for r in rids])
