@@ -10,6 +10,7 @@ COPY pyproject.toml README.md ./
 COPY cli cli
 COPY runtime runtime
 COPY router router
+COPY rpc rpc
 COPY target_service target_service
 COPY draft_service draft_service
 COPY kernels kernels

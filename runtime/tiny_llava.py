@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -72,8 +73,15 @@ def make_tiny_llava(
     return out
 
 
-def make_tiny_llava_eagle3(out_dir: str | Path, llava_dir: str | Path, *, seed: int = 0) -> Path:
-    """A random EAGLE-3 draft over the LLaVA's language model (its ``text_config`` dims)."""
+def make_tiny_llava_eagle3(
+    out_dir: str | Path,
+    llava_dir: str | Path,
+    *,
+    seed: int = 0,
+    aux_layer_ids: Sequence[int] | None = None,
+) -> Path:
+    """A random EAGLE-3 draft over the LLaVA's language model (its ``text_config`` dims);
+    ``aux_layer_ids`` as in `make_tiny_eagle3`."""
     from specmesh.target_service.llava import text_model_config
 
     raw = json.loads((Path(llava_dir) / "config.json").read_text())
@@ -81,7 +89,7 @@ def make_tiny_llava_eagle3(out_dir: str | Path, llava_dir: str | Path, *, seed: 
     text["architectures"] = [text_model_config(raw, llava_dir).architecture]
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(text))
-        return make_tiny_eagle3(out_dir, tmp, seed=seed)
+        return make_tiny_eagle3(out_dir, tmp, seed=seed, aux_layer_ids=aux_layer_ids)
 
 
 def tiny_image(seed: int, size: tuple[int, int] = (20, 24), fmt: str = "PNG") -> bytes:

@@ -16,6 +16,14 @@ sys.path.insert(0, str(Path(__file__).parent))  # test helpers: grpc_harness
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+def reorder_tolerance(dtype: torch.dtype) -> dict[str, float]:
+    """Tolerances for the same math run in another order (padded vs unpadded batches, another
+    kernel): a few units in the last place of the dtype, scaled for the tiny models' reductions.
+    A real slicing or masking bug moves values by orders of magnitude more."""
+    eps = torch.finfo(dtype).eps
+    return {"atol": 1000 * eps, "rtol": 1000 * eps}
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama target and a matching random EAGLE-3 draft (reduced draft vocab)."""
@@ -50,6 +58,30 @@ def hf_greedy(
         if t in stop_ids:
             return tokens[: i + 1]
     return tokens
+
+
+@cache
+def _hf_llava(model_dir: str):
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    model = LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return model, AutoProcessor.from_pretrained(model_dir)
+
+
+def llava_greedy(model_dir: Path, prompt: str, images: list[bytes], n: int) -> list[int]:
+    """transformers greedy generation of a LLaVA checkpoint on a text prompt with images."""
+    import io
+
+    from PIL import Image
+
+    model, processor = _hf_llava(str(model_dir))
+    pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images] or None
+    inputs = processor(text=prompt, images=pil, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(
+            **inputs, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+    return out[0, inputs["input_ids"].shape[1] :].tolist()
 
 
 @pytest.fixture(scope="session")

@@ -15,10 +15,11 @@ import pytest
 import torch
 
 from specmesh.draft_service.drafter import SpecParams
-from specmesh.draft_service.feature_drafter import ExtendInput
 from specmesh.draft_service.ngram import NgramDrafter, find_continuations
 from specmesh.draft_service.runtime import DraftConfig, load_draft
+from specmesh.draft_service.steps import ExtendInput
 from specmesh.router.engine import Engine
+from specmesh.runtime.features import Feature
 from specmesh.runtime.loader import load_tensors
 from specmesh.runtime.sampling import SamplingParams
 from specmesh.runtime.tiny import make_tiny_target
@@ -143,8 +144,7 @@ def rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def prefill(models, feature: str, prompt: list[int]) -> tuple[TargetRuntime, int, torch.Tensor]:
     target = TargetRuntime.from_dir(models["target"])
-    target.set_feature(feature)
-    out = target.prefill([PrefillInput("r", prompt, SamplingParams())])
+    out = target.prefill([PrefillInput("r", prompt, SamplingParams())], Feature(feature))
     return target, out.tokens["r"][0], out.features
 
 
@@ -154,7 +154,7 @@ def test_eagle1_root_logits_match_reference(models):
     target, first, feats = prefill(models, "hidden", prompt)
     cfg = DraftConfig("eagle", str(models["eagle"]), str(models["target"]), SpecParams(1, 1, 2))
     drafter = load_draft(cfg, target.model).drafter
-    assert drafter.feature == "hidden"
+    assert drafter.needs.feature is Feature.HIDDEN
     drafter.extend([ExtendInput("r", prompt, first, feats, new=True)])
 
     layer, t = hf_layer(models["eagle"], "layers.0.", input_norm=False)

@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 
 from specmesh.draft_service.drafter import SpecParams
-from specmesh.draft_service.feature_drafter import ExtendInput
 from specmesh.draft_service.runtime import DraftConfig, load_draft
+from specmesh.draft_service.steps import ExtendInput
 from specmesh.runtime.errors import InvalidRequestError
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from specmesh.draft_service.drafter import SpecParams
-from specmesh.draft_service.feature_drafter import ExtendInput
 from specmesh.draft_service.runtime import DraftConfig, load_draft
+from specmesh.draft_service.steps import ExtendInput
 from specmesh.runtime.draft_sizes import DraftSizes
 from specmesh.runtime.tiny import make_tiny_target
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from specmesh.draft_service.drafter import SpecParams
-from specmesh.draft_service.feature_drafter import ExtendInput
 from specmesh.draft_service.runtime import DraftConfig, load_draft
+from specmesh.draft_service.steps import ExtendInput
 from specmesh.runtime.tiny import make_tiny_target
 from specmesh.runtime.tiny_drafts import make_tiny_draft
 

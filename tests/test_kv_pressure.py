@@ -35,10 +35,9 @@ def test_verify_that_does_not_fit_fails_alone(tiny_dir: Path) -> None:
     rt = TargetRuntime(TargetConfig(str(tiny_dir / "target"), num_kv_slots=24))
     rt.prefill([PrefillInput("a", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], SamplingParams()),
                 PrefillInput("b", [1, 2, 3], SamplingParams())])  # fmt: skip
-    big = Tree.chain([rt.pending["a"], *range(20, 32)])  # 13 nodes: more than the 11 slots left
-    small = Tree.chain([rt.pending["b"], 20])
-    out = rt.verify(
-        [VerifyInput("a", big, SamplingParams(), 1), VerifyInput("b", small, SamplingParams(), 1)]
-    )
+    big = Tree.chain([rt.requests["a"].pending, *range(20, 32)])  # 13 nodes: more than the 11 slots left
+    small = Tree.chain([rt.requests["b"].pending, 20])
+    out = rt.verify([VerifyInput("a", big), VerifyInput("b", small)])
     assert isinstance(out.errors["a"], KVCacheFullError) and "13-node tree" in str(out.errors["a"])
-    assert len(out.tokens["b"]) >= 1 and rt.cache.get("a").committed_len == 10
+    assert len(out.tokens["b"]) >= 1 and "a" not in rt.requests  # a failed request is dropped
+    assert "a" not in rt.cache.requests

@@ -28,7 +28,7 @@ from specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc, generation_pb2
 
 pytestmark = pytest.mark.slow
 
-NUM_REQUESTS, MAX_NEW = 16, 32
+NUM_REQUESTS, MAX_NEW = 16, 48
 PROMPTS = [[5 + i, 6 + 2 * i, 7 + 3 * i, 8 + 5 * i] for i in range(NUM_REQUESTS)]
 GREEDY = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
 # A draft step slower than this is a draft failure: its requests go on without speculation.
@@ -51,15 +51,6 @@ def expected(tiny_dir: Path, oracle):
     return functools.cache(lambda i: oracle(tiny_dir / "target", PROMPTS[i], MAX_NEW))
 
 
-def generate(
-    client: GenerationClient, i: int, request_id: str = "", timeout_s: float = 120.0
-) -> list[int]:
-    call = client.generate(
-        prompt_token_ids=PROMPTS[i], sampling=GREEDY, request_id=request_id, timeout=timeout_s
-    )
-    return [t for response in call for t in response.token_ids]
-
-
 def run_all(cluster: Services, request) -> list[list[int] | None]:
     """``request(client, i)`` for every prompt at once: the tokens of each that finished."""
     with (
@@ -75,14 +66,22 @@ def assert_finished_exact(outputs: list[list[int] | None], expected) -> None:
         assert tokens is None or tokens == expected(i), f"request {i}"
 
 
-def assert_clean_and_exact(cluster: Services, expected, request_ids: tuple[str, ...] = ()):
-    """Both model services hold nothing; then requests (with ``request_ids``, if given) are
-    exact."""
+def assert_exact(streams: Streams, expected) -> None:
+    """Every request of ``streams`` (PROMPTS[0], PROMPTS[1], ...) finished, exact."""
+    streams.join()
+    n = len(streams.outputs)
+    assert streams.errors == [None] * n
+    assert streams.outputs == [expected(i) for i in range(n)]
+
+
+def assert_clean_and_exact(
+    cluster: Services, expected, request_ids: tuple[str, ...] = ("", "")
+) -> None:
+    """Both model services hold nothing; then requests (ids ``request_ids``, "" = the router
+    picks) are exact, and leave nothing behind either."""
     cluster.wait_empty(*MODEL_SERVICES)
-    ids = request_ids or ("", "")
-    with GenerationClient(cluster.address("router")) as client:
-        for i, rid in enumerate(ids):
-            assert generate(client, i, rid) == expected(i), f"request {i} ({rid!r})"
+    router = cluster.address("router")
+    assert_exact(Streams(router, PROMPTS[: len(request_ids)], MAX_NEW, request_ids), expected)
     cluster.wait_empty(*MODEL_SERVICES)
 
 
@@ -114,7 +113,8 @@ def test_concurrent_cancels_free_everything(cluster: Services, expected) -> None
 def finish_before(client: GenerationClient, i: int, timeout_s: float) -> list[int] | None:
     """Request i with a deadline: its tokens, or None when the deadline passed."""
     try:
-        return generate(client, i, timeout_s=timeout_s)
+        call = client.generate(prompt_token_ids=PROMPTS[i], sampling=GREEDY, timeout=timeout_s)
+        return [t for response in call for t in response.token_ids]
     except grpc.RpcError as e:
         assert e.code() == grpc.StatusCode.DEADLINE_EXCEEDED, e
         return None
@@ -132,9 +132,13 @@ def test_router_sigkill_frees_its_requests(cluster: Services, expected) -> None:
     ids = tuple(f"kill-{i}" for i in range(8))
     streams = Streams(cluster.address("router"), PROMPTS[: len(ids)], MAX_NEW, ids)
     streams.wait_started()
+    held = cluster.occupancy("target0")
     cluster.kill("router")
     streams.join()
-    assert any(streams.errors), "the kill landed after every request finished"
+    num_cut = sum(e is not None for e in streams.errors)
+    assert num_cut, "the kill landed after every request finished"
+    # a request cut by the kill was prefilled and unfinished when `held` was read
+    assert held.num_requests >= num_cut and held.kv_slots_used > 0, held
     cluster.wait_empty(*MODEL_SERVICES)  # no router at all: the dead one's streams ended
     cluster.restart("router")
     cluster.wait_ready("router")
@@ -147,24 +151,22 @@ def test_frozen_draft_past_its_timeout_changes_nothing(cluster: Services, expect
     before = streams.wait_started()
     cluster.pause("draft")
     try:
-        time.sleep(3.0)  # three draft timeouts
+        time.sleep(3.0)  # well past --draft-timeout-s
     finally:
         cluster.resume("draft")
-    streams.join()
+    assert_exact(streams, expected)
     assert before < n * MAX_NEW  # the freeze landed mid-generation
-    assert streams.errors == [None] * n
-    assert streams.outputs == [expected(i) for i in range(n)]
     assert_clean_and_exact(cluster, expected)
 
 
 class StepStream:
-    """A raw Draft.Step stream driven by hand: `send` a batch, `recv` its answer, `close`."""
+    """A raw Draft.Step stream driven by hand: `send` a batch and read its answer, `close`."""
 
     def __init__(self, address: str) -> None:
         self.channel = grpc.insecure_channel(address)
-        self.stub = draft_pb2_grpc.DraftStub(self.channel)
-        self.outbox: queue.Queue = queue.Queue()
-        self.call = self.stub.Step(iter(self.outbox.get, None), timeout=60)
+        self.outbox: queue.Queue = queue.Queue()  # None = half-close
+        stub = draft_pb2_grpc.DraftStub(self.channel)
+        self.call = stub.Step(iter(self.outbox.get, None), timeout=60)
 
     def send(self, request: draft_pb2.DraftStepRequest) -> draft_pb2.DraftStepResponse:
         self.outbox.put(request)
@@ -207,6 +209,7 @@ def test_bad_row_in_a_draft_batch_fails_alone(cluster: Services, expected) -> No
         assert results[rid].status.code == 0, results[rid].status
         assert results[rid].tree.tokens[0] == 9  # root = next_token_id
     held = cluster.occupancy("draft")
-    assert held.num_requests == 2, held  # the bad row was dropped, the good ones are held
+    # the bad row was dropped, the good ones are held
+    assert held.num_requests == 2 and held.kv_slots_used > 0, held
     stream.close()
     assert_clean_and_exact(cluster, expected)

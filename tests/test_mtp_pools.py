@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from specmesh.draft_service.drafter import SpecParams
-from specmesh.draft_service.feature_drafter import ExtendInput
 from specmesh.draft_service.mtp_drafter import MTPDrafter
 from specmesh.draft_service.runtime import DraftConfig, load_draft
+from specmesh.draft_service.steps import ExtendInput
+from specmesh.runtime.features import Feature
 from specmesh.runtime.tiny import make_tiny_target
 from specmesh.runtime.tiny_drafts import make_tiny_draft
 
@@ -32,7 +33,7 @@ def make_drafter(dirs, spec: SpecParams) -> MTPDrafter:
     target, draft = dirs
     cfg = DraftConfig("mtp", str(draft), str(target), spec, max_requests=4, max_context=64)
     drafter = load_draft(cfg).drafter
-    assert isinstance(drafter, MTPDrafter) and drafter.feature == "hidden_pre_norm"
+    assert isinstance(drafter, MTPDrafter) and drafter.needs.feature is Feature.HIDDEN_PRE_NORM
     return drafter
 
 

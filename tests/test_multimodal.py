@@ -4,16 +4,15 @@ the draft (invariant 1), and bad image requests failing alone with INVALID_ARGUM
 
 from __future__ import annotations
 
-import io
-from functools import cache
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import llava_greedy
 
 from specmesh.draft_service.drafter import SpecParams
-from specmesh.draft_service.feature_drafter import ExtendInput
 from specmesh.draft_service.runtime import DraftConfig, load_draft
+from specmesh.draft_service.steps import ExtendInput
 from specmesh.router.core import RouterConfig
 from specmesh.router.engine import Engine
 from specmesh.runtime.errors import InvalidRequestError
@@ -43,27 +42,6 @@ def engine(llava: Path) -> Engine:
     )  # fmt: skip
 
 
-@cache
-def _hf(model_dir: str):
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
-
-    model = LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
-    return model, AutoProcessor.from_pretrained(model_dir)
-
-
-def hf_greedy(model_dir: Path, prompt: str, images: list[bytes], n: int) -> list[int]:
-    from PIL import Image
-
-    model, processor = _hf(str(model_dir))
-    pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images] or None
-    inputs = processor(text=prompt, images=pil, return_tensors="pt")
-    with torch.no_grad():
-        out = model.generate(
-            **inputs, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
-        )
-    return out[0, inputs["input_ids"].shape[1] :].tolist()
-
-
 def _params(n: int) -> SamplingParams:
     return SamplingParams(max_new_tokens=n, ignore_eos=True)
 
@@ -72,7 +50,7 @@ def _params(n: int) -> SamplingParams:
 def test_image_request_matches_transformers(llava: Path, engine: Engine) -> None:
     prompt = "def <image> add(a, b):"
     res = engine.generate([prompt], _params(10), images=[[IMAGES[0]]])[0]
-    assert res.token_ids == hf_greedy(llava / "target", prompt, [IMAGES[0]], 10)
+    assert res.token_ids == llava_greedy(llava / "target", prompt, [IMAGES[0]], 10)
     assert res.accept_lens, "the request ran without speculation"
 
 
@@ -82,7 +60,7 @@ def test_mixed_batch_matches_transformers(llava: Path, engine: Engine) -> None:
     images = [IMAGES[:2], [], [IMAGES[2]]]
     results = engine.generate(prompts, _params(8), images=images)
     for prompt, imgs, res in zip(prompts, images, results, strict=True):
-        assert res.token_ids == hf_greedy(llava / "target", prompt, imgs, 8), prompt
+        assert res.token_ids == llava_greedy(llava / "target", prompt, imgs, 8), prompt
         assert res.accept_lens
 
 

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from specmesh.runtime.config import CheckpointError
 from specmesh.runtime.errors import KVCacheFullError, UnknownRequestError
+from specmesh.runtime.features import Feature, FeatureSpec
 from specmesh.runtime.models.causal_lm import AuxLayers, load_causal_lm
 from specmesh.runtime.sampling import SamplingParams
 from specmesh.runtime.tiny import make_tiny_target
@@ -60,11 +61,11 @@ def test_prefill_and_decode_logits_match_transformers(variant: Path) -> None:
     rt.prefill([PrefillInput(f"r{i}", p, SamplingParams()) for i, p in enumerate(prompts)])
     for i, p in enumerate(prompts):
         ref = _hf_logits(variant, p).logits[0, -1]
-        assert rt.pending[f"r{i}"] == int(ref.argmax())
+        assert rt.requests[f"r{i}"].pending == int(ref.argmax())
     # one decode step for the whole batch; the runtime's logits at the pending token
-    hidden = _forward_tree(rt, [Tree.chain([rt.pending[f"r{i}"]]) for i in range(3)])
+    hidden = _forward_tree(rt, [Tree.chain([rt.requests[f"r{i}"].pending]) for i in range(3)])
     for i, p in enumerate(prompts):
-        ref = _hf_logits(variant, [*p, rt.pending[f"r{i}"]]).logits[0, -1]
+        ref = _hf_logits(variant, [*p, rt.requests[f"r{i}"].pending]).logits[0, -1]
         mine = rt.model.compute_logits(hidden[i][-1:])[0]
         torch.testing.assert_close(mine, ref, atol=2e-5, rtol=1e-4)
 
@@ -90,7 +91,7 @@ def test_verify_logits_equal_sequential_decoding_along_each_path(
     rt = _runtime(target)
     prompt = [7, 8, 9, 10, 11]
     rt.prefill([PrefillInput("r0", prompt, SamplingParams())])
-    root = rt.pending["r0"]
+    root = rt.requests["r0"].pending
     if shape == "chain":
         tree = Tree.chain([root, 40, 41, 42])
     else:  # root -> {40 -> {50, 51 -> 60}, 41 -> 52}
@@ -115,10 +116,10 @@ def test_verify_keeps_accepted_path_kv_by_length(tiny_dir: Path, oracle) -> None
     rt.prefill([PrefillInput("r0", prompt, SamplingParams())])
     wrong = (ref[1] + 1) % 300
     tree = Tree.from_parents([ref[0], wrong, ref[1], ref[2], 7], [-1, 0, 0, 2, 1])
-    out = rt.verify([VerifyInput("r0", tree, SamplingParams(), 1)])
+    out = rt.verify([VerifyInput("r0", tree)])
     assert out.tokens["r0"] == ref[1:4]
     assert rt.cache.get("r0").committed_len == len(prompt) + 3
-    out = rt.decode(["r0"], [SamplingParams()], [4])
+    out = rt.decode(["r0"])
     assert out.tokens["r0"] == [ref[4]]
 
 
@@ -126,11 +127,12 @@ def test_chunked_prefill_on_cached_prefix_equals_full_prefill(tiny_dir: Path) ->
     target = tiny_dir / "target"
     prompt = list(range(20, 57))
     full = _runtime(target)
-    full.set_feature("aux")
-    a = full.prefill([PrefillInput("r0", prompt, SamplingParams())])
+    aux = Feature.AUX_HIDDEN
+    full.configure(FeatureSpec(aux))
+    a = full.prefill([PrefillInput("r0", prompt, SamplingParams())], aux)
     chunked = _runtime(target, max_prefill_tokens=5)
-    chunked.set_feature("aux")
-    b = chunked.prefill([PrefillInput("r0", prompt, SamplingParams())])
+    chunked.configure(FeatureSpec(aux))
+    b = chunked.prefill([PrefillInput("r0", prompt, SamplingParams())], aux)
     assert a.tokens == b.tokens
     torch.testing.assert_close(a.features, b.features, atol=1e-5, rtol=1e-5)
 
@@ -143,8 +145,8 @@ def test_aux_hidden_states_are_the_named_layers(tiny_dir: Path, convention: str)
     rt = TargetRuntime(
         TargetConfig(str(target), num_kv_slots=512, aux_layer_ids=ids, aux_convention=convention)
     )
-    rt.set_feature("aux")
-    out = rt.prefill([PrefillInput("r0", prompt, SamplingParams())])
+    rt.configure(FeatureSpec(Feature.AUX_HIDDEN))
+    out = rt.prefill([PrefillInput("r0", prompt, SamplingParams())], Feature.AUX_HIDDEN)
     hs = _hf_logits(target, prompt, output_hidden_states=True).hidden_states
     shift = 0 if convention == "input" else 1
     ref = torch.cat([hs[i + shift][0] for i in ids], -1)  # hidden_states[i] = input of layer i
@@ -161,11 +163,12 @@ def test_full_kv_cache_is_a_specific_error_and_leaves_others_intact(tiny_dir: Pa
     assert isinstance(out.errors["big"], KVCacheFullError)
     assert "big" not in rt.cache.requests
     assert (
-        rt.decode(["small"], [SamplingParams()], [1]).tokens["small"]
+        rt.decode(["small"]).tokens["small"]
         == oracle(target, [1, 2, 3], 2)[1:]
     )
+    assert rt.release("nope") is False  # releasing is idempotent
     with pytest.raises(UnknownRequestError):
-        rt.release("nope")
+        rt.decode(["nope"])
 
 
 def test_seeded_sampling_is_independent_of_batch(tiny_dir: Path) -> None:
@@ -184,9 +187,9 @@ def test_seeded_sampling_is_independent_of_batch(tiny_dir: Path) -> None:
                 for r in batch
             ]
         )
-        toks = [rt.pending["me"]]
-        for step in range(1, 6):
-            toks += rt.decode(batch, [params] * len(batch), [step] * len(batch)).tokens["me"]
+        toks = [rt.requests["me"].pending]
+        for _ in range(1, 6):
+            toks += rt.decode(batch).tokens["me"]
         return toks
 
     assert run(["me"]) == run(["other", "me"])
