@@ -18,12 +18,16 @@ long prefills on a GPU belong to the FlashInfer backend.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
 
 from specmesh.kernels.common import next_pow2, pick_impl
-from specmesh.runtime.attention.base import AttentionMetadata
+
+if TYPE_CHECKING:  # a type only: kernels do not import the runtime
+    from specmesh.runtime.attention.base import AttentionMetadata
 
 
 def paged_attention_ref(

@@ -19,13 +19,9 @@ import grpc
 
 from specmesh.client import GenerationClient
 from specmesh.cluster import SERVICES, free_port
+from specmesh.rpc.service_common import check_health
 from specmesh.runtime.sampling import SamplingParams
 from specmesh.v1 import common_pb2, draft_pb2_grpc, generation_pb2, target_pb2_grpc
-
-try:
-    from specmesh.rpc.service_common import check_health
-except ImportError:  # the module's home before the rpc package
-    from specmesh.router.service_common import check_health
 
 INFO_STUBS = {"target": target_pb2_grpc.TargetStub, "draft": draft_pb2_grpc.DraftStub}
 
@@ -52,9 +48,9 @@ class Services:
 
     def start(self, name: str, kind: str, *flags: str, port: int | None = None) -> str:
         port = port or free_port()
-        log = open(self.log_dir / f"{name}.log", "a")  # noqa: SIM115
         cmd = [sys.executable, "-m", "specmesh", kind, "--host", "127.0.0.1", "--port", str(port)]
-        proc = subprocess.Popen([*cmd, *flags], stdout=log, stderr=subprocess.STDOUT)
+        with open(self.log_dir / f"{name}.log", "a") as log:  # the child keeps its own copy
+            proc = subprocess.Popen([*cmd, *flags], stdout=log, stderr=subprocess.STDOUT)
         self.running[name] = Service(kind, flags, port, proc)
         return self.running[name].address
 

@@ -1,0 +1,78 @@
+"""Per-row failure isolation: a request whose forward raises (a bug, or input no check caught)
+fails alone with INTERNAL, leaves nothing allocated, and the rest of its batch is served."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from specmesh.draft_service.drafter import SpecParams
+from specmesh.draft_service.runtime import DraftConfig, load_draft
+from specmesh.draft_service.steps import ExtendInput
+from specmesh.runtime.sampling import SamplingParams
+from specmesh.runtime.tree import Tree
+from specmesh.target_service import runtime as target_runtime
+from specmesh.target_service.runtime import TargetConfig, TargetRuntime
+from specmesh.target_service.steps import PrefillInput, VerifyInput
+
+
+def _raise_for(rid: str, inner):
+    def forward(*args, **kwargs):
+        items = args[3] if len(args) > 3 else kwargs["items"]
+        if any(it.rid == rid for it in items):
+            raise RuntimeError("boom")
+        return inner(*args, **kwargs)
+
+    return forward
+
+
+def test_draft_row_whose_forward_raises_fails_alone(tiny_dir: Path) -> None:
+    cfg = DraftConfig(
+        "eagle3", str(tiny_dir / "draft"), str(tiny_dir / "target"), SpecParams(3, 2, 6)
+    )
+    rt = load_draft(cfg)
+    real = rt.drafter.extend
+
+    def extend(inputs: list[ExtendInput]) -> None:
+        if any(i.rid == "bad" for i in inputs):
+            for i in inputs:  # fail after the drafter created its rows, as a forward would
+                if i.new and i.rid not in rt.drafter.cache.requests:
+                    rt.drafter.cache.add(i.rid)
+            raise RuntimeError("boom")
+        real(inputs)
+
+    rt.drafter.extend = extend
+    width = 3 * rt.target.hidden_size
+    rows = {"a": [5, 6, 7], "bad": [5, 6], "b": [9]}
+    res = rt.step(
+        [ExtendInput(r, ids, 11, torch.randn(len(ids), width), new=True) for r, ids in rows.items()]
+    )
+    assert set(res.trees) == {"a", "b"} and set(res.errors) == {"bad"}
+    assert res.errors["bad"].grpc_code == "INTERNAL" and "boom" in str(res.errors["bad"])
+    assert set(rt.live) == {"a", "b"} and set(rt.drafter.cache.requests) == {"a", "b"}
+
+
+@pytest.fixture
+def target(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> TargetRuntime:
+    rt = TargetRuntime(TargetConfig(str(tiny_dir / "target"), num_kv_slots=512))
+    monkeypatch.setattr(target_runtime, "run_batch", _raise_for("bad", target_runtime.run_batch))
+    return rt
+
+
+def test_target_prefill_row_whose_forward_raises_fails_alone(target: TargetRuntime, oracle) -> None:
+    params = SamplingParams()
+    out = target.prefill([PrefillInput(r, [5, 6, 7], params) for r in ("a", "bad", "b")])
+    assert set(out.tokens) == {"a", "b"} and out.errors["bad"].grpc_code == "INTERNAL"
+    assert set(target.requests) == set(target.cache.requests) == {"a", "b"}
+    first = oracle(target.cfg.model_dir, [5, 6, 7], 1)
+    assert out.tokens["a"] == out.tokens["b"] == first
+
+
+def test_target_verify_row_whose_forward_raises_fails_alone(target: TargetRuntime) -> None:
+    target.prefill([PrefillInput(r, [5, 6, 7], SamplingParams()) for r in ("a", "bad")])
+    trees = [VerifyInput(r, Tree.chain([target.requests[r].pending, 9])) for r in ("a", "bad")]
+    out = target.verify(trees)
+    assert set(out.tokens) == {"a"} and out.errors["bad"].grpc_code == "INTERNAL"
+    assert set(target.requests) == set(target.cache.requests) == {"a"}

@@ -1,0 +1,61 @@
+"""Package layering: no import cycles between the project's packages, and a router process in
+gRPC mode does not import the model stack."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _packages() -> dict[str, Path]:
+    """Top-level specmesh packages (``specmesh.router`` -> router/), from pyproject.toml."""
+    dirs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    return {name: ROOT / folder for name, folder in dirs.items() if name.count(".") == 1}
+
+
+def _edges() -> dict[str, set[str]]:
+    """Module-level imports between packages (imports inside functions are lazy by design)."""
+    packages = _packages()
+    edges: dict[str, set[str]] = {name: set() for name in packages}
+    for name, folder in packages.items():
+        for path in folder.rglob("*.py"):
+            for node in ast.parse(path.read_text()).body:
+                if isinstance(node, ast.ImportFrom) and node.module:
+                    target = ".".join(node.module.split(".")[:2])
+                    if target in packages and target != name:
+                        edges[name].add(target)
+    return edges
+
+
+def test_no_import_cycles_between_packages() -> None:
+    edges, done, path = _edges(), set(), []
+
+    def visit(name: str) -> None:
+        assert name not in path, f"import cycle: {' -> '.join([*path, name])}"
+        if name in done:
+            return
+        path.append(name)
+        for nxt in sorted(edges[name]):
+            visit(nxt)
+        path.pop()
+        done.add(name)
+
+    for name in sorted(edges):
+        visit(name)
+
+
+def test_grpc_router_does_not_import_the_model_stack() -> None:
+    code = (
+        "import sys, specmesh.router.server, specmesh.router.grpc_clients\n"
+        "heavy = ('specmesh.runtime.models', 'specmesh.target_service.runtime',\n"
+        "         'specmesh.draft_service.runtime', 'specmesh.kernels')\n"
+        "print([m for m in sys.modules if m.startswith(heavy)])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
