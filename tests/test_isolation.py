@@ -55,13 +55,19 @@ def test_draft_row_whose_forward_raises_fails_alone(tiny_dir: Path) -> None:
 
 
 @pytest.fixture
-def target(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> TargetRuntime:
-    rt = TargetRuntime(TargetConfig(str(tiny_dir / "target"), num_kv_slots=512))
-    monkeypatch.setattr(target_runtime, "run_batch", _raise_for("bad", target_runtime.run_batch))
-    return rt
+def target(tiny_dir: Path) -> TargetRuntime:
+    return TargetRuntime(TargetConfig(str(tiny_dir / "target"), num_kv_slots=512))
 
 
-def test_target_prefill_row_whose_forward_raises_fails_alone(target: TargetRuntime, oracle) -> None:
+def _break_row(monkeypatch: pytest.MonkeyPatch, rid: str) -> None:
+    """Every target forward that includes ``rid`` raises from now on."""
+    monkeypatch.setattr(target_runtime, "run_batch", _raise_for(rid, target_runtime.run_batch))
+
+
+def test_target_prefill_row_whose_forward_raises_fails_alone(
+    target: TargetRuntime, oracle, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _break_row(monkeypatch, "bad")
     params = SamplingParams()
     out = target.prefill([PrefillInput(r, [5, 6, 7], params) for r in ("a", "bad", "b")])
     assert set(out.tokens) == {"a", "b"} and out.errors["bad"].grpc_code == "INTERNAL"
@@ -70,8 +76,11 @@ def test_target_prefill_row_whose_forward_raises_fails_alone(target: TargetRunti
     assert out.tokens["a"] == out.tokens["b"] == first
 
 
-def test_target_verify_row_whose_forward_raises_fails_alone(target: TargetRuntime) -> None:
+def test_target_verify_row_whose_forward_raises_fails_alone(
+    target: TargetRuntime, monkeypatch: pytest.MonkeyPatch
+) -> None:
     target.prefill([PrefillInput(r, [5, 6, 7], SamplingParams()) for r in ("a", "bad")])
+    _break_row(monkeypatch, "bad")
     trees = [VerifyInput(r, Tree.chain([target.requests[r].pending, 9])) for r in ("a", "bad")]
     out = target.verify(trees)
     assert set(out.tokens) == {"a"} and out.errors["bad"].grpc_code == "INTERNAL"

@@ -175,8 +175,8 @@ def test_public_api_names() -> None:
 @pytest.mark.parametrize(
     ("service", "methods"),
     [
-        ("specmesh.v1.Target", {"GetInfo", "Step", "Release"}),
-        ("specmesh.v1.Draft", {"GetInfo", "Step", "Release"}),
+        ("specmesh.v1.Target", {"GetInfo", "Step"}),  # release travels in-band on Step
+        ("specmesh.v1.Draft", {"GetInfo", "Step"}),
     ],
 )
 def test_internal_services_are_bidi_step(service: str, methods: set[str]) -> None:
@@ -199,7 +199,10 @@ def test_step_messages_share_framing() -> None:
     ):
         fields = cls.DESCRIPTOR.fields_by_name
         assert [fields[n].number for n in ("batch_id", "chunk_index", "more_chunks")] == [1, 2, 3]
-    assert set(target_pb2.TargetStepRequest.DESCRIPTOR.oneofs_by_name["work"].fields) == {
-        target_pb2.TargetStepRequest.DESCRIPTOR.fields_by_name[n]
-        for n in ("prefill", "decode", "verify")
+    work = {
+        target_pb2.TargetStepRequest: ("prefill", "decode", "verify", "release", "open"),
+        draft_pb2.DraftStepRequest: ("extend", "propose", "release"),
     }
+    for cls, names in work.items():
+        got = {f.name for f in cls.DESCRIPTOR.oneofs_by_name["work"].fields}
+        assert got == set(names)
