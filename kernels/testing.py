@@ -1,4 +1,4 @@
-"""Test helpers for the kernel tests (imported by ``tests/test_kernels_*.py`` only).
+"""Test helpers for the kernel tests (imported by ``tests/unit/test_kernels_*.py`` only).
 
 Triton kernels run on CPU tensors only under ``TRITON_INTERPRET=1``, which must be set before
 the first kernel module is imported (``triton.jit`` reads it at decoration time): each test

@@ -5,7 +5,7 @@
 Runs the protoc bundled with grpcio-tools with ``-I protos``, so a proto imports another as
 ``import "specmesh/v1/tensor.proto"`` and the generated code as ``from specmesh.v1 import
 tensor_pb2``, which resolves because pyproject.toml maps the package ``specmesh.v1`` to
-``protos/specmesh/v1``. tests/test_protos.py regenerates into a temporary folder and fails when
+``protos/specmesh/v1``. tests/unit/test_protos.py regenerates into a temporary folder and fails when
 the checked-in files differ.
 """
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 from specmesh.draft_service.drafter import SpecParams
 from specmesh.draft_service.runtime import DraftConfig, load_draft
-from specmesh.router.in_process import InProcessDraft, InProcessTarget
 from specmesh.router.core import RouterConfig, RouterCore
 from specmesh.router.detokenizer import Detokenizer
+from specmesh.router.in_process import InProcessDraft, InProcessTarget
 from specmesh.router.request import Request
 from specmesh.runtime.sampling import SamplingParams
 from specmesh.runtime.tokenizer import load_tokenizer, resolve_seed

@@ -30,7 +30,6 @@ from specmesh.runtime.errors import (
     KVCacheFullError,
     SpecmeshError,
     UnknownRequestError,
-    as_specmesh_error,
 )
 from specmesh.runtime.features import AuxLayers, Feature, FeatureSpec
 from specmesh.runtime.graph_runner import graphs_enabled
@@ -40,6 +39,7 @@ from specmesh.runtime.models.causal_lm import CausalLM, ModelOutput, load_causal
 from specmesh.runtime.sampling import SamplingParams, sample_tokens
 from specmesh.runtime.tree import Tree
 from specmesh.target_service.acceptance import accept_trees, padded_row_index
+from specmesh.target_service.batching import extend_chunked, run_isolated
 from specmesh.target_service.graphs import TargetGraphs
 from specmesh.target_service.llava import ImageEncoder, is_llava_checkpoint, load_llava
 from specmesh.target_service.multimodal import merge_images
@@ -145,13 +145,6 @@ class TargetRuntime:
         if changed and self.graphs is not None:
             self.graphs = self._capture_graphs()
 
-    def captures(self, needs: FeatureSpec) -> bool:
-        """Whether the features this target returns now are the ones ``needs`` asks for."""
-        if needs.feature is not Feature.AUX_HIDDEN or needs.aux is None:
-            return True
-        n = self.model_config.num_layers
-        return needs.aux.capture_points(n) == self.aux_layers.capture_points(n)
-
     def holds(self, rid: str) -> bool:
         return rid in self.requests
 
@@ -179,7 +172,7 @@ class TargetRuntime:
                 ok.append(inp)
             except SpecmeshError as e:
                 errors[inp.rid] = e
-        out = self._isolated(ok, lambda b: self._prefill_batch(b, feature), self.cache.release)
+        out = run_isolated(ok, lambda b: self._prefill_batch(b, feature), self.release)
         out.errors.update(errors)
         for inp in ok:
             if inp.rid in merged.prompt_ids and inp.rid in out.tokens:
@@ -187,7 +180,8 @@ class TargetRuntime:
         return out
 
     def _prefill_batch(self, ok: list[PrefillInput], feature: Feature) -> StepOutput:
-        outputs = self._extend_chunked(ok)
+        chunk = self.cfg.max_prefill_tokens
+        outputs = extend_chunked(self.model, self.cache, self.backend, ok, chunk)
         last_rows = torch.tensor(list(itertools.accumulate([len(i.input_ids) for i in ok]))) - 1
         logits = self.model.compute_logits(outputs.hidden[last_rows])
         first = sample_tokens(logits, [i.params for i in ok], [i.sample_offset for i in ok])
@@ -199,24 +193,6 @@ class TargetRuntime:
             out.tokens[inp.rid] = [tok]
             out.row_counts[inp.rid] = len(inp.input_ids)
         return out
-
-    def _isolated(self, items: list, run, undo) -> StepOutput:
-        """``run(items)`` as one batch; if it raises, each item alone, so that a row whose
-        forward fails (a bug, or input no check caught) fails by itself. ``undo(rid)`` drops a
-        failed request's state."""
-        if not items:
-            return StepOutput()
-        try:
-            return run(items)
-        except Exception as e:
-            if len(items) == 1:
-                rid = items[0].rid
-                if not isinstance(e, SpecmeshError):
-                    log.exception("target step failed for request %r", rid)
-                undo(rid)
-                self.requests.pop(rid, None)
-                return StepOutput(errors={rid: as_specmesh_error(e, rid)})
-        return StepOutput.merge([self._isolated([i], run, undo) for i in items])
 
     def _admit(self, inp: PrefillInput, admitted: dict[str, int]) -> None:
         """Validate one request and reserve its row, if its whole prompt fits in the KV cache
@@ -236,31 +212,6 @@ class TargetRuntime:
                 f"{self.cache.num_free_slots} KV slots free"
             )
         self.cache.add(inp.rid)
-
-    def _extend_chunked(self, inputs: list[PrefillInput]) -> ModelOutput:
-        """Extend in chunks of ``max_prefill_tokens`` per request; each chunk sits on top of the
-        prefix the earlier chunks cached. Outputs are re-assembled in request order."""
-        chunk = self.cfg.max_prefill_tokens
-        per_req: dict[str, list[ModelOutput]] = {i.rid: [] for i in inputs}
-        longest = max(len(i.input_ids) for i in inputs)
-        for start in range(0, longest, chunk):
-            items = [
-                BatchItem(
-                    i.rid,
-                    torch.tensor(i.input_ids[start : start + chunk]),
-                    start,
-                    input_embeds=None
-                    if i.input_embeds is None
-                    else i.input_embeds[start : start + chunk],
-                )
-                for i in inputs
-                if start < len(i.input_ids)
-            ]
-            res = run_batch(self.model, self.cache, self.backend, items)
-            for it, rows in zip(items, _split_rows(res, [it.q_len for it in items]), strict=True):
-                per_req[it.rid].append(rows)
-        parts = [p for i in inputs for p in per_req[i.rid]]
-        return _concat_outputs(parts)
 
     # -- decode / verify ------------------------------------------------------------------------
     def decode(self, rids: list[str], feature: Feature = Feature.NONE) -> StepOutput:
@@ -285,7 +236,7 @@ class TargetRuntime:
                 continue
             demand[inp.rid] = row.item.start + row.item.q_len
             rows.append(row)
-        out = self._isolated(rows, lambda b: self._verify_batch(b, feature), self.release)
+        out = run_isolated(rows, lambda b: self._verify_batch(b, feature), self.release)
         out.errors.update(errors)
         return out
 
@@ -374,15 +325,3 @@ class TargetRuntime:
             return False
         self.cache.release(rid)
         return True
-
-
-def _split_rows(res: ModelOutput, counts: list[int]) -> list[ModelOutput]:
-    bounds = [0, *itertools.accumulate(counts)]
-    return [res.select(slice(a, b)) for a, b in itertools.pairwise(bounds)]
-
-
-def _concat_outputs(parts: list[ModelOutput]) -> ModelOutput:
-    cat = lambda name: (
-        None if getattr(parts[0], name) is None else torch.cat([getattr(p, name) for p in parts])
-    )
-    return ModelOutput(**{name: cat(name) for name in vars(parts[0])})

@@ -1,4 +1,8 @@
-"""Shared fixtures: tiny checkpoints built once per session, and the transformers oracle."""
+"""Shared fixtures: tiny checkpoints built once per session, and the transformers oracles.
+
+Tests live in three folders, each marked by it: ``unit`` (code in one process), ``integration``
+(real gRPC servers on loopback, in process) and ``e2e`` (real service processes); e.g.
+``pytest -m "not e2e"``."""
 
 from __future__ import annotations
 
@@ -14,6 +18,16 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 sys.path.insert(0, str(Path(__file__).parent))  # test helpers: grpc_harness
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+GROUPS = ("unit", "integration", "e2e")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        group = next((g for g in GROUPS if g in item.path.parts), None)
+        if group is not None:
+            item.add_marker(getattr(pytest.mark, group))
 
 
 def reorder_tolerance(dtype: torch.dtype) -> dict[str, float]:

@@ -16,7 +16,7 @@ from specmesh.main import build_parser
 from specmesh.router.server import SERVICE_NAME as ROUTER_SERVICE
 from specmesh.target_service.server import SERVICE_NAME as TARGET_SERVICE
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ROLE_SERVICE = {"target": TARGET_SERVICE, "draft": DRAFT_SERVICE, "router": ROUTER_SERVICE}
 HEALTH_NAMES = {"", *ROLE_SERVICE.values()}
 

@@ -18,7 +18,7 @@ from specmesh.demo.data import is_heldout, list_stdlib_files
 from specmesh.demo.draft_train import aux_hidden_indices, aux_layer_ids
 from specmesh.demo.eagle3 import DraftShape, Eagle3Draft
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from google.protobuf import descriptor_pool
 
-PROTOS = Path(__file__).resolve().parents[1] / "protos"
+PROTOS = Path(__file__).resolve().parents[2] / "protos"
 REGENERATE = "python protos/generate.py"
 
 

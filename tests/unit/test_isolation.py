@@ -13,6 +13,7 @@ from specmesh.draft_service.runtime import DraftConfig, load_draft
 from specmesh.draft_service.steps import ExtendInput
 from specmesh.runtime.sampling import SamplingParams
 from specmesh.runtime.tree import Tree
+from specmesh.target_service import batching
 from specmesh.target_service import runtime as target_runtime
 from specmesh.target_service.runtime import TargetConfig, TargetRuntime
 from specmesh.target_service.steps import PrefillInput, VerifyInput
@@ -61,7 +62,8 @@ def target(tiny_dir: Path) -> TargetRuntime:
 
 def _break_row(monkeypatch: pytest.MonkeyPatch, rid: str) -> None:
     """Every target forward that includes ``rid`` raises from now on."""
-    monkeypatch.setattr(target_runtime, "run_batch", _raise_for(rid, target_runtime.run_batch))
+    for module in (target_runtime, batching):  # verify, prefill
+        monkeypatch.setattr(module, "run_batch", _raise_for(rid, module.run_batch))
 
 
 def test_target_prefill_row_whose_forward_raises_fails_alone(

@@ -1,0 +1,118 @@
+"""The client side of one bidirectional Step stream (target or draft).
+
+Every batch gets a stream-unique ``batch_id``; its chunks are written back to back (a write
+lock keeps batches from interleaving, and a caller that gives up never leaves half a batch) and
+a reader task matches each reassembled answer to the waiting caller by id, so several
+micro-batches can be in flight on one stream. `send` writes a batch nobody waits for (a
+release): in order behind everything sent before, its answer dropped. A broken stream fails
+every waiting batch and is forgotten; the next request opens a fresh one, starting with the
+handshake when one is set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import Callable
+
+import grpc
+
+from specmesh.rpc.wire import FramingError, Reassembler, error_from_rpc, frame
+from specmesh.runtime.errors import ServiceDownError
+
+_BROKEN = (grpc.aio.UsageError, asyncio.InvalidStateError, RuntimeError)
+
+
+class StepStream:
+    """One bidi Step stream: `request` sends a batch's chunks and returns its answer's chunks;
+    `send` writes a batch whose answer nobody awaits. ``handshake`` (when set) makes the first
+    message of every new stream."""
+
+    def __init__(self, open_call, peer: str, timeout_s: float | None) -> None:
+        self.open_call, self.peer, self.timeout_s = open_call, peer, timeout_s
+        self.handshake: Callable[[], object] | None = None
+        self.call = None
+        self.pending: dict[int, asyncio.Future] = {}
+        self.ids = itertools.count(1)
+        self.write_lock = asyncio.Lock()
+        self.reader: asyncio.Task | None = None
+
+    async def request(self, messages: list) -> list:
+        batch_id = next(self.ids)
+        future = asyncio.get_running_loop().create_future()
+        self.pending[batch_id] = future
+        try:
+            # Shielded: a caller that gives up (a draft deadline) never leaves half a batch.
+            await asyncio.shield(self._write(messages, batch_id, open_stream=True))
+            return await asyncio.wait_for(future, self.timeout_s)
+        except asyncio.TimeoutError:
+            self._break(ServiceDownError(f"{self.peer}: no answer within {self.timeout_s:.0f} s"))
+            raise ServiceDownError(f"{self.peer}: step timed out") from None
+        finally:
+            self.pending.pop(batch_id, None)
+            if future.done() and not future.cancelled():
+                future.exception()  # mark retrieved: a failed write already raised the error
+
+    async def send(self, messages: list) -> None:
+        """Write a batch in order behind everything sent so far; no stream, nothing to do (the
+        service freed what the ended stream held)."""
+        await asyncio.shield(self._write(messages, next(self.ids), open_stream=False))
+
+    async def _write(self, messages: list, batch_id: int, *, open_stream: bool) -> None:
+        async with self.write_lock:
+            if self.call is None and not open_stream:
+                return
+            try:
+                call = await self._open()
+                for msg in frame(messages, batch_id):
+                    await call.write(msg)
+            except grpc.RpcError as e:
+                raise self._break(error_from_rpc(e, self.peer)) from None
+            except _BROKEN as e:
+                raise self._break(ServiceDownError(f"{self.peer}: stream broken: {e}")) from None
+
+    async def _open(self):
+        if self.call is None:
+            self.call = self.open_call()
+            self.reader = asyncio.create_task(self._read(self.call))
+            if self.handshake is not None:  # its answer is dropped; a refusal ends the stream
+                await self.call.write(frame([self.handshake()], next(self.ids))[0])
+        return self.call
+
+    async def _read(self, call) -> None:
+        reassembler = Reassembler()
+        try:
+            while True:
+                msg = await call.read()
+                if msg is grpc.aio.EOF:
+                    raise ServiceDownError(f"{self.peer}: the service closed the stream")
+                chunks = reassembler.add(msg)
+                future = self.pending.get(chunks[0].batch_id) if chunks else None
+                if future is not None and not future.done():
+                    future.set_result(chunks)
+        except asyncio.CancelledError:
+            raise
+        except grpc.RpcError as e:
+            self._break(error_from_rpc(e, self.peer), call)
+        except (ServiceDownError, FramingError) as e:
+            self._break(ServiceDownError(str(e)), call)
+
+    def _break(self, error: Exception, call=None) -> Exception:
+        """Fail every waiting batch and forget the stream; the next request opens a new one."""
+        if call is not None and call is not self.call:
+            return error  # an old stream's reader, already replaced
+        if self.call is not None:
+            self.call.cancel()
+        self.call = None
+        for future in self.pending.values():
+            if not future.done():
+                future.set_exception(error)
+        return error
+
+    async def close(self) -> None:
+        self._break(ServiceDownError(f"{self.peer}: client closed"))
+        if self.reader is not None:
+            self.reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.reader

@@ -1,0 +1,89 @@
+"""How the target runs a batch: prefill extends in chunks, and a batch whose forward raises run
+again request by request, so that one bad request fails alone."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import torch
+
+from specmesh.runtime.attention.base import AttentionBackend
+from specmesh.runtime.errors import SpecmeshError, as_specmesh_error
+from specmesh.runtime.kv_cache import KVCache
+from specmesh.runtime.model_runner import BatchItem, run_batch
+from specmesh.runtime.models.causal_lm import CausalLM, ModelOutput
+from specmesh.target_service.steps import PrefillInput, StepOutput
+
+log = logging.getLogger(__name__)
+
+
+class HasRid(Protocol):
+    rid: str
+
+
+def run_isolated(
+    items: Sequence[HasRid],
+    run: Callable[[list], StepOutput],
+    undo: Callable[[str], object],
+) -> StepOutput:
+    """``run(items)`` as one batch; if it raises, each item alone, so that a request whose
+    forward fails (a bug, or input no check caught) fails by itself. ``undo(rid)`` drops a
+    failed request's state. Runs fail before they change any request's state (prefill commits
+    and verify accepts only after the forward), so running again is safe."""
+    if not items:
+        return StepOutput()
+    try:
+        return run(list(items))
+    except Exception as e:
+        if len(items) == 1:
+            rid = items[0].rid
+            if not isinstance(e, SpecmeshError):
+                log.exception("target step failed for request %r", rid)
+            undo(rid)
+            return StepOutput(errors={rid: as_specmesh_error(e, rid)})
+    return StepOutput.merge([run_isolated([i], run, undo) for i in items])
+
+
+def extend_chunked(
+    model: CausalLM,
+    cache: KVCache,
+    backend: AttentionBackend,
+    inputs: list[PrefillInput],
+    chunk: int,
+) -> ModelOutput:
+    """Extend in chunks of ``chunk`` tokens per request; each chunk sits on top of the prefix
+    the earlier chunks cached. Outputs are re-assembled in request order."""
+    per_req: dict[str, list[ModelOutput]] = {i.rid: [] for i in inputs}
+    longest = max(len(i.input_ids) for i in inputs)
+    for start in range(0, longest, chunk):
+        items = [
+            BatchItem(
+                i.rid,
+                torch.tensor(i.input_ids[start : start + chunk]),
+                start,
+                input_embeds=None
+                if i.input_embeds is None
+                else i.input_embeds[start : start + chunk],
+            )
+            for i in inputs
+            if start < len(i.input_ids)
+        ]
+        res = run_batch(model, cache, backend, items)
+        for it, rows in zip(items, _split_rows(res, [it.q_len for it in items]), strict=True):
+            per_req[it.rid].append(rows)
+    return _concat_outputs([p for i in inputs for p in per_req[i.rid]])
+
+
+def _split_rows(res: ModelOutput, counts: list[int]) -> list[ModelOutput]:
+    bounds = [0, *itertools.accumulate(counts)]
+    return [res.select(slice(a, b)) for a, b in itertools.pairwise(bounds)]
+
+
+def _concat_outputs(parts: list[ModelOutput]) -> ModelOutput:
+    cat = lambda name: (
+        None if getattr(parts[0], name) is None else torch.cat([getattr(p, name) for p in parts])
+    )
+    return ModelOutput(**{name: cat(name) for name in vars(parts[0])})
