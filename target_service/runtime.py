@@ -216,8 +216,13 @@ class TargetRuntime:
     # -- decode / verify ------------------------------------------------------------------------
     def decode(self, rids: list[str], feature: Feature = Feature.NONE) -> StepOutput:
         """Plain decoding: one token per request."""
-        trees = [VerifyInput(rid, Tree.chain([self._get(rid).pending])) for rid in rids]
-        return self.verify(trees, feature)
+        known = [rid for rid in rids if rid in self.requests]
+        out = self.verify(
+            [VerifyInput(r, Tree.chain([self.requests[r].pending])) for r in known], feature
+        )
+        for rid in set(rids) - set(known):
+            out.errors[rid] = UnknownRequestError(f"unknown request id {rid!r}")
+        return out
 
     def verify(self, inputs: list[VerifyInput], feature: Feature = Feature.NONE) -> StepOutput:
         """Forward every tree (prefix + ancestors + self mask, positions ``committed + depth``),
