@@ -19,6 +19,10 @@ COPY bench bench
 COPY protos protos
 COPY models models
 RUN pip install "${TORCH}" && pip install ".${EXTRAS}"
+# Run as an unprivileged user (uid 10001, as the k8s manifests' runAsUser): /app stays root-owned
+# and read-only to it; caches (Triton, $SPECMESH_CACHE) go to its home.
+RUN useradd --create-home --uid 10001 specmesh
+USER 10001
 EXPOSE 50051 50052 50053
 ENTRYPOINT ["specmesh"]
 CMD ["up", "--host", "0.0.0.0", "--port", "50051"]

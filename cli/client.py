@@ -7,6 +7,11 @@
         for response in client.generate(prompt="def fib(n):", sampling=SamplingParams(max_new_tokens=32)):
             print(response.text, end="", flush=True)
 
+Over TLS pass ``tls=TlsFiles(ca_file="ca.pem")`` (the CA that signed the router's certificate;
+add ``cert_file`` / ``key_file`` to present a client certificate); a router started with
+``--api-key`` needs ``api_key=`` (sent as ``authorization: Bearer <key>``; without TLS it travels
+in the clear, so only do that on loopback).
+
 ``generate`` returns the call's response iterator (`specmesh.v1.GenerateResponse` messages); the
 last one has ``finish_reason`` and ``stats``. ``call.cancel()`` (or dropping it) aborts the
 request on the router. Errors raise ``grpc.RpcError`` with the router's status.
@@ -21,6 +26,7 @@ from typing import Any
 
 import grpc
 
+from specmesh.rpc.security import TlsFiles, api_key_from_args, client_channel, tls_from_args
 from specmesh.rpc.service_common import channel_options
 from specmesh.rpc.wire import sampling_to_pb
 from specmesh.runtime.sampling import SamplingParams
@@ -28,9 +34,11 @@ from specmesh.v1 import generation_pb2, generation_pb2_grpc
 
 
 class GenerationClient:
-    def __init__(self, address: str) -> None:
+    def __init__(
+        self, address: str, *, api_key: str | None = None, tls: TlsFiles | None = None
+    ) -> None:
         self.address = address
-        self.channel = grpc.insecure_channel(address, options=channel_options())
+        self.channel = client_channel(address, tls, api_key, channel_options())
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
 
     def info(self, timeout: float = 10.0) -> generation_pb2.InfoResponse:
@@ -78,7 +86,8 @@ def generate_via_router(args: argparse.Namespace) -> dict[str, Any]:
     kw = {"prompt_token_ids": prompt} if isinstance(prompt, list) else {"prompt": prompt}
     token_ids: list[int] = []
     text, finish, stats = "", "abort", generation_pb2.RequestStats()
-    with GenerationClient(args.router) as client:
+    client = GenerationClient(args.router, api_key=api_key_from_args(args), tls=tls_from_args(args))
+    with client:
         try:
             for response in client.generate(
                 **kw,

@@ -4,12 +4,18 @@ Each child is ``python -m specmesh <service>`` on a free loopback port. The mana
 every child reports ready through ``grpc.health.v1`` (its service name SERVING), prints one line
 ``specmesh router ready on HOST:PORT``, then watches: Ctrl-C or SIGTERM stops every child
 (SIGTERM, a grace period, then SIGKILL), and so does any child exiting on its own.
+
+With ``--tls-*`` every child gets the same files (so the certificate needs serverAuth and
+clientAuth and a SAN for 127.0.0.1, plus the router's public name) and the health checks
+connect with them; ``--api-key`` reaches the router through its environment, not its command
+line (which any local user can read).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import os
 import signal
 import socket
 import subprocess
@@ -18,6 +24,7 @@ import time
 from dataclasses import dataclass
 
 from specmesh.defaults import resolve_models
+from specmesh.rpc.security import API_KEY_ENV, TlsFiles, api_key_from_args, tls_from_args
 
 LOOPBACK = "127.0.0.1"
 SERVICES = {
@@ -42,8 +49,10 @@ def free_port(host: str = LOOPBACK) -> int:
 
 def run_cluster(args: argparse.Namespace) -> int:
     models = resolve_models(args.target_model, args.draft_model, args.draft_kind)
+    tls = tls_from_args(args)
+    api_key = api_key_from_args(args)
     children: list[Child] = []
-    spawn = functools.partial(spawn_service, children, log_level=args.log_level)
+    spawn = functools.partial(spawn_service, children, log_level=args.log_level, tls=tls)
     threads = ["--threads", str(model_threads(args.num_targets + (models.draft_kind is not None)))]
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
@@ -58,8 +67,10 @@ def run_cluster(args: argparse.Namespace) -> int:
             drafts.append(spawn("draft", [*flags, *threads, *args.service_arg]))
         port = args.port or free_port(args.host)
         router = ["--target", ",".join(targets), "--draft", ",".join(drafts), "--threads", "1"]
-        spawn("router", router, host=args.host, port=port)
-        wait_ready(children, args.ready_timeout)
+        router += ["--tokenizer", models.target]  # services report model names, not paths
+        env = {**os.environ, API_KEY_ENV: api_key or ""}
+        spawn("router", router, host=args.host, port=port, env=env)
+        wait_ready(children, args.ready_timeout, tls)
         print(f"specmesh router ready on {args.host}:{port}", flush=True)
         return _watch(children)
     except KeyboardInterrupt:
@@ -92,6 +103,8 @@ def spawn_service(
     host: str = LOOPBACK,
     port: int = 0,
     log_level: str = "WARNING",
+    tls: TlsFiles | None = None,
+    env: dict[str, str] | None = None,
 ) -> str:
     port = port or free_port()
     cmd = [
@@ -105,22 +118,20 @@ def spawn_service(
         host,
         "--port",
         str(port),
+        *(tls.as_args() if tls else []),
         *flags,
     ]
-    children.append(
-        Child(
-            kind, f"{LOOPBACK if host in ('0.0.0.0', '::') else host}:{port}", subprocess.Popen(cmd)
-        )
-    )
+    health_host = LOOPBACK if host in ("0.0.0.0", "::") else host
+    children.append(Child(kind, f"{health_host}:{port}", subprocess.Popen(cmd, env=env)))
     return f"{LOOPBACK}:{port}"
 
 
-def wait_ready(children: list[Child], timeout_s: float) -> None:
+def wait_ready(children: list[Child], timeout_s: float, tls: TlsFiles | None = None) -> None:
     from specmesh.rpc.service_common import check_health
 
     deadline = time.monotonic() + timeout_s
     for child in children:
-        while not check_health(child.address, SERVICES[child.kind], timeout_s=2.0):
+        while not check_health(child.address, SERVICES[child.kind], 2.0, tls):
             if child.proc.poll() is not None:
                 raise RuntimeError(
                     f"{child.kind} exited with code {child.proc.returncode} before it was ready"

@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from specmesh.draft_service.runtime import DRAFT_KINDS
+from specmesh.rpc.security import add_api_key_arg, add_tls_args, tls_from_args
 from specmesh.runtime.sampling import SamplingParams
 
 DEFAULT_SPEC = {"num_steps": 3, "topk": 4, "num_draft_tokens": 8}
@@ -95,6 +96,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--disable-speculation", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds (--router)")
+    add_tls_args(p)  # --router over TLS: --tls-ca-file verifies it (cert / key: a client cert)
+    add_api_key_arg(p, "the router's API key (--router)")
     add_model_args(p)
     add_sampling_args(p)
     p.set_defaults(run=run)
@@ -110,6 +113,8 @@ def parse_prompt(args: argparse.Namespace) -> str | list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if not args.router and (args.api_key or tls_from_args(args)):
+        raise ValueError("--api-key and --tls-* flags need --router")
     if args.router:
         from specmesh.client import generate_via_router
 

@@ -15,6 +15,8 @@ import sys
 from specmesh.cmd_generate import add_spec_args
 from specmesh.draft_service.runtime import DRAFT_KINDS, DraftConfig
 from specmesh.router.core import RouterConfig
+from specmesh.router.limits import RouterLimits
+from specmesh.rpc.security import add_api_key_arg, add_tls_args, api_key_from_args, tls_from_args
 from specmesh.runtime.codec import GRPC_MAX_MESSAGE_BYTES
 from specmesh.target_service.runtime import TargetConfig
 
@@ -27,8 +29,13 @@ def _default(cls: type, name: str):
 
 
 def add_listen_args(p: argparse.ArgumentParser, port: int) -> None:
-    p.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default: loopback only; 0.0.0.0 = every interface)",
+    )
     p.add_argument("--port", type=int, default=port)
+    add_tls_args(p)
     p.add_argument(
         "--max-message-mb",
         type=int,
@@ -63,7 +70,11 @@ def add_runtime_args(p: argparse.ArgumentParser, cls: type) -> None:
     )
     p.add_argument("--device", default=_default(cls, "device"))
     p.add_argument(
-        "--max-context", type=int, default=_default(cls, "max_context"), help="tokens per request"
+        "--max-context",
+        type=int,
+        default=_default(cls, "max_context"),
+        help="tokens per request (default: the model's max_position_embeddings; a larger value "
+        "is served with a warning)",
     )
     p.add_argument(
         "--num-kv-slots",
@@ -103,6 +114,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="verify tree sizes captured before ready: the drafts' --num-draft-tokens "
         "(other sizes run eagerly)",
     )
+    _add_limit_args(p, TargetConfig, IMAGE_LIMITS)
     p.set_defaults(run=run_target)
 
     p = sub.add_parser("draft", help="serve a draft model (specmesh.v1.Draft)")
@@ -145,8 +157,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--draft-timeout-s",
         type=float,
         default=_default(RouterConfig, "draft_timeout_s"),
-        help="a draft step slower than this counts as a draft failure: its requests are "
-        "released there and continue without speculation",
+        help="the longest a draft step may take; below it the deadline adapts to the draft's "
+        "recent steps (see --draft-deadline-floor-s). A step past its deadline counts as a draft "
+        "failure: its requests are released there and continue without speculation",
+    )
+    p.add_argument(
+        "--draft-deadline-floor-s",
+        type=float,
+        default=_default(RouterConfig, "draft_deadline_floor_s"),
+        help="the adaptive draft deadline (4x the p99 of recent draft steps) is never shorter",
     )
     p.add_argument(
         "--max-new-tokens", type=int, default=256, help="default for requests that leave it 0"
@@ -154,7 +173,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--connect-timeout", type=float, default=300.0, help="seconds to wait for every service"
     )
+    _add_limit_args(p, RouterLimits, ROUTER_LIMITS)
     add_listen_args(p, PORTS["router"])
+    add_api_key_arg(p, "clients of specmesh.v1.Generation must send 'authorization: Bearer KEY'")
     p.set_defaults(run=run_router)
 
     p = sub.add_parser("up", help="start target(s), draft and router here; Ctrl-C stops them")
@@ -176,13 +197,47 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="ARG",
         help="extra flag for target and draft (repeatable), e.g. --service-arg=--dtype=bf16",
     )
+    add_tls_args(p)  # one certificate for every service (serverAuth + clientAuth) and its CA
+    add_api_key_arg(p, "the router's API key, handed to it in its environment")
     p.set_defaults(run=run_up)
 
     p = sub.add_parser("health", help="exit 0 when a service reports SERVING")
     p.add_argument("address", metavar="HOST:PORT")
     p.add_argument("--service", default="", help='"" = alive; e.g. specmesh.v1.Target = ready')
     p.add_argument("--timeout", type=float, default=5.0)
+    add_tls_args(p)
     p.set_defaults(run=run_health)
+
+
+# Per-request limits (README "Limits"): field -> help; each is a flag --max-..., its default the
+# config dataclass's.
+IMAGE_LIMITS = {
+    "max_images_per_request": "images in one request (INVALID_ARGUMENT beyond)",
+    "max_image_bytes": "encoded bytes of one image (INVALID_ARGUMENT beyond)",
+    "max_image_pixels": "width x height of one image, read from its header before decoding "
+    "(INVALID_ARGUMENT beyond)",
+}
+ROUTER_LIMITS = {
+    "max_prompt_bytes": "UTF-8 bytes of a text prompt, checked before tokenizing "
+    "(INVALID_ARGUMENT beyond)",
+    "max_stop_strings": "stop strings per request (INVALID_ARGUMENT beyond)",
+    "max_stop_string_len": "characters of one stop string (INVALID_ARGUMENT beyond)",
+    "max_stop_token_ids": "stop_token_ids per request (INVALID_ARGUMENT beyond)",
+    "max_request_id_len": "characters of a request_id (INVALID_ARGUMENT beyond)",
+    "max_images_per_request": "images in one request, checked before forwarding "
+    "(INVALID_ARGUMENT beyond; the target checks its own limit too)",
+    "max_image_bytes": "encoded bytes of one image, checked before forwarding "
+    "(INVALID_ARGUMENT beyond)",
+    "max_queued_prompts": "text prompts being tokenized or waiting to be "
+    "(RESOURCE_EXHAUSTED beyond)",
+    "tokenizer_threads": "threads tokenizing text prompts (off the event loop)",
+}
+
+
+def _add_limit_args(p: argparse.ArgumentParser, cls: type, limits: dict[str, str]) -> None:
+    for name, help_text in limits.items():
+        flag = "--" + name.replace("_", "-")
+        p.add_argument(flag, type=int, default=_default(cls, name), help=help_text)
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -212,16 +267,21 @@ def run_target(args: argparse.Namespace) -> int:
     from specmesh.target_service.runtime import TargetRuntime
     from specmesh.v1 import target_pb2_grpc
 
+    credentials = _model_service_credentials(args)
+
     def load() -> TargetRuntime:
         tree_sizes = {"cuda_graph_tree_sizes": args.cuda_graph_tree_sizes}
+        images = {name: getattr(args, name) for name in IMAGE_LIMITS}
         return TargetRuntime(
-            TargetConfig(model_dir=args.model, **_runtime_kwargs(args), **tree_sizes)
+            TargetConfig(model_dir=args.model, **_runtime_kwargs(args), **tree_sizes, **images)
         )
 
     async def main() -> None:
         servicer = server.make_servicer(_address(args), args.max_message_mb << 20)
         add = target_pb2_grpc.add_TargetServicer_to_server
-        await serve_model(servicer, add, load, server.warm_up, grace_s=args.grace)
+        await serve_model(
+            servicer, add, load, server.warm_up, grace_s=args.grace, credentials=credentials
+        )
 
     asyncio.run(main())
     return 0
@@ -238,14 +298,23 @@ def run_draft(args: argparse.Namespace) -> int:
     spec = SpecParams(args.num_steps, args.topk, args.num_draft_tokens)
     spec.validate()
     cfg = DraftConfig(args.kind, args.model, args.target_model, spec, **_runtime_kwargs(args))
+    credentials = _model_service_credentials(args)
 
     async def main() -> None:
         servicer = server.make_servicer(_address(args), args.max_message_mb << 20)
         add = draft_pb2_grpc.add_DraftServicer_to_server
-        await serve_model(servicer, add, lambda: load_draft(cfg), None, grace_s=args.grace)
+        load = lambda: load_draft(cfg)
+        await serve_model(servicer, add, load, None, grace_s=args.grace, credentials=credentials)
 
     asyncio.run(main())
     return 0
+
+
+def _model_service_credentials(args: argparse.Namespace):
+    """Target and draft: TLS with --tls-cert-file / --tls-key-file; with --tls-ca-file as well,
+    only clients presenting a certificate signed by that CA (the router) get in."""
+    tls = tls_from_args(args)
+    return tls.server_credentials(require_client_auth=tls.ca_file is not None) if tls else None
 
 
 def run_router(args: argparse.Namespace) -> int:
@@ -261,11 +330,15 @@ def run_router(args: argparse.Namespace) -> int:
             max_batch_size=args.max_batch_size,
             num_micro_batches=args.num_micro_batches,
             draft_timeout_s=args.draft_timeout_s,
+            draft_deadline_floor_s=args.draft_deadline_floor_s,
         ),
         tokenizer=args.tokenizer,
         max_new_tokens=args.max_new_tokens,
         max_message_bytes=args.max_message_mb << 20,
         connect_timeout_s=args.connect_timeout,
+        tls=tls_from_args(args),
+        api_key=api_key_from_args(args),
+        limits=RouterLimits(**{name: getattr(args, name) for name in ROUTER_LIMITS}),
     )
     if not settings.targets:
         raise ValueError("--target needs at least one HOST:PORT")
@@ -282,7 +355,7 @@ def run_up(args: argparse.Namespace) -> int:
 def run_health(args: argparse.Namespace) -> int:
     from specmesh.rpc.service_common import check_health
 
-    ok = check_health(args.address, args.service, args.timeout)
+    ok = check_health(args.address, args.service, args.timeout, tls_from_args(args))
     print(
         f"{args.address} {args.service or '(server)'}: {'SERVING' if ok else 'NOT SERVING'}",
         file=sys.stderr,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -23,7 +23,7 @@ import torch
 
 from specmesh.draft_service.drafter import SpecParams, TreeDrafter
 from specmesh.draft_service.steps import DraftInfo, DraftStepResult, ExtendInput
-from specmesh.runtime.config import ModelConfig
+from specmesh.runtime.config import ModelConfig, resolve_max_context
 from specmesh.runtime.errors import (
     DuplicateRequestError,
     InvalidRequestError,
@@ -62,7 +62,7 @@ class DraftConfig:
     attention_backend: str = "torch"
     num_kv_slots: int = 65536
     max_requests: int = 256
-    max_context: int = 4096
+    max_context: int | None = None  # None = the target's max_position_embeddings
     aux_convention: str = "output"  # how the checkpoint numbers eagle_aux_hidden_state_layer_ids
     cuda_graph: bool = True  # draft decode steps in CUDA graphs (CUDA + triton/flashinfer only)
     cuda_graph_max_bs: int = 32  # largest captured batch; bigger batches run eagerly
@@ -196,9 +196,13 @@ def load_draft(cfg: DraftConfig, target_model: torch.nn.Module | None = None) ->
         raise ValueError(f"unknown draft kind {cfg.kind!r}; choose from {', '.join(DRAFT_KINDS)}")
     if cfg.kind != "ngram" and not (cfg.draft_dir and Path(cfg.draft_dir).is_dir()):
         raise ValueError(f"draft kind {cfg.kind!r} needs --draft-model DIR, got {cfg.draft_dir!r}")
+    target = target_model_config(cfg.target_dir)
+    cfg = replace(
+        cfg, max_context=resolve_max_context(cfg.max_context, target.max_position, cfg.target_dir)
+    )
     drafter = kinds.build_drafter(cfg, target_model)
     if isinstance(drafter, TreeDrafter) and graphs_enabled(
         cfg.cuda_graph, cfg.device, cfg.attention_backend
     ):
         drafter.enable_step_graphs("cuda-graph", cfg.cuda_graph_max_bs)
-    return DraftRuntime(cfg, drafter, target_model_config(cfg.target_dir))
+    return DraftRuntime(cfg, drafter, target)

@@ -13,9 +13,10 @@ from specmesh import __version__
 from specmesh.draft_service.runtime import DraftRuntime
 from specmesh.draft_service.steps import DraftStepResult, ExtendInput
 from specmesh.rpc.ownership import StreamOwner
+from specmesh.rpc.security import model_name
 from specmesh.rpc.service_common import ModelServicer, ServiceHost
 from specmesh.rpc.wire import needs_to_pb, status_pb
-from specmesh.runtime.codec import DTYPE_NAMES, TensorError, join_hidden_states
+from specmesh.runtime.codec import DTYPE_NAMES, DTYPES, TensorError, join_hidden_states
 from specmesh.runtime.config import parse_dtype
 from specmesh.runtime.errors import InvalidRequestError
 from specmesh.runtime.features import Feature
@@ -38,7 +39,7 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServicer):
         dtype = parse_dtype(runtime.cfg.dtype) if runtime.cfg.dtype else target.dtype
         self.info_pb = draft_pb2.DraftInfo(
             draft_kind=runtime.cfg.kind,
-            model_path=runtime.cfg.draft_dir or "",
+            model_path=model_name(runtime.cfg.draft_dir or ""),  # a name, never a path
             dtype=DTYPE_NAMES[dtype],
             vocab_size=target.vocab_size,
             draft_vocab_size=target.vocab_size,
@@ -132,8 +133,13 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServicer):
             )
         field = self.feature.wire_field
         features, mm = tensors.get(field) if field else None, tensors.get("mm_input_embeds")
-        _check_rows(field, features, self.feature_width)
-        _check_rows("mm_input_embeds", mm, runtime.target.hidden_size)
+        # the target's activations: its checkpoint dtype, or this draft's own when it overrides
+        dtypes = {runtime.target.dtype, DTYPES[self.info_pb.dtype]}
+        for name, t, width in [
+            (field, features, self.feature_width),
+            ("mm_input_embeds", mm, runtime.target.hidden_size),
+        ]:
+            _check_rows(name, t, width, dtypes, rows)
         dev = runtime.cfg.device  # decoded on the host; the drafter runs on its device
         return tuple(None if t is None else t.to(dev) for t in (features, mm))
 
@@ -161,9 +167,36 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServicer):
             )
 
 
-def _check_rows(name: str | None, t: torch.Tensor | None, width: int) -> None:
-    if t is not None and (t.dim() != 2 or t.shape[1] != width):
+def _check_rows(
+    name: str | None,
+    t: torch.Tensor | None,
+    width: int,
+    dtypes: set[torch.dtype],
+    rows: list[int],
+) -> None:
+    """Shape, dtype (never cast silently) and finite values of a feature tensor ``[rows,
+    width]``; non-finite rows are named by the requests they belong to (batch positions, rows
+    grouped request by request)."""
+    if t is None:
+        return
+    if t.dim() != 2 or t.shape[1] != width:
         raise TensorError(f"tensor '{name}': shape {list(t.shape)}, expected [rows, {width}]")
+    if t.dtype not in dtypes:
+        want = " or ".join(sorted(DTYPE_NAMES[d] for d in dtypes))
+        raise TensorError(
+            f"tensor '{name}': dtype {DTYPE_NAMES[t.dtype]}, expected the target's {want}"
+        )
+    if bool(torch.isfinite(t.sum(dtype=torch.float32))):  # one pass; else find the rows
+        return
+    bad_rows = (~torch.isfinite(t).all(dim=1)).nonzero().flatten()
+    if not len(bad_rows):  # finite values whose fp32 sum overflowed
+        return
+    bounds = torch.tensor(rows).cumsum(0)
+    positions = torch.searchsorted(bounds, bad_rows, right=True).unique().tolist()
+    raise TensorError(
+        f"tensor '{name}': {len(bad_rows)} of {t.shape[0]} rows hold NaN or Inf, in the "
+        f"requests at batch positions {positions[:8]}"
+    )
 
 
 def make_servicer(address: str, max_message_bytes: int) -> DraftServicer:

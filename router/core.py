@@ -28,6 +28,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from specmesh.router.clients import DraftClient, TargetClient, TargetInfo
+from specmesh.router.faults import StepDeadline
+from specmesh.router.limits import check_stop_rules
 from specmesh.router.placement import Balancer
 from specmesh.router.request import Chunk, Phase, Request
 from specmesh.router.round import RoundRunner
@@ -48,7 +50,12 @@ class RouterConfig:
     max_batch_size: int = 32  # requests per micro-batch
     num_micro_batches: int = 2
     max_waiting: int = 4096  # queued requests before admission says RESOURCE_EXHAUSTED
-    draft_timeout_s: float = 10.0  # a slower draft step counts as a draft failure
+    # A draft step slower than its deadline counts as a draft failure. The deadline adapts:
+    # draft_deadline_factor x the p99 of the draft's recent steps, at least
+    # draft_deadline_floor_s, at most draft_timeout_s (also the deadline until 16 steps ran).
+    draft_timeout_s: float = 10.0
+    draft_deadline_floor_s: float = 0.5
+    draft_deadline_factor: float = 4.0
     draft_cooldown_s: float = 5.0  # circuit breaker: how long a failed draft is left alone
     max_replays: int = 2  # target failovers per request before UNAVAILABLE
     target_cooldown_s: float = 10.0  # a failed target replica gets no new requests this long
@@ -68,6 +75,12 @@ class RouterCore:
             raise ValueError("the router needs at least one target")
         self.targets, self.drafts, self.cfg = targets, drafts, cfg
         self.replicas = Balancer(targets, drafts, cfg.target_cooldown_s, cfg.draft_cooldown_s)
+        self.deadlines = {
+            d.name: StepDeadline(
+                cfg.draft_timeout_s, cfg.draft_deadline_floor_s, cfg.draft_deadline_factor
+            )
+            for d in drafts
+        }
         self.waiting: asyncio.Queue[Request] = asyncio.Queue()
         self.streams: dict[str, asyncio.Queue] = {}
         self.requests: dict[str, Request] = {}
@@ -111,6 +124,7 @@ class RouterCore:
                 f"prompt of {len(req.prompt_ids)} tokens exceeds the limit of {limit}"
             )
         req.params.validate()
+        check_stop_rules(req.params, info.vocab_size)
         if req.rid in self.requests:
             raise DuplicateRequestError(f"request id {req.rid!r} is already in use")
         if self.waiting.qsize() >= self.cfg.max_waiting:

@@ -1,8 +1,9 @@
-"""The circuit breaker the router keeps per replica."""
+"""What the router keeps per replica to handle faults: a circuit breaker and a step deadline."""
 
 from __future__ import annotations
 
 import time
+from collections import deque
 
 
 class CircuitBreaker:
@@ -24,3 +25,37 @@ class CircuitBreaker:
     def record_success(self) -> None:
         self.failures = 0
         self.open_until = 0.0
+
+
+class StepDeadline:
+    """How long to wait for a replica's step: ``factor`` times the p99 of its last ``window``
+    step latencies, at least ``floor_s`` and at most ``max_s`` (``max_s`` until ``min_samples``
+    steps were seen). A hung draft then costs a few normal rounds, not ``max_s``."""
+
+    def __init__(
+        self,
+        max_s: float,
+        floor_s: float = 0.5,
+        factor: float = 4.0,
+        window: int = 128,
+        min_samples: int = 16,
+    ) -> None:
+        self.max_s, self.floor_s, self.factor, self.min_samples = (
+            max_s,
+            floor_s,
+            factor,
+            min_samples,
+        )
+        self.latencies: deque[float] = deque(maxlen=window)
+
+    def observe(self, seconds: float) -> None:
+        """Record a step that answered in time (a timed-out step is not a latency)."""
+        self.latencies.append(seconds)
+
+    @property
+    def seconds(self) -> float:
+        if len(self.latencies) < self.min_samples:
+            return self.max_s
+        ordered = sorted(self.latencies)
+        p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+        return min(self.max_s, max(self.floor_s, self.factor * p99))

@@ -58,9 +58,18 @@ class _GrpcClient:
     stub_type: type
     request_type: type  # TargetStepRequest / DraftStepRequest
 
-    def __init__(self, address: str, name: str | None, step_timeout_s: float | None) -> None:
+    def __init__(
+        self,
+        address: str,
+        name: str | None,
+        step_timeout_s: float | None,
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
         self.address, self.name = address, name or address
-        self.channel = grpc.aio.insecure_channel(address, options=channel_options())
+        if credentials is None:
+            self.channel = grpc.aio.insecure_channel(address, options=channel_options())
+        else:  # TLS: verify the service with the CA, present the router's client certificate
+            self.channel = grpc.aio.secure_channel(address, credentials, options=channel_options())
         self.stub = self.stub_type(self.channel)
         self.stream = StepStream(self.stub.Step, self.name, step_timeout_s)
 
@@ -100,9 +109,13 @@ class GrpcTargetClient(_GrpcClient):
     request_type = target_pb2.TargetStepRequest
 
     def __init__(
-        self, address: str, name: str | None = None, step_timeout_s: float = 120.0
+        self,
+        address: str,
+        name: str | None = None,
+        step_timeout_s: float = 120.0,
+        credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
-        super().__init__(address, name, step_timeout_s)
+        super().__init__(address, name, step_timeout_s, credentials)
         self.info_pb: target_pb2.TargetInfo | None = None
         self.info: TargetInfo | None = None
 
@@ -186,8 +199,9 @@ class GrpcDraftClient(_GrpcClient):
         address: str,
         name: str | None = None,
         chunk_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
-        super().__init__(address, name, None)  # the round holds the draft's deadline
+        super().__init__(address, name, None, credentials)  # the round holds the draft deadline
         self.chunk_bytes = chunk_bytes
         self.info_pb: draft_pb2.DraftInfo | None = None
         self.info: DraftInfo | None = None

@@ -85,6 +85,7 @@ class Request:
         stop_ids = set(self.params.stop_token_ids)
         if not self.params.ignore_eos:
             stop_ids.update(self.eos_token_ids)
+        longest = max((len(s) for s in self.params.stop), default=0)
         new_ids: list[int] = []
         cut = False
         for tok in tokens:
@@ -92,8 +93,9 @@ class Request:
                 break
             self.output_ids.append(tok)
             new_ids.append(tok)
+            searched = len(self._full_text)
             self._full_text += self.detok.add(tok) if self.detok else ""
-            if (idx := self._stop_string_index()) is not None:
+            if (idx := self._stop_string_index(searched - longest + 1)) is not None:
                 self._full_text, cut = self._full_text[:idx], True
                 self._finish("stop")
             elif tok in stop_ids:
@@ -102,15 +104,19 @@ class Request:
                 self._finish("length")
         if self.finished and self.detok and not cut:
             self._full_text += self.detok.flush()
-        holdback = 0 if self.finished else max((len(s) for s in self.params.stop), default=1) - 1
+        holdback = 0 if self.finished else max(longest - 1, 0)
         visible = max(len(self.text), len(self._full_text) - holdback)
         new_text = self._full_text[len(self.text) : visible]
         self.text += new_text
         return Chunk(new_ids, new_text, self.finish_reason)
 
-    def _stop_string_index(self) -> int | None:
-        """Where the earliest stop string starts in the text, if one occurs."""
-        hits = [i for s in self.params.stop if (i := self._full_text.find(s)) >= 0]
+    def _stop_string_index(self, start: int) -> int | None:
+        """Where the earliest stop string starts in the text, if one occurs at or after
+        ``start``. The text is searched after every token, so a match not seen before ends in
+        the newest text: it starts at most ``len(longest stop string) - 1`` characters before
+        it, and searching from there finds exactly what a search of the whole text would."""
+        start = max(start, 0)
+        hits = [i for s in self.params.stop if (i := self._full_text.find(s, start)) >= 0]
         return min(hits) if hits else None
 
     def abort(self) -> Chunk:

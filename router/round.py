@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
@@ -144,10 +145,11 @@ class RoundRunner:
 
     async def _draft(self, group: list[tuple[Request, ExtendInput]]) -> None:
         draft = group[0][0].placement.draft
-        breaker = self.core.replicas.breakers[draft.name]
+        breaker, deadline = self.core.replicas.breakers[draft.name], self.core.deadlines[draft.name]
+        started = time.monotonic()
         try:
             step = draft.step([e for _, e in group])
-            res = await asyncio.wait_for(step, self.core.cfg.draft_timeout_s)
+            res = await asyncio.wait_for(step, deadline.seconds)
         except Exception as e:  # any draft failure only costs speculation, never a request
             log.warning("draft %s failed (%s: %s); continuing without speculation",
                         draft.name, type(e).__name__, e)  # fmt: skip
@@ -156,6 +158,7 @@ class RoundRunner:
                 await self.core.drop_draft(r, release=True)
             return
         breaker.record_success()
+        deadline.observe(time.monotonic() - started)
         for r, _ in group:
             if r.rid in res.trees:
                 r.tree = res.trees[r.rid]

@@ -23,7 +23,16 @@ from specmesh import __version__
 from specmesh.router.core import RouterConfig, RouterCore
 from specmesh.router.detokenizer import Detokenizer
 from specmesh.router.grpc_clients import GrpcDraftClient, GrpcTargetClient
+from specmesh.router.limits import (
+    PromptEncoder,
+    RouterLimits,
+    check_prompt_tokens,
+    check_request,
+    check_stop_rules,
+)
 from specmesh.router.request import Chunk, Request
+from specmesh.rpc.malformed import add_servicer
+from specmesh.rpc.security import TlsFiles, api_key_interceptors, model_name
 from specmesh.rpc.service_common import ServiceHost
 from specmesh.rpc.wire import abort_with, sampling_from_pb
 from specmesh.runtime.codec import GRPC_MAX_MESSAGE_BYTES
@@ -44,12 +53,16 @@ class PreconditionError(SpecmeshError):
 class RouterSettings:
     targets: tuple[str, ...]  # HOST:PORT of each target replica
     drafts: tuple[str, ...] = ()  # HOST:PORT of each draft replica (none = no speculation)
-    address: str = "[::]:50051"
+    address: str = "127.0.0.1:50051"
     core: RouterConfig = field(default_factory=RouterConfig)
-    tokenizer: str | None = None  # default: the target's model_path when it is a local dir
+    tokenizer: str | None = None  # default: the target's model name when it is a local dir
     max_new_tokens: int = 256  # default for requests that leave it 0
     max_message_bytes: int = GRPC_MAX_MESSAGE_BYTES
     connect_timeout_s: float = 300.0  # how long to wait for every service to answer GetInfo
+    # TLS on the public port (no client certificate asked) and mTLS to targets and drafts
+    tls: TlsFiles | None = None
+    api_key: str | None = None  # required from Generation callers; health stays open
+    limits: RouterLimits = field(default_factory=RouterLimits)  # per request, before any work
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
@@ -57,6 +70,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.host, self.settings = host, settings
         self.core: RouterCore | None = None  # set by `attach` once every service answered
         self.tokenizer = None
+        self.prompts = PromptEncoder(settings.limits)  # tokenizes off the event loop
 
     async def attach(self, core: RouterCore, tokenizer) -> None:
         self.core, self.tokenizer = core, tokenizer
@@ -67,8 +81,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         target = core.targets[0].info_pb
         draft = core.drafts[0].info_pb if core.drafts else None
         return generation_pb2.InfoResponse(
-            model_name=Path(target.model_path).name,
-            model_path=target.model_path,
+            model_name=model_name(target.model_path),
+            model_path=model_name(target.model_path),  # services report names, never paths
             vocab_size=target.vocab_size,
             max_context_len=target.max_context_len,
             draft_kind=draft.draft_kind if draft else "",
@@ -85,7 +99,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         core = await self._ready(context)
         async with self.host.work(context):
             try:
-                req = self._make_request(core, request)
+                req = await self._make_request(core, request)
             except SpecmeshError as e:
                 await abort_with(context, e)
             chunks = core.generate(req)
@@ -104,31 +118,39 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             )
         return self.core
 
-    def _make_request(self, core: RouterCore, msg: generation_pb2.GenerateRequest) -> Request:
+    async def _make_request(self, core: RouterCore, msg: generation_pb2.GenerateRequest) -> Request:
+        """Every limit first, from sizes alone (`specmesh.router.limits`); then sampling values
+        and stop rules; then the tokenizer, off the event loop; then the request."""
         if bool(msg.prompt) == bool(msg.prompt_token_ids):
             raise InvalidRequestError("set exactly one of prompt and prompt_token_ids")
+        rid = msg.request_id or uuid.uuid4().hex
         target = core.targets[0].info_pb
+        max_prompt_tokens = target.max_context_len - 1
+        check_request(msg, rid, self.settings.limits, max_prompt_tokens)
         if msg.images and not target.supports_images:
             raise InvalidRequestError(f"{target.model_path} is not a vision-language model")
         if msg.prompt and self.tokenizer is None:
             raise PreconditionError(
                 "the router has no tokenizer (--tokenizer); send prompt_token_ids"
             )
-        ids = (
-            list(msg.prompt_token_ids)
-            if msg.prompt_token_ids
-            else self.tokenizer.encode(msg.prompt, add_special_tokens=True)
-        )
+        params = sampling_from_pb(msg.sampling, self.settings.max_new_tokens)
+        check_stop_rules(params, core.info.vocab_size)
+        if msg.prompt_token_ids:
+            ids = list(msg.prompt_token_ids)
+        else:
+            ids = await self.prompts.encode(self.tokenizer, rid, msg.prompt)
+            check_prompt_tokens(rid, len(ids), max_prompt_tokens)
         tree = core.drafts[0].info.num_draft_tokens if core.drafts else 1
         room = target.max_context_len - len(ids) - tree  # the last tree must fit too
-        params = sampling_from_pb(msg.sampling, max(1, min(self.settings.max_new_tokens, room)))
+        if not msg.sampling.max_new_tokens:  # the router's default, cut to the room left
+            params = replace(params, max_new_tokens=max(1, min(self.settings.max_new_tokens, room)))
         if ids and params.max_new_tokens > room:
             raise InvalidRequestError(
                 f"prompt of {len(ids)} tokens + max_new_tokens {params.max_new_tokens} + a draft "
                 f"tree of {tree} exceed max_context_len {target.max_context_len}"
             )
         return Request(
-            msg.request_id or uuid.uuid4().hex,
+            rid,
             ids,
             replace(params, seed=resolve_seed(params.seed)),
             core.info.eos_token_ids,
@@ -167,13 +189,26 @@ class RouterService:
 
     def __init__(self, settings: RouterSettings) -> None:
         self.settings = settings
-        self.host = ServiceHost(SERVICE_NAME, settings.address, settings.max_message_bytes)
+        self.host = ServiceHost(
+            SERVICE_NAME,
+            settings.address,
+            settings.max_message_bytes,
+            interceptors=api_key_interceptors(settings.api_key),
+        )
         self.servicer = GenerationServicer(self.host, settings)
-        generation_pb2_grpc.add_GenerationServicer_to_server(self.servicer, self.host.server)
+        # malformed request bytes: INVALID_ARGUMENT
+        add_servicer(
+            generation_pb2_grpc.add_GenerationServicer_to_server, self.servicer, self.host.server
+        )
+        tls = settings.tls.channel_credentials() if settings.tls else None
         self.targets = [
-            GrpcTargetClient(a, f"target-{i}@{a}") for i, a in enumerate(settings.targets)
+            GrpcTargetClient(a, f"target-{i}@{a}", credentials=tls)
+            for i, a in enumerate(settings.targets)
         ]
-        self.drafts = [GrpcDraftClient(a, f"draft-{i}@{a}") for i, a in enumerate(settings.drafts)]
+        self.drafts = [
+            GrpcDraftClient(a, f"draft-{i}@{a}", credentials=tls)
+            for i, a in enumerate(settings.drafts)
+        ]
         self.core: RouterCore | None = None
 
     @property
@@ -181,7 +216,8 @@ class RouterService:
         return self.host.port
 
     async def start(self) -> None:
-        await self.host.start()
+        tls = self.settings.tls
+        await self.host.start(tls.server_credentials(require_client_auth=False) if tls else None)
         timeout = self.settings.connect_timeout_s
         await asyncio.gather(*(c.connect(timeout) for c in [*self.targets, *self.drafts]))
         _check_compatible(self.targets, self.drafts)
@@ -210,6 +246,8 @@ def _check_compatible(targets: list[GrpcTargetClient], drafts: list[GrpcDraftCli
 
 
 def _tokenizer(path: str | None, target: GrpcTargetClient):
+    """``--tokenizer``, else the target's model name if a local dir has that name (targets
+    report a name, never their path: give --tokenizer)."""
     path = path or target.info_pb.model_path
     if not Path(path).is_dir():
         log.warning("no tokenizer at %r: text prompts are refused (use --tokenizer)", path)

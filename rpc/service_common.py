@@ -6,8 +6,8 @@
   period, then stops (DESIGN.md §3).
 - `ModelServicer`: the Step / GetInfo loop of the target and draft services, with request
   ownership by stream (`specmesh.rpc.ownership`).
-- Channel options and `check_health` for clients. Statuses, framing and sampling conversion
-  live in `specmesh.rpc.wire`.
+- Channel options and `check_health` for clients. TLS credentials and the API key live in
+  `specmesh.rpc.security`; statuses, framing and sampling conversion in `specmesh.rpc.wire`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -24,6 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from specmesh.rpc.ownership import Ownership, StreamOwner
+from specmesh.rpc.security import TlsFiles, client_channel
 from specmesh.rpc.wire import abort_with, frame, status_pb, step_batches
 from specmesh.runtime.codec import GRPC_MAX_MESSAGE_BYTES, grpc_message_options
 from specmesh.runtime.errors import SpecmeshError
@@ -35,7 +36,9 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # Servers accept pings as often as clients send them (clients ping every 30 s, idle or not).
 # Without this a long idle stream gets GOAWAY "too_many_pings" (the default minimum is 5 min).
+# SO_REUSEPORT off: a second process asking for a live port fails instead of sharing it.
 SERVER_OPTIONS = [
+    ("grpc.so_reuseport", 0),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ("grpc.http2.max_ping_strikes", 0),
@@ -68,26 +71,40 @@ class ServiceHost:
         service_name: str,
         address: str,
         max_message_bytes: int = GRPC_MAX_MESSAGE_BYTES,
+        interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     ) -> None:
         self.service_name = service_name
+        self.address = address
         self.max_message_bytes = max_message_bytes
         self.server = grpc.aio.server(
-            options=grpc_message_options(max_message_bytes) + SERVER_OPTIONS
+            options=grpc_message_options(max_message_bytes) + SERVER_OPTIONS,
+            interceptors=list(interceptors),
         )
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (service_name, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
         )
-        self.port = self.server.add_insecure_port(address)
-        if not self.port:
-            raise ValueError(f"cannot listen on {address}")
+        self.port = 0  # bound by `start`
         self.draining = False
         self._inflight = 0
         self._idle = asyncio.Event()
         self._idle.set()
 
-    async def start(self) -> None:
+    async def start(self, credentials: grpc.ServerCredentials | None = None) -> None:
+        """Listen (TLS with ``credentials``, else plaintext) and serve."""
+        try:
+            if credentials is None:
+                self.port = self.server.add_insecure_port(self.address)
+            else:
+                self.port = self.server.add_secure_port(self.address, credentials)
+        except RuntimeError:  # grpc's "Failed to bind", whatever the cause
+            self.port = 0
+        if not self.port:
+            raise ValueError(
+                f"cannot listen on {self.address}: the port is in use or the address is not "
+                "one of this host's"
+            )
         await self.server.start()
         await self.health.set(self.service_name, NOT_SERVING)  # "" is SERVING from the start
 
@@ -242,30 +259,46 @@ def _log_failure(future: asyncio.Future) -> None:
         log.error("stream cleanup failed", exc_info=future.exception())
 
 
-async def start_model(servicer: ModelServicer, add_to_server, runtime, warm_up=None) -> None:
+async def start_model(
+    servicer: ModelServicer,
+    add_to_server,
+    runtime,
+    warm_up=None,
+    credentials: grpc.ServerCredentials | None = None,
+) -> None:
     """Register, listen, warm up ``runtime`` and turn ready (tests start services this way)."""
     add_to_server(servicer, servicer.host.server)
-    await servicer.host.start()
+    await servicer.host.start(credentials)
     await servicer.attach(runtime, warm_up)
 
 
 async def serve_model(
-    servicer: ModelServicer, add_to_server, load, warm_up, *, grace_s: float = 10.0
+    servicer: ModelServicer,
+    add_to_server,
+    load,
+    warm_up,
+    *,
+    grace_s: float = 10.0,
+    credentials: grpc.ServerCredentials | None = None,
 ) -> None:
     """Process entry of a model service: listen at once (liveness), load and warm up in a
     thread (then readiness), serve until SIGTERM / SIGINT, drain, stop."""
     host = servicer.host
     add_to_server(servicer, host.server)
-    await host.start()
-    log.info("%s listening on port %d; loading", host.service_name, host.port)
+    await host.start(credentials)
+    tls = "TLS" if credentials is not None else "plaintext"
+    log.info("%s listening on %s (%s); loading", host.service_name, host.address, tls)
     await servicer.attach(await asyncio.to_thread(load), warm_up)
     log.info("%s ready on port %d", host.service_name, host.port)
     await host.run_until_signal(grace_s)
 
 
-def check_health(address: str, service: str = "", timeout_s: float = 5.0) -> bool:
-    """True when ``service`` at ``address`` reports SERVING (a blocking probe)."""
-    with grpc.insecure_channel(address) as channel:
+def check_health(
+    address: str, service: str = "", timeout_s: float = 5.0, tls: TlsFiles | None = None
+) -> bool:
+    """True when ``service`` at ``address`` reports SERVING (a blocking probe; over TLS with
+    ``tls``: its CA verifies the server, its certificate is the client certificate)."""
+    with client_channel(address, tls) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)

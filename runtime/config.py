@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -137,3 +138,20 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     if gen.is_file() and cfg.get("eos_token_id") is None:
         cfg["eos_token_id"] = json.loads(gen.read_text()).get("eos_token_id")
     return ModelConfig.from_dict(cfg)
+
+
+def resolve_max_context(requested: int | None, max_position: int, what: str) -> int:
+    """Tokens per request: the model's ``max_position_embeddings`` unless ``requested`` says
+    otherwise; a larger override is served but warned about (positions past the model's were
+    never trained)."""
+    if requested is None:
+        return max_position
+    if requested > max_position:
+        logging.getLogger(__name__).warning(
+            "%s: max_context %d exceeds the model's max_position_embeddings %d; "
+            "positions past it were never trained",
+            what,
+            requested,
+            max_position,
+        )
+    return requested

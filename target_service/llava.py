@@ -1,7 +1,8 @@
 """LLaVA-style targets (`LlavaForConditionalGeneration`, llava-hf layout): the language model on
 specmesh's own runtime and KV cache, the vision tower and projector from transformers.
 
-    image bytes ─► processor (the checkpoint's own files, PIL backend) ─► pixel_values [n, 3, H, W]
+    image bytes ─► processor (the checkpoint's own files, PIL backend) ─► pixel_values [1, 3, H, W]
+                   (image by image: only one decoded full-size image is held at a time)
     pixel_values ─► vision tower ─► hidden_states[vision_feature_layer] (drop CLS if "default")
                  ─► multi-modal projector ─► features [n, tokens_per_image, H]
 
@@ -135,11 +136,19 @@ class ImageEncoder(nn.Module):
         n = (vision.image_size // patch) ** 2 + (p.num_additional_image_tokens or 0)
         return n - 1 if self.select_strategy == "default" else n
 
-    @torch.inference_mode()
+    def pixel_values(self, image: Any) -> torch.Tensor:
+        """One PIL image → its ``[1, 3, H, W]`` pixel values (the checkpoint's processor, which
+        treats each image alone): the full-size decoded image can be dropped at once."""
+        return self.processor.image_processor(images=[image], return_tensors="pt")["pixel_values"]
+
     def encode(self, images: list[Any]) -> torch.Tensor:
         """PIL images → ``[n, tokens_per_image, hidden]`` features in the model's dtype."""
+        return self.encode_pixels(torch.cat([self.pixel_values(img) for img in images]))
+
+    @torch.inference_mode()
+    def encode_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
+        """``[n, 3, H, W]`` pixel values → ``[n, tokens_per_image, hidden]`` features."""
         weight = self.multi_modal_projector.linear_1.weight
-        pixels = self.processor.image_processor(images=images, return_tensors="pt")["pixel_values"]
         out = self.vision_tower(pixels.to(weight.device, weight.dtype), output_hidden_states=True)
         layers = [self.feature_layer] if isinstance(self.feature_layer, int) else self.feature_layer
         states = [out.hidden_states[i] for i in layers]

@@ -16,12 +16,18 @@ Replay after a failover: the router keeps the ORIGINAL prompt (one placeholder p
 re-sends the images with it; expansion is deterministic, so any replica rebuilds the same rows.
 When one request of a batch has images, every request gets ``input_embeds`` (text-only ones their
 token embeddings), so ``mm_input_embeds`` covers the whole batch and splits by row counts.
+
+Limits (`ImageLimits`, flags of ``specmesh target``), per request and before anything is decoded:
+the number of images and their encoded bytes, then every image's width x height from its header
+(``Image.open`` is lazy). Only then are the images decoded and preprocessed, one at a time, so at
+most one full-size decoded image is held. A request over a limit fails alone, INVALID_ARGUMENT.
 """
 
 from __future__ import annotations
 
 import io
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +40,17 @@ if TYPE_CHECKING:
     from specmesh.target_service.steps import PrefillInput
 
 IMAGE_FORMATS = ("PNG", "JPEG")
+# Limits, all checked before an image is decoded (the router checks count and bytes too).
+MAX_IMAGES_PER_REQUEST = 8
+MAX_IMAGE_BYTES = 10 << 20  # encoded
+MAX_IMAGE_PIXELS = 4096 * 4096  # width x height, read from the header
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    max_images_per_request: int = MAX_IMAGES_PER_REQUEST
+    max_image_bytes: int = MAX_IMAGE_BYTES
+    max_image_pixels: int = MAX_IMAGE_PIXELS
 
 
 @dataclass
@@ -43,18 +60,61 @@ class MergedBatch:
     errors: dict[str, SpecmeshError] = field(default_factory=dict)
 
 
-def decode_image(rid: str, index: int, data: bytes) -> Any:
-    """Encoded PNG / JPEG bytes → an RGB PIL image, or `InvalidRequestError` naming the image."""
+def check_image_sizes(rid: str, images: Sequence[bytes], max_images: int, max_bytes: int) -> None:
+    """The limits readable without opening an image: how many, how many encoded bytes each."""
+    if len(images) > max_images:
+        raise InvalidRequestError(
+            f"request {rid!r}: {len(images)} images exceed the limit of {max_images} per "
+            f"request (--max-images-per-request)"
+        )
+    for k, data in enumerate(images):
+        if len(data) > max_bytes:
+            raise InvalidRequestError(
+                f"request {rid!r}: image {k} of {len(data)} bytes exceeds the limit of "
+                f"{max_bytes} (--max-image-bytes)"
+            )
+
+
+def open_image(rid: str, index: int, data: bytes, max_pixels: int = MAX_IMAGE_PIXELS) -> Any:
+    """A lazily opened PIL image (its header read, nothing decoded) of at most ``max_pixels``,
+    or `InvalidRequestError` naming the image. Pillow's own decompression-bomb check
+    (``PIL.Image.MAX_IMAGE_PIXELS``, 89 MP, which caps ``max_pixels``) fails the same way,
+    never as a warning. (The warning filter is process-wide for the instant of ``open``; the
+    target opens images on its one worker thread.)"""
     from PIL import Image
 
     try:
-        with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as img:
-            return img.convert("RGB")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            img = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        why = f"exceeds the limit of {max_pixels} pixels (--max-image-pixels): {e}"
+        raise _image_error(rid, index, data, why) from e
     except Exception as e:  # PIL raises many types for corrupt data; all are the client's fault
-        raise InvalidRequestError(
-            f"request {rid!r}: image {index} ({len(data)} bytes) is not a decodable PNG or "
-            f"JPEG ({type(e).__name__}: {e})"
-        ) from e
+        raise _image_error(rid, index, data, _undecodable(e)) from e
+    width, height = img.size
+    if width * height > max_pixels:
+        img.close()
+        why = f"is {width}x{height} = {width * height} pixels, over the limit of {max_pixels}"
+        raise _image_error(rid, index, data, why + " (--max-image-pixels)")
+    return img
+
+
+def decode_image(rid: str, index: int, data: bytes, max_pixels: int = MAX_IMAGE_PIXELS) -> Any:
+    """Encoded PNG / JPEG bytes → an RGB PIL image, or `InvalidRequestError` naming the image."""
+    with open_image(rid, index, data, max_pixels) as img:
+        try:
+            return img.convert("RGB")
+        except Exception as e:  # truncated or corrupt pixel data
+            raise _image_error(rid, index, data, _undecodable(e)) from e
+
+
+def _image_error(rid: str, index: int, data: bytes, why: str) -> InvalidRequestError:
+    return InvalidRequestError(f"request {rid!r}: image {index} ({len(data)} bytes) {why}")
+
+
+def _undecodable(e: Exception) -> str:
+    return f"is not a decodable PNG or JPEG ({type(e).__name__}: {e})"
 
 
 def merge_images(
@@ -62,10 +122,12 @@ def merge_images(
     encoder: ImageEncoder | None,
     embed: Callable[[torch.Tensor], torch.Tensor],
     model_name: str = "",
+    limits: ImageLimits | None = None,
 ) -> MergedBatch:
     """Validate every request's images, encode all images of the batch in one vision forward and
     build each request's expanded ids and ``input_embeds``. Bad requests land in ``errors``; the
     others are unaffected."""
+    limits = limits or ImageLimits()
     if encoder is None:
         bad = {
             i.rid: InvalidRequestError(
@@ -77,21 +139,21 @@ def merge_images(
         }
         return MergedBatch([i for i in inputs if i.rid not in bad], errors=bad)
     out = MergedBatch([])
-    decoded: dict[str, list[Any]] = {}
+    pixels: dict[str, list[torch.Tensor]] = {}  # per request, [1, 3, H, W] per image
     for inp in inputs:
         try:
-            decoded[inp.rid] = _check_request(inp, encoder)
+            pixels[inp.rid] = _request_pixels(inp, encoder, limits)
         except InvalidRequestError as e:
             out.errors[inp.rid] = e
-    ok = [i for i in inputs if i.rid in decoded]
-    if not any(decoded[i.rid] for i in ok):
+    ok = [i for i in inputs if i.rid in pixels]
+    if not any(pixels[i.rid] for i in ok):
         out.inputs = ok
         return out
     with torch.inference_mode():
-        features = encoder.encode([img for i in ok for img in decoded[i.rid]])  # [n, N, H]
-        start = 0
+        features = encoder.encode_pixels(torch.cat([p for i in ok for p in pixels[i.rid]]))
+        start = 0  # features: [n, tokens_per_image, H]
         for inp in ok:
-            n = len(decoded[inp.rid])
+            n = len(pixels[inp.rid])
             merged = _merge_one(inp, features[start : start + n], encoder.image_token_id, embed)
             start += n
             if len(merged.input_ids) != len(inp.input_ids):
@@ -100,7 +162,12 @@ def merge_images(
     return out
 
 
-def _check_request(inp: PrefillInput, encoder: ImageEncoder) -> list[Any]:
+def _request_pixels(
+    inp: PrefillInput, encoder: ImageEncoder, limits: ImageLimits
+) -> list[torch.Tensor]:
+    """Check one request's images, cheapest first (count and bytes, placeholders, every header's
+    pixel count), then decode and preprocess them one at a time."""
+    check_image_sizes(inp.rid, inp.images, limits.max_images_per_request, limits.max_image_bytes)
     prompt = inp.input_ids[: len(inp.input_ids) - inp.sample_offset]
     count = sum(t == encoder.image_token_id for t in prompt)
     n = len(inp.images)
@@ -111,7 +178,12 @@ def _check_request(inp: PrefillInput, encoder: ImageEncoder) -> list[Any]:
             f"{encoder.image_token_id}) but {n} image(s) were sent; put one {token!r} per image "
             f"in the prompt"
         )
-    return [decode_image(inp.rid, k, data) for k, data in enumerate(inp.images)]
+    for k, data in enumerate(inp.images):
+        open_image(inp.rid, k, data, limits.max_image_pixels).close()
+    return [
+        encoder.pixel_values(decode_image(inp.rid, k, data, limits.max_image_pixels))
+        for k, data in enumerate(inp.images)
+    ]
 
 
 def _merge_one(

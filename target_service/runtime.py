@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -23,7 +23,7 @@ import torch
 from specmesh.kernels.common import kernel_impl
 from specmesh.kernels.compaction import compact_accepted
 from specmesh.runtime.attention.torch_backend import make_backend
-from specmesh.runtime.config import parse_dtype
+from specmesh.runtime.config import parse_dtype, resolve_max_context
 from specmesh.runtime.errors import (
     DuplicateRequestError,
     InvalidRequestError,
@@ -42,7 +42,13 @@ from specmesh.target_service.acceptance import accept_trees, padded_row_index
 from specmesh.target_service.batching import extend_chunked, run_isolated
 from specmesh.target_service.graphs import TargetGraphs
 from specmesh.target_service.llava import ImageEncoder, is_llava_checkpoint, load_llava
-from specmesh.target_service.multimodal import merge_images
+from specmesh.target_service.multimodal import (
+    MAX_IMAGE_BYTES,
+    MAX_IMAGE_PIXELS,
+    MAX_IMAGES_PER_REQUEST,
+    ImageLimits,
+    merge_images,
+)
 from specmesh.target_service.steps import PrefillInput, StepOutput, VerifyInput
 
 log = logging.getLogger(__name__)
@@ -57,7 +63,7 @@ class TargetConfig:
     num_kv_slots: int = 65536
     page_size: int = 1
     max_requests: int = 256
-    max_context: int = 4096
+    max_context: int | None = None  # None = the model's max_position_embeddings
     max_prefill_tokens: int = 8192  # chunk size of one extend
     aux_layer_ids: tuple[int, ...] | None = None  # None = [2, L//2, L-3]
     aux_convention: str = "input"
@@ -65,6 +71,10 @@ class TargetConfig:
     cuda_graph_max_bs: int = 32  # largest captured batch; bigger batches run eagerly
     # Verify trees captured before ready (the drafts' num_draft_tokens); other sizes run eagerly.
     cuda_graph_tree_sizes: tuple[int, ...] = (8,)
+    # Image limits, checked per request before any image is decoded (`multimodal.ImageLimits`).
+    max_images_per_request: int = MAX_IMAGES_PER_REQUEST
+    max_image_bytes: int = MAX_IMAGE_BYTES  # encoded
+    max_image_pixels: int = MAX_IMAGE_PIXELS  # width x height, read from the header
 
 
 @dataclass
@@ -97,6 +107,8 @@ class TargetRuntime:
         self.model = model or load_causal_lm(cfg.model_dir, dtype=dtype, device=cfg.device)
         mc = self.model.config
         self.model_config = mc
+        limit = resolve_max_context(cfg.max_context, mc.max_position, cfg.model_dir)
+        self.cfg = cfg = replace(cfg, max_context=limit)
         ids = cfg.aux_layer_ids
         self.aux_layers = (
             AuxLayers(ids, cfg.aux_convention) if ids else AuxLayers.default(mc.num_layers)
@@ -163,7 +175,9 @@ class TargetRuntime:
     def prefill(self, inputs: list[PrefillInput], feature: Feature = Feature.NONE) -> StepOutput:
         """Start requests: run each whole input, sample its first token. Rows of the output's
         ``feature`` (and of ``mm_input_embeds`` when a request has images) follow the ids run."""
-        merged = merge_images(inputs, self.mm, self.model.embed, self.cfg.model_dir)
+        cfg = self.cfg
+        limits = ImageLimits(cfg.max_images_per_request, cfg.max_image_bytes, cfg.max_image_pixels)
+        merged = merge_images(inputs, self.mm, self.model.embed, cfg.model_dir, limits)
         errors: dict[str, SpecmeshError] = dict(merged.errors)
         ok: list[PrefillInput] = []
         for inp in merged.inputs:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from specmesh import __version__
 from specmesh.rpc.ownership import StreamOwner
+from specmesh.rpc.security import model_name
 from specmesh.rpc.service_common import ModelServicer, ServiceHost, StreamRefusedError
 from specmesh.rpc.wire import needs_from_pb, sampling_from_pb, status_pb
 from specmesh.runtime.codec import DEFAULT_MAX_MESSAGE_BYTES, DTYPE_NAMES, split_hidden_states
@@ -124,7 +125,7 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServicer):
     def info(self, runtime: TargetRuntime) -> target_pb2.TargetInfo:
         mc, cfg = runtime.model_config, runtime.cfg
         return target_pb2.TargetInfo(
-            model_path=cfg.model_dir,
+            model_path=model_name(cfg.model_dir),  # a name: never where the host keeps files
             architecture=mc.architecture,
             dtype=DTYPE_NAMES[mc.dtype],
             vocab_size=mc.vocab_size,

@@ -16,6 +16,7 @@ from specmesh.draft_service.drafter import SpecParams
 from specmesh.draft_service.runtime import DraftConfig, DraftRuntime, load_draft
 from specmesh.router.core import RouterConfig
 from specmesh.router.server import RouterService, RouterSettings
+from specmesh.rpc.security import TlsFiles
 from specmesh.rpc.service_common import start_model
 from specmesh.runtime.sampling import SamplingParams
 from specmesh.target_service import server as target_server
@@ -37,23 +38,41 @@ class LoopThread:
         self.loop.call_soon_threadsafe(self.loop.stop)
 
 
-async def serve_target(runtime: TargetRuntime) -> target_server.TargetServicer:
-    servicer = target_server.make_servicer("127.0.0.1:0", 64 << 20)
+def _mtls(tls: TlsFiles | None):
+    """A model service's credentials: TLS requiring client certificates signed by the CA."""
+    return tls.server_credentials(require_client_auth=True) if tls else None
+
+
+async def serve_target(
+    runtime: TargetRuntime, *, tls: TlsFiles | None = None, port: int = 0
+) -> target_server.TargetServicer:
+    servicer = target_server.make_servicer(f"127.0.0.1:{port}", 64 << 20)
     add = target_pb2_grpc.add_TargetServicer_to_server
-    await start_model(servicer, add, runtime, target_server.warm_up)
+    await start_model(servicer, add, runtime, target_server.warm_up, _mtls(tls))
     return servicer
 
 
-async def serve_draft(runtime: DraftRuntime, port: int = 0) -> draft_server.DraftServicer:
+async def serve_draft(
+    runtime: DraftRuntime, port: int = 0, *, tls: TlsFiles | None = None
+) -> draft_server.DraftServicer:
     servicer = draft_server.make_servicer(f"127.0.0.1:{port}", 64 << 20)
-    await start_model(servicer, draft_pb2_grpc.add_DraftServicer_to_server, runtime)
+    add = draft_pb2_grpc.add_DraftServicer_to_server
+    await start_model(servicer, add, runtime, None, _mtls(tls))
     return servicer
 
 
-async def serve_router(target, draft=None, **core) -> RouterService:
+async def serve_router(
+    target, draft=None, *, tls: TlsFiles | None = None, api_key: str | None = None, **core
+) -> RouterService:
+    """A router over in-process servicers; its tokenizer is the target's checkpoint (services
+    report model names, not paths)."""
     addr = lambda s: (f"127.0.0.1:{s.host.port}",) if s is not None else ()
     cfg = RouterConfig(**{"draft_cooldown_s": 0.2, **core})
-    service = RouterService(RouterSettings(addr(target), addr(draft), "127.0.0.1:0", cfg))
+    settings = RouterSettings(
+        addr(target), addr(draft), "127.0.0.1:0", cfg, tokenizer=target.runtime.cfg.model_dir,
+        tls=tls, api_key=api_key,
+    )  # fmt: skip
+    service = RouterService(settings)
     await service.start()
     return service
 

@@ -33,7 +33,7 @@ def serve_by_hand(services: Services, target: Path, draft: Path) -> tuple[str, s
         "draft", "draft", "--model", str(draft), "--target-model", str(target),
         "--kind", "eagle3", *SPEC_FLAGS, "--threads", "1",
     )  # fmt: skip
-    r = services.start("router", "router", "--target", t, "--draft", d)
+    r = services.start("router", "router", "--target", t, "--draft", d, "--tokenizer", str(target))
     for name in ("target", "draft", "router"):
         services.wait_ready(name)
     return r, t

@@ -146,7 +146,7 @@ def test_32_concurrent_streams_are_all_correct(stack) -> None:
 def test_ended_stream_frees_kv_in_both_services(stack, how: str) -> None:
     call = stack.client.generate(
         prompt_token_ids=[5, 6, 7],
-        sampling=greedy(4000),
+        sampling=greedy(900),
         timeout=0.5 if how == "deadline" else None,
     )
     stream = iter(call)
@@ -169,7 +169,7 @@ def test_losing_the_only_target_is_unavailable_after_the_streamed_tokens(stack) 
     router = stack.loop.run(serve_router(target))
     try:
         with GenerationClient(f"127.0.0.1:{router.port}") as client:
-            stream = iter(client.generate(prompt_token_ids=[5, 6, 7], sampling=greedy(4000)))
+            stream = iter(client.generate(prompt_token_ids=[5, 6, 7], sampling=greedy(900)))
             got = [*next(stream).token_ids, *next(stream).token_ids]
             stack.loop.run(target.host.shutdown(0.0))
             with pytest.raises(grpc.RpcError) as e:

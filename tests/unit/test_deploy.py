@@ -1,7 +1,9 @@
-"""docker-compose.yml, the Dockerfile and the Kubernetes manifests, checked against the real CLI:
-every command parses with `specmesh`'s own parser, every port a command listens on is the one
-exposed / probed / dialled, every health check names a service the servers register, and every
-path baked into the image exists in the repository."""
+"""docker-compose.yml (+ docker-compose.tls.yml), the Dockerfile and the Kubernetes manifests,
+checked against the real CLI: every command parses with `specmesh`'s own parser, every port a
+command listens on is the one exposed / probed / dialled / admitted by the NetworkPolicies,
+every health check names a service the servers register, every path baked into the image exists
+in the repository, every TLS file is mounted (from a Secret in Kubernetes) and every probe of a
+TLS service speaks TLS with the service's own files."""
 
 from __future__ import annotations
 
@@ -14,11 +16,13 @@ import yaml
 from specmesh.draft_service.server import SERVICE_NAME as DRAFT_SERVICE
 from specmesh.main import build_parser
 from specmesh.router.server import SERVICE_NAME as ROUTER_SERVICE
+from specmesh.rpc.security import API_KEY_ENV, TLS_FLAGS
 from specmesh.target_service.server import SERVICE_NAME as TARGET_SERVICE
 
 ROOT = Path(__file__).resolve().parents[2]
 ROLE_SERVICE = {"target": TARGET_SERVICE, "draft": DRAFT_SERVICE, "router": ROUTER_SERVICE}
 HEALTH_NAMES = {"", *ROLE_SERVICE.values()}
+TLS_ARGS = ("tls_cert_file", "tls_key_file", "tls_ca_file")
 
 
 def _expand(arg: str) -> str:
@@ -47,10 +51,28 @@ def _check_paths(args) -> None:
             ).is_file(), f"{name} {value} is not a checkpoint in the image"
 
 
+def _tls(args) -> tuple[str | None, ...]:
+    return tuple(getattr(args, name) for name in TLS_ARGS)
+
+
+def _check_probe_tls(service, probe) -> None:
+    """A probe of a TLS service verifies it with the service's CA and, where the service asks
+    for client certificates (a CA given to target / draft), presents the service's own."""
+    cert, key, ca = _tls(service)
+    assert probe.tls_ca_file == ca, "the probe must verify the service with its CA"
+    if ca and service.command in ("target", "draft"):
+        assert (probe.tls_cert_file, probe.tls_key_file) == (cert, key)
+
+
 # -- docker compose ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def compose() -> dict:
     return yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+
+
+@pytest.fixture(scope="module")
+def compose_tls() -> dict:
+    return yaml.safe_load((ROOT / "docker-compose.tls.yml").read_text())["services"]
 
 
 def test_compose_commands_parse_and_ports_line_up(compose: dict) -> None:
@@ -69,6 +91,9 @@ def test_compose_commands_parse_and_ports_line_up(compose: dict) -> None:
         health = _parse(test[2:])
         assert health.command == "health" and health.address == f"localhost:{args.port}"
         assert health.service == ROLE_SERVICE[name]
+        assert args.host == "0.0.0.0"  # the CLI's default is loopback: containers say so
+    assert all(str(p).startswith("127.0.0.1:") for p in compose["router"]["ports"])
+    assert "SPECMESH_API_KEY" in compose["router"]["environment"]
     router = _parse(compose["router"]["command"])
     assert (
         router.target == f"target:{ports['target']}" and router.draft == f"draft:{ports['draft']}"
@@ -80,6 +105,29 @@ def test_compose_commands_parse_and_ports_line_up(compose: dict) -> None:
     for name in ("target", "draft"):
         devices = compose[name]["deploy"]["resources"]["reservations"]["devices"]
         assert devices[0]["capabilities"] == ["gpu"]
+
+
+def test_compose_tls_override_adds_only_tls_files_that_are_mounted(
+    compose: dict, compose_tls: dict
+) -> None:
+    """docker-compose.tls.yml replaces each command (compose merges lists by replacement) with
+    the base command plus the three TLS flags; the files lie in the mounted certs volume."""
+    assert set(compose_tls) == set(compose)
+    for name, svc in compose_tls.items():
+        base, command = compose[name]["command"], svc["command"]
+        assert command[: len(base)] == base, f"{name}: the TLS command drifted from the base"
+        args = _parse(command)
+        assert command[len(base) :] == [
+            arg for flag, path in zip(TLS_FLAGS.values(), _tls(args), strict=True)
+            for arg in (flag, path)
+        ]  # fmt: skip
+        mounts = [v.split(":")[1] for v in svc["volumes"]]
+        for path in _tls(args):
+            assert any(path.startswith(m + "/") for m in mounts), f"{name}: {path} not mounted"
+        health = _parse(svc["healthcheck"]["test"][2:])
+        assert health.address == f"localhost:{args.port}"
+        assert health.service == ROLE_SERVICE[name]
+        _check_probe_tls(args, health)
 
 
 def test_dockerfile_copies_what_the_package_needs() -> None:
@@ -122,18 +170,81 @@ def test_k8s_workloads_parse_and_probe_registered_services(k8s: list[dict]) -> N
         args = _parse(container["args"])
         _check_paths(args)
         role = args.command
+        assert args.host == "0.0.0.0"  # the CLI's default is loopback: pods say so
         assert [p["containerPort"] for p in container["ports"]] == [args.port]
         assert container["resources"]["requests"]
         for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
             if probe in container:
-                grpc = container[probe]["grpc"]
-                assert grpc["port"] == args.port and grpc["service"] in HEALTH_NAMES
-        assert container["readinessProbe"]["grpc"]["service"] == ROLE_SERVICE[role]
+                port, service = _k8s_probe(container[probe], args)
+                assert port == args.port and service in HEALTH_NAMES
+        assert _k8s_probe(container["readinessProbe"], args)[1] == ROLE_SERVICE[role]
         svc = services[w["metadata"]["name"]]
         assert svc["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
         assert [p["port"] for p in svc["spec"]["ports"]] == [args.port]
         if role in ("target", "draft"):
             assert svc["spec"]["clusterIP"] == "None", f"{role} needs a headless Service"
+
+
+def _k8s_probe(probe: dict, service) -> tuple[int, str]:
+    """(port, health service name) of a probe. kubelet's gRPC probes cannot speak TLS, so a TLS
+    service is probed by `specmesh health` in the container, with the service's TLS files."""
+    if "grpc" in probe:
+        assert not any(_tls(service)), "a TLS service needs an exec probe (`specmesh health`)"
+        return probe["grpc"]["port"], probe["grpc"]["service"]
+    command = probe["exec"]["command"]
+    assert command[0] == "specmesh"
+    health = _parse(command[1:])
+    assert health.command == "health" and health.address.startswith("localhost:")
+    _check_probe_tls(service, health)
+    return int(health.address.split(":")[1]), health.service
+
+
+def test_k8s_tls_files_come_from_secrets(k8s: list[dict]) -> None:
+    """TLS everywhere: each workload gets certificate, key and CA from a mounted Secret (the
+    kubernetes.io/tls layout plus ca.crt, as cert-manager writes it); the router's API key comes
+    from a Secret through its environment, never its command line."""
+    for w in (d for d in k8s if d["kind"] in ("Deployment", "StatefulSet")):
+        pod = w["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        args = _parse(container["args"])
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        for path in _tls(args):
+            assert path, f"{args.command} runs without TLS"
+            folder, name = path.rsplit("/", 1)
+            (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == folder]
+            secret = volumes[mount["name"]]["secret"]
+            keys = [i["path"] for i in secret.get("items", [])] or ["tls.crt", "tls.key", "ca.crt"]
+            assert name in keys and mount["readOnly"], f"{path} is not a key of {secret}"
+        assert pod["securityContext"]["runAsNonRoot"]
+        if args.command == "router":
+            (env,) = [e for e in container["env"] if e["name"] == API_KEY_ENV]
+            assert env["valueFrom"]["secretKeyRef"]["key"]
+            assert not args.api_key
+
+
+def test_k8s_network_policies_admit_only_the_router_to_model_services(k8s: list[dict]) -> None:
+    pods = {
+        d["metadata"]["name"]: (
+            d["spec"]["template"]["metadata"]["labels"],
+            _parse(d["spec"]["template"]["spec"]["containers"][0]["args"]).port,
+        )
+        for d in k8s
+        if d["kind"] in ("Deployment", "StatefulSet")
+    }
+    matches = lambda selector, labels: selector["matchLabels"].items() <= labels.items()
+    policies = [d for d in k8s if d["kind"] == "NetworkPolicy"]
+    for role in ROLE_SERVICE:
+        labels, port = pods[f"specmesh-{role}"]
+        (policy,) = [p for p in policies if matches(p["spec"]["podSelector"], labels)]
+        assert policy["spec"]["policyTypes"] == ["Ingress"]
+        (rule,) = policy["spec"]["ingress"]
+        assert rule["ports"] == [{"protocol": "TCP", "port": port}]
+        if role == "router":
+            assert "from" not in rule  # the public port admits anyone
+            continue
+        (peer,) = rule["from"]
+        admitted = [name for name, (pod, _) in pods.items() if matches(peer["podSelector"], pod)]
+        assert admitted == ["specmesh-router"], f"{role} admits {admitted}"
 
 
 def test_k8s_router_dials_every_model_replica(k8s: list[dict]) -> None:

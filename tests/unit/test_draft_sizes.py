@@ -62,8 +62,10 @@ def test_propose_checks_sizes_at_run_time(tmp_path):
     target = make_tiny_target(tmp_path / "t", num_hidden_layers=1)
     spec = SpecParams(3, 2, 5)
     cfg = DraftConfig("standalone", str(target), str(target), spec, max_requests=2)
-    drafter = load_draft(cfg).drafter
-    assert drafter.sizes == DraftSizes(2, 2, 3, cfg.max_context)
+    runtime = load_draft(cfg)
+    drafter = runtime.drafter
+    assert runtime.cfg.max_context == 1024  # the tiny target's max_position_embeddings
+    assert drafter.sizes == DraftSizes(2, 2, 3, runtime.cfg.max_context)
     drafter.extend([ExtendInput("r", list(range(3, 40)), 7, new=True)])
     drafter.propose(["r"], [7])  # fits
     drafter.sizes = DraftSizes(1, 2, 3, 8)  # as if the buffers were sized for 8 tokens

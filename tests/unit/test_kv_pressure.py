@@ -35,7 +35,9 @@ def test_verify_that_does_not_fit_fails_alone(tiny_dir: Path) -> None:
     rt = TargetRuntime(TargetConfig(str(tiny_dir / "target"), num_kv_slots=24))
     rt.prefill([PrefillInput("a", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], SamplingParams()),
                 PrefillInput("b", [1, 2, 3], SamplingParams())])  # fmt: skip
-    big = Tree.chain([rt.requests["a"].pending, *range(20, 32)])  # 13 nodes: more than the 11 slots left
+    big = Tree.chain(
+        [rt.requests["a"].pending, *range(20, 32)]
+    )  # 13 nodes: more than the 11 slots left
     small = Tree.chain([rt.requests["b"].pending, 20])
     out = rt.verify([VerifyInput("a", big), VerifyInput("b", small)])
     assert isinstance(out.errors["a"], KVCacheFullError) and "13-node tree" in str(out.errors["a"])

@@ -232,3 +232,12 @@ def test_sharded_checkpoint_and_bf16(tmp_path: Path) -> None:
     assert (
         load_causal_lm(tmp_path / "one", dtype=torch.bfloat16).head_weight.dtype == torch.bfloat16
     )
+
+
+def test_max_context_comes_from_the_model_config(tiny_dir: Path, caplog) -> None:
+    target = tiny_dir / "target"
+    assert TargetRuntime.from_dir(target, num_kv_slots=64).cfg.max_context == 1024
+    with caplog.at_level("WARNING"):
+        longer = TargetRuntime.from_dir(target, num_kv_slots=64, max_context=2048)
+    assert longer.cfg.max_context == 2048
+    assert "exceeds the model's max_position_embeddings 1024" in caplog.text

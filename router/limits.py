@@ -1,0 +1,133 @@
+"""What one public request may ask for, checked before it costs anything (DESIGN.md §3 "Limits").
+
+The order in ``GenerationServicer._make_request`` is the point:
+
+    check_request(msg)        sizes read off the parsed message: prompt bytes, token count,
+                              stop strings and ids, images, request id — O(number of fields)
+    sampling values, check_stop_rules(params, vocab)
+    PromptEncoder.encode      the tokenizer, on its own threads (never on the event loop), at
+                              most ``max_queued_prompts`` prompts waiting or running
+    token count of the text prompt, then the Request
+
+Every violation is an `InvalidRequestError` (INVALID_ARGUMENT) naming the limit's flag and the
+numbers, except a full tokenizer queue: `TokenizerBusyError` (RESOURCE_EXHAUSTED). Image pixels
+are the target's to check (it decodes; the router never does): `specmesh.target_service.multimodal`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from specmesh.runtime.errors import InvalidRequestError, SpecmeshError
+from specmesh.runtime.sampling import SamplingParams
+from specmesh.target_service.multimodal import (
+    MAX_IMAGE_BYTES,
+    MAX_IMAGES_PER_REQUEST,
+    check_image_sizes,
+)
+from specmesh.v1 import generation_pb2
+
+
+@dataclass(frozen=True)
+class RouterLimits:
+    max_prompt_bytes: int = 1 << 20  # UTF-8 bytes of a text prompt, checked before tokenizing
+    max_stop_strings: int = 32
+    max_stop_string_len: int = 256  # characters of one stop string
+    max_stop_token_ids: int = 64
+    max_request_id_len: int = 256  # characters
+    max_images_per_request: int = MAX_IMAGES_PER_REQUEST  # the target checks its own, too
+    max_image_bytes: int = MAX_IMAGE_BYTES  # encoded bytes of one image
+    max_queued_prompts: int = 64  # text prompts tokenizing or waiting to; more: RESOURCE_EXHAUSTED
+    tokenizer_threads: int = 2
+
+
+class TokenizerBusyError(SpecmeshError):
+    grpc_code = "RESOURCE_EXHAUSTED"
+
+
+def check_request(
+    msg: generation_pb2.GenerateRequest, rid: str, limits: RouterLimits, max_prompt_tokens: int
+) -> None:
+    """Every size limit of a parsed request, from lengths alone (nothing tokenized or built)."""
+    if len(msg.request_id) > limits.max_request_id_len:
+        raise InvalidRequestError(
+            f"request_id of {len(msg.request_id)} characters exceeds the limit of "
+            f"{limits.max_request_id_len} (--max-request-id-len)"
+        )
+    prompt = msg.prompt
+    num_bytes = len(prompt) if prompt.isascii() else len(prompt.encode())
+    if num_bytes > limits.max_prompt_bytes:
+        raise InvalidRequestError(
+            f"request {rid!r}: prompt of {num_bytes} bytes exceeds the limit of "
+            f"{limits.max_prompt_bytes} (--max-prompt-bytes)"
+        )
+    check_prompt_tokens(rid, len(msg.prompt_token_ids), max_prompt_tokens)
+    sampling = msg.sampling
+    if len(sampling.stop) > limits.max_stop_strings:
+        raise InvalidRequestError(
+            f"request {rid!r}: {len(sampling.stop)} stop strings exceed the limit of "
+            f"{limits.max_stop_strings} (--max-stop-strings)"
+        )
+    longest = max((len(s) for s in sampling.stop), default=0)
+    if longest > limits.max_stop_string_len:
+        raise InvalidRequestError(
+            f"request {rid!r}: a stop string of {longest} characters exceeds the limit of "
+            f"{limits.max_stop_string_len} (--max-stop-string-len)"
+        )
+    if len(sampling.stop_token_ids) > limits.max_stop_token_ids:
+        raise InvalidRequestError(
+            f"request {rid!r}: {len(sampling.stop_token_ids)} stop_token_ids exceed the limit "
+            f"of {limits.max_stop_token_ids} (--max-stop-token-ids)"
+        )
+    check_image_sizes(rid, msg.images, limits.max_images_per_request, limits.max_image_bytes)
+
+
+def check_prompt_tokens(rid: str, num_tokens: int, max_prompt_tokens: int) -> None:
+    if num_tokens > max_prompt_tokens:
+        raise InvalidRequestError(
+            f"request {rid!r}: prompt of {num_tokens} tokens exceeds the limit of "
+            f"{max_prompt_tokens} (the target's max_context_len - 1)"
+        )
+
+
+def check_stop_rules(params: SamplingParams, vocab_size: int) -> None:
+    """Stop rules that could never be meant: an empty stop string (it would match at once) and
+    stop token ids the model cannot produce."""
+    if any(not s for s in params.stop):
+        raise InvalidRequestError("an empty stop string would end the request at once")
+    bad = [t for t in params.stop_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(f"stop_token_ids outside vocab [0, {vocab_size}): {bad[:5]}")
+
+
+class PromptEncoder:
+    """Tokenizes text prompts on its own ``tokenizer_threads`` threads, so the event loop keeps
+    serving (health checks, other streams) while a long prompt is tokenized. At most
+    ``max_queued_prompts`` wait or run at once (each holds its prompt in memory); a cancelled
+    call's prompt is dropped if it has not started, else finishes on its thread, which bounds
+    the work in flight by the thread count either way."""
+
+    def __init__(self, limits: RouterLimits) -> None:
+        self.limits = limits
+        self.queued = 0
+        self._pool = ThreadPoolExecutor(limits.tokenizer_threads, thread_name_prefix="tokenize")
+
+    async def encode(self, tokenizer: Any, rid: str, prompt: str) -> list[int]:
+        if self.queued >= self.limits.max_queued_prompts:
+            raise TokenizerBusyError(
+                f"request {rid!r}: {self.queued} prompts are already being tokenized, the "
+                f"limit (--max-queued-prompts); try again later"
+            )
+        self.queued += 1
+        try:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._pool, _encode, tokenizer, prompt)
+        finally:
+            self.queued -= 1
+
+
+def _encode(tokenizer: Any, prompt: str) -> list[int]:
+    return tokenizer.encode(prompt, add_special_tokens=True)

@@ -1,0 +1,385 @@
+"""Every limit refuses a hostile request before it costs anything (DESIGN.md §3 "Limits"):
+through the real servers, each violation gets its precise status naming the limit and the
+numbers, fast; a huge refused request leaves memory where it was; health checks keep answering
+while a long (allowed) prompt is tokenized; and the services serve exactly afterwards.
+
+Response times and RSS deltas are printed (``pytest -s``); the bounds asserted are generous on
+purpose (they catch a frozen loop or a decoded bomb, not a slow machine)."""
+
+from __future__ import annotations
+
+import functools
+import gc
+import struct
+import threading
+import time
+import warnings
+import zlib
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from grpc_harness import collect, greedy, wait_until
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from specmesh.client import GenerationClient
+from specmesh.router.limits import RouterLimits
+from specmesh.router.server import RouterService, RouterSettings
+from specmesh.runtime.codec import split_hidden_states
+from specmesh.runtime.sampling import SamplingParams
+from specmesh.runtime.tiny_llava import make_tiny_llava, tiny_image
+from specmesh.target_service.runtime import TargetConfig, TargetRuntime
+from specmesh.target_service.steps import PrefillInput
+from specmesh.v1 import draft_pb2, draft_pb2_grpc, generation_pb2
+
+CODE = grpc.StatusCode
+FAST_S = 5.0  # generous: a refusal is answered in milliseconds
+MAX_RSS_GROWTH_MB = 200
+
+
+def rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith("VmRSS:"))
+    return int(line.split()[1]) / 1024
+
+
+def refused(call) -> tuple[grpc.RpcError, float]:
+    """Run a call that must fail; its error and how long the answer took."""
+    start = time.perf_counter()
+    with pytest.raises(grpc.RpcError) as e:
+        collect(call())
+    return e.value, time.perf_counter() - start
+
+
+def assert_refused(call, code: grpc.StatusCode, *needles: str) -> float:
+    err, elapsed = refused(call)
+    assert err.code() == code, err.details()
+    for needle in needles:
+        assert needle in err.details(), err.details()
+    assert elapsed < FAST_S
+    return elapsed
+
+
+# -- router: one call per limit ---------------------------------------------------------------
+def _stop(**kw: object) -> dict:
+    return {"prompt_token_ids": [5, 6], "sampling": generation_pb2.SamplingParams(**kw)}
+
+
+CASES = {  # name: (request kwargs, status, what the message names)
+    "prompt-bytes": (
+        {"prompt": "é" * 600_000},
+        CODE.INVALID_ARGUMENT,
+        ["1200000 bytes", "1048576", "--max-prompt-bytes"],
+    ),
+    "prompt-token-ids": (
+        {"prompt_token_ids": [5] * 100_000},
+        CODE.INVALID_ARGUMENT,
+        ["100000 tokens", "max_context_len"],
+    ),
+    "stop-strings": (_stop(stop=["x"] * 33), CODE.INVALID_ARGUMENT, ["33 stop strings", "32"]),
+    "stop-string-len": (
+        _stop(stop=["ok", "y" * 257]),
+        CODE.INVALID_ARGUMENT,
+        ["257 characters", "256", "--max-stop-string-len"],
+    ),
+    "empty-stop-string": (_stop(stop=["ok", ""]), CODE.INVALID_ARGUMENT, ["empty stop string"]),
+    "stop-token-ids": (
+        _stop(stop_token_ids=list(range(65))),
+        CODE.INVALID_ARGUMENT,
+        ["65 stop_token_ids", "64", "--max-stop-token-ids"],
+    ),
+    "stop-token-oov": (
+        _stop(stop_token_ids=[7, 320, 10**6]),
+        CODE.INVALID_ARGUMENT,
+        ["outside vocab [0, 320)", "[320, 1000000]"],
+    ),
+    "request-id": (
+        {"prompt_token_ids": [5], "request_id": "r" * 300},
+        CODE.INVALID_ARGUMENT,
+        ["300 characters", "256", "--max-request-id-len"],
+    ),
+    "image-count": (
+        {"prompt_token_ids": [5], "images": [b"\x89PNG"] * 9},
+        CODE.INVALID_ARGUMENT,
+        ["9 images", "limit of 8", "--max-images-per-request"],
+    ),
+    "image-bytes": (
+        {"prompt_token_ids": [5], "images": [b"\x89PNG", bytes(11 << 20)]},
+        CODE.INVALID_ARGUMENT,
+        ["image 1 of 11534336 bytes", "10485760", "--max-image-bytes"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_each_router_limit_is_its_precise_status(stack, case: str) -> None:
+    kwargs, code, needles = CASES[case]
+    elapsed = assert_refused(lambda: stack.client.generate(**kwargs), code, *needles)
+    print(f"\n{case}: refused in {elapsed * 1000:.1f} ms")
+
+
+def test_two_million_stop_strings_are_refused_without_scanning(stack) -> None:
+    sampling = generation_pb2.SamplingParams(stop=["a"] * 2_000_000)
+    elapsed = assert_refused(
+        lambda: stack.client.generate(prompt_token_ids=[5], sampling=sampling),
+        CODE.INVALID_ARGUMENT,
+        "2000000 stop strings",
+        "--max-stop-strings",
+    )
+    print(f"\n2M stop strings: refused in {elapsed * 1000:.1f} ms (client send included)")
+
+
+def test_huge_prompt_is_refused_before_tokenizing_and_memory_stays(stack) -> None:
+    prompt = "def f(x):\n    return x\n" * (30_000_000 // 24)  # 30 MB
+    gc.collect()
+    before = rss_mb()
+    elapsed = assert_refused(
+        lambda: stack.client.generate(prompt=prompt), CODE.INVALID_ARGUMENT, "--max-prompt-bytes"
+    )
+    gc.collect()
+    growth = rss_mb() - before
+    print(f"\n30 MB prompt: refused in {elapsed * 1000:.0f} ms, RSS {growth:+.0f} MB")
+    assert growth < MAX_RSS_GROWTH_MB
+
+
+def test_malformed_request_bytes_are_invalid_argument(stack) -> None:
+    address = f"127.0.0.1:{stack.router.port}"
+    with grpc.insecure_channel(address) as channel:
+        raw = lambda method, kind: getattr(channel, kind)(
+            f"/specmesh.v1.Generation/{method}", request_serializer=lambda b: b
+        )
+        for method, kind in (("Generate", "unary_stream"), ("GetInfo", "unary_unary")):
+            start = time.perf_counter()
+            with pytest.raises(grpc.RpcError) as e:
+                out = raw(method, kind)(b"\xff\xff\xff\xff", timeout=10)
+                list(out) if kind == "unary_stream" else out
+            assert e.value.code() == CODE.INVALID_ARGUMENT, e.value.details()
+            assert "does not parse" in e.value.details()
+            print(f"\nmalformed {method}: {(time.perf_counter() - start) * 1000:.1f} ms")
+        good = generation_pb2.GenerateRequest(
+            prompt_token_ids=[5, 6], sampling={"max_new_tokens": 2}
+        )
+        replies = list(raw("Generate", "unary_stream")(good.SerializeToString(), timeout=30))
+        assert replies and replies[-1]  # the same raw channel is served once the bytes parse
+
+
+def test_health_answers_while_a_long_prompt_is_tokenized(stack) -> None:
+    """A 1 MiB prompt (the default limit) takes the tiny tokenizer about a second and then is
+    refused for its token count; health checks keep answering meanwhile."""
+    prompt = "for i in range(10):\n    print(i)\n" * ((1 << 20) // 34)
+    done = threading.Event()
+    outcome: dict = {}
+
+    def generate() -> None:
+        outcome["start"] = time.perf_counter()
+        outcome["error"], _ = refused(lambda: stack.client.generate(prompt=prompt))
+        outcome["end"] = time.perf_counter()
+        done.set()
+
+    worker = threading.Thread(target=generate)
+    worker.start()
+    checks: list[tuple[float, float]] = []  # (answered at, latency)
+    with grpc.insecure_channel(f"127.0.0.1:{stack.router.port}") as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        request = health_pb2.HealthCheckRequest(service="specmesh.v1.Generation")
+        while not done.is_set():
+            t = time.perf_counter()
+            assert (
+                health.Check(request, timeout=10).status == health_pb2.HealthCheckResponse.SERVING
+            )
+            checks.append((time.perf_counter(), time.perf_counter() - t))
+            time.sleep(0.01)
+    worker.join()
+    err, start, end = outcome["error"], outcome["start"], outcome["end"]
+    assert err.code() == CODE.INVALID_ARGUMENT and "tokens exceeds" in err.details()
+    during = [lat for at, lat in checks if start + 0.1 < at < end - 0.1]
+    print(
+        f"\n1 MiB prompt tokenized and refused in {end - start:.2f} s; {len(during)} health "
+        f"checks answered meanwhile, slowest {max(lat for _, lat in checks) * 1000:.0f} ms"
+    )
+    assert end - start < 0.4 or len(during) >= 3  # answered all along, not once at the end
+    assert max(lat for _, lat in checks) < 1.0
+
+
+def test_full_tokenizer_queue_is_resource_exhausted(stack) -> None:
+    """One prompt tokenizing and one queue slot: the next text prompt is refused at once."""
+    limits = RouterLimits(max_queued_prompts=1, tokenizer_threads=1)
+    router = stack.loop.run(_router(stack, limits))
+    try:
+        with GenerationClient(f"127.0.0.1:{router.port}") as client:
+            long = client.generate(prompt="x = 1\n" * ((1 << 20) // 6))
+            threading.Thread(target=lambda: refused(lambda: long), daemon=True).start()
+            assert wait_until(lambda: router.servicer.prompts.queued == 1, 30)
+            elapsed = assert_refused(
+                lambda: client.generate(prompt="x = 1"),
+                CODE.RESOURCE_EXHAUSTED,
+                "1 prompts are already being tokenized",
+                "--max-queued-prompts",
+            )
+            print(f"\nfull tokenizer queue: refused in {elapsed * 1000:.1f} ms")
+            assert wait_until(lambda: router.servicer.prompts.queued == 0, 30)
+            ids, _, last = collect(client.generate(prompt="x = 1", sampling=greedy(3)))
+            assert len(ids) == 3 and last.finish_reason == "length"
+    finally:
+        stack.loop.run(router.stop(0.5))
+
+
+async def _router(stack, limits: RouterLimits) -> RouterService:
+    addr = lambda s: (f"127.0.0.1:{s.host.port}",)
+    settings = RouterSettings(
+        addr(stack.target), addr(stack.draft), "127.0.0.1:0",
+        tokenizer=stack.dirs.target, limits=limits,
+    )  # fmt: skip
+    service = RouterService(settings)
+    await service.start()
+    return service
+
+
+# -- draft: feature dtype and values ----------------------------------------------------------
+def _extend(rows: dict[str, list[int]], feats: torch.Tensor) -> draft_pb2.DraftStepRequest:
+    (states,) = split_hidden_states([len(ids) for ids in rows.values()], {"aux_hidden": feats})
+    requests = [
+        draft_pb2.ExtendRequest(request_id=rid, token_ids=ids, next_token_id=9, starts_request=True)
+        for rid, ids in rows.items()
+    ]
+    batch = draft_pb2.ExtendBatch(requests=requests, states=states, propose_after=True)
+    return draft_pb2.DraftStepRequest(extend=batch)
+
+
+def test_draft_refuses_feature_dtypes_and_non_finite_values(stack) -> None:
+    width = 3 * stack.target.runtime.model_config.hidden_size
+    rows = {"a": [5, 6, 7], "b": [8, 9]}
+    feats = torch.randn(5, width)
+    nan, inf = feats.clone(), feats.clone()
+    nan[3, 7] = float("nan")  # a row of "b"
+    inf[0, 0] = float("inf")  # a row of "a"
+    batches = [
+        _extend(rows, feats.to(torch.int32)),
+        _extend(rows, feats.to(torch.bfloat16)),  # the target is fp32
+        _extend(rows, nan),
+        _extend(rows, inf),
+        _extend({"c": [5, 6, 7], "d": [8, 9]}, feats),  # good: the stream serves on
+    ]
+    for i, b in enumerate(batches):
+        b.batch_id = i + 1
+    with grpc.insecure_channel(f"127.0.0.1:{stack.draft.host.port}") as channel:
+        start = time.perf_counter()
+        out = list(draft_pb2_grpc.DraftStub(channel).Step(iter(batches), timeout=30))
+        elapsed = time.perf_counter() - start
+    messages = [o.status.message for o in out]
+    assert [o.status.code for o in out] == [3, 3, 3, 3, 0], messages
+    assert "dtype int32, expected the target's fp32" in messages[0]
+    assert "dtype bf16, expected the target's fp32" in messages[1]
+    assert "1 of 5 rows hold NaN or Inf" in messages[2] and "batch positions [1]" in messages[2]
+    assert "batch positions [0]" in messages[3]
+    assert [r.request_id for r in out[4].results] == ["c", "d"]
+    assert all(r.tree.tokens[0] == 9 for r in out[4].results)
+    print(f"\ndraft: 4 refused batches + 1 served in {elapsed * 1000:.0f} ms")
+    runtime = stack.draft.runtime  # the ended stream's "c" and "d" are freed with it
+    assert wait_until(lambda: not runtime.live and not runtime.drafter.cache.requests)
+
+
+def test_good_request_is_served_exactly_after_the_refusals(stack) -> None:
+    prompt = [5, 6, 7, 8]
+    ids = collect(stack.client.generate(prompt_token_ids=prompt, sampling=greedy(12)))[0]
+    assert ids == stack.expected(prompt, 12)
+    text_ids = collect(stack.client.generate(prompt="def f(x):", sampling=greedy(6)))[0]
+    assert len(text_ids) == 6
+
+
+def test_stop_strings_at_the_limits_still_work(stack) -> None:
+    """32 stop strings of 256 characters each are accepted and only end the request if met."""
+    stop = [chr(0x4E00 + i) * 256 for i in range(32)]  # never produced by the tiny tokenizer
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True, stop=tuple(stop))
+    ids, _, last = collect(stack.client.generate(prompt_token_ids=[5, 6], sampling=params))
+    assert ids == stack.expected([5, 6], 8) and last.finish_reason == "length"
+
+
+# -- target: image limits (a tiny LLaVA, against TargetRuntime.prefill) -------------------------
+def png_claiming(width: int, height: int) -> bytes:
+    """A valid 1-bit grayscale PNG of ``width`` x ``height`` zero pixels, built row by row (the
+    file is a few KB; decoding it to RGB would take 3 bytes per pixel)."""
+    chunk = lambda kind, data: (
+        struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    )
+    z, row, parts = zlib.compressobj(9), bytes(1 + (width + 7) // 8), []
+    for _ in range(height):
+        parts.append(z.compress(row))
+    parts.append(z.flush())
+    ihdr = struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", ihdr)
+        + chunk(b"IDAT", b"".join(parts))
+        + chunk(b"IEND", b"")
+    )
+
+
+@pytest.fixture(scope="module")
+def llava_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llava(tmp_path_factory.mktemp("llava") / "target")
+
+
+@pytest.fixture(scope="module")
+def llava(llava_dir: Path) -> TargetRuntime:
+    cfg = TargetConfig(str(llava_dir), max_images_per_request=3, max_image_bytes=200_000)
+    return TargetRuntime(cfg)
+
+
+@functools.cache
+def _tokenizer(model_dir: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def _prefill(runtime: TargetRuntime, rid: str, images: list[bytes]) -> PrefillInput:
+    ids = _tokenizer(runtime.cfg.model_dir).encode("look: " + "<image> " * len(images))
+    return PrefillInput(rid, ids, SamplingParams(max_new_tokens=4, ignore_eos=True), images=images)
+
+
+def test_image_limits_fail_their_request_alone(llava: TargetRuntime) -> None:
+    big = png_claiming(20000, 20000)  # 400 MP: past Pillow's own bomb error
+    warned = png_claiming(10000, 10000)  # 100 MP: Pillow would only warn
+    over = png_claiming(5000, 5000)  # 25 MP: only our limit
+    assert max(len(b) for b in (big, warned, over)) < 100_000
+    inputs = [
+        _prefill(llava, "count", [tiny_image(0)] * 4),
+        _prefill(llava, "bytes", [tiny_image(0), bytes(200_001)]),
+        _prefill(llava, "big", [tiny_image(0), big]),
+        _prefill(llava, "good", [tiny_image(1)]),
+        _prefill(llava, "warned", [warned]),
+        _prefill(llava, "over", [over]),
+    ]
+    gc.collect()
+    before = rss_mb()
+    start = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = llava.prefill(inputs)
+    elapsed = time.perf_counter() - start
+    growth = rss_mb() - before
+    print(f"\nimage limits: prefill of 6 requests in {elapsed * 1000:.0f} ms, RSS {growth:+.0f} MB")
+    assert not [w for w in caught if "DecompressionBomb" in w.category.__name__]
+    assert set(out.tokens) == {"good"} and set(out.errors) == {r.rid for r in inputs} - {"good"}
+    assert all(e.grpc_code == "INVALID_ARGUMENT" for e in out.errors.values())
+    msg = {rid: str(e) for rid, e in out.errors.items()}
+    assert "4 images exceed the limit of 3" in msg["count"]
+    assert "--max-images-per-request" in msg["count"]
+    assert "image 1 of 200001 bytes exceeds the limit of 200000" in msg["bytes"]
+    assert "image 1" in msg["big"] and "--max-image-pixels" in msg["big"]
+    assert "400000000 pixels" in msg["big"]
+    assert "100000000 pixels" in msg["warned"] and "--max-image-pixels" in msg["warned"]
+    assert "5000x5000 = 25000000 pixels, over the limit of 16777216" in msg["over"]
+    assert elapsed < FAST_S and growth < MAX_RSS_GROWTH_MB
+    llava.release("good")
+
+
+def test_pixel_limit_is_a_setting(llava_dir: Path) -> None:
+    runtime = TargetRuntime(TargetConfig(str(llava_dir), max_image_pixels=20 * 24 - 1))
+    out = runtime.prefill(
+        [_prefill(runtime, "r", [tiny_image(0)]), _prefill(runtime, "s", [tiny_image(1, (16, 16))])]
+    )
+    assert set(out.tokens) == {"s"}
+    assert "24x20 = 480 pixels, over the limit of 479" in str(out.errors["r"])
