@@ -383,3 +383,35 @@ def test_pixel_limit_is_a_setting(llava_dir: Path) -> None:
     )
     assert set(out.tokens) == {"s"}
     assert "24x20 = 480 pixels, over the limit of 479" in str(out.errors["r"])
+
+
+def test_huge_verify_tree_is_refused_before_any_mask(stack) -> None:
+    """A 40 000-node tree (160 KB on the wire) would have cost an n x n mask of 1.6 GB: the
+    size is checked before anything is built, for that request alone, and the stream serves on."""
+    from specmesh.v1 import common_pb2, target_pb2, target_pb2_grpc
+
+    prefill = target_pb2.PrefillRequest(request_id="t", input_ids=[5, 6, 7])
+    prefill.sampling.max_new_tokens = 4
+    n = 40_000
+    tree = common_pb2.DraftTree(tokens=[5] * n, parents=[-1, *range(n - 1)])
+    verify = target_pb2.VerifyBatch(requests=[target_pb2.VerifyRequest(request_id="t", tree=tree)])
+    batches = [
+        target_pb2.TargetStepRequest(
+            batch_id=1, prefill=target_pb2.PrefillBatch(requests=[prefill])
+        ),
+        target_pb2.TargetStepRequest(batch_id=2, verify=verify),
+        target_pb2.TargetStepRequest(
+            batch_id=3, prefill=target_pb2.PrefillBatch(requests=[prefill])
+        ),
+    ]
+    before = rss_mb()
+    with grpc.insecure_channel(f"127.0.0.1:{stack.target.host.port}") as channel:
+        started = time.monotonic()
+        out = list(target_pb2_grpc.TargetStub(channel).Step(iter(batches), timeout=30))
+        elapsed = time.monotonic() - started
+    print(f"40k-node tree refused in {elapsed * 1000:.0f} ms, RSS {rss_mb() - before:+.0f} MB")
+    result = out[1].results[0]
+    assert result.status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "40000 nodes exceeds 64" in result.status.message
+    assert out[2].results[0].token_ids  # the failed request was dropped: its id is free again
+    assert elapsed < 5.0 and rss_mb() - before < 200
