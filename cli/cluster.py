@@ -127,7 +127,7 @@ def spawn_service(
 
 
 def wait_ready(children: list[Child], timeout_s: float, tls: TlsFiles | None = None) -> None:
-    from specmesh.rpc.service_common import check_health
+    from specmesh.rpc.health import check_health
 
     deadline = time.monotonic() + timeout_s
     for child in children:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import sys
 
 from specmesh.cmd_generate import add_spec_args
 from specmesh.draft_service.runtime import DRAFT_KINDS, DraftConfig
@@ -201,13 +200,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_api_key_arg(p, "the router's API key, handed to it in its environment")
     p.set_defaults(run=run_up)
 
-    p = sub.add_parser("health", help="exit 0 when a service reports SERVING")
-    p.add_argument("address", metavar="HOST:PORT")
-    p.add_argument("--service", default="", help='"" = alive; e.g. specmesh.v1.Target = ready')
-    p.add_argument("--timeout", type=float, default=5.0)
-    add_tls_args(p)
-    p.set_defaults(run=run_health)
-
 
 # Per-request limits (README "Limits"): field -> help; each is a flag --max-..., its default the
 # config dataclass's.
@@ -350,14 +342,3 @@ def run_up(args: argparse.Namespace) -> int:
     from specmesh.cluster import run_cluster
 
     return run_cluster(args)
-
-
-def run_health(args: argparse.Namespace) -> int:
-    from specmesh.rpc.service_common import check_health
-
-    ok = check_health(args.address, args.service, args.timeout, tls_from_args(args))
-    print(
-        f"{args.address} {args.service or '(server)'}: {'SERVING' if ok else 'NOT SERVING'}",
-        file=sys.stderr,
-    )
-    return 0 if ok else 1

@@ -16,17 +16,20 @@ COMMANDS = {
     "draft": "specmesh.cmd_serve",
     "router": "specmesh.cmd_serve",
     "up": "specmesh.cmd_serve",
-    "health": "specmesh.cmd_serve",
+    "health": "specmesh.cmd_health",
     "bench": "specmesh.cmd_bench",
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line, or only ``command``'s module when it is known (so a health probe
+    does not import the model stack)."""
     parser = argparse.ArgumentParser(prog="specmesh", description=__doc__)
     parser.add_argument("--log-level", default="WARNING", help="Python logging level")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     seen: set[str] = set()
-    for module_name in dict.fromkeys(COMMANDS.values()):
+    modules = [COMMANDS[command]] if command in COMMANDS else COMMANDS.values()
+    for module_name in dict.fromkeys(modules):
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as e:
@@ -39,7 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(command).parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )

@@ -24,7 +24,6 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from specmesh.rpc.ownership import Ownership, StreamOwner
-from specmesh.rpc.security import TlsFiles, client_channel
 from specmesh.rpc.wire import abort_with, frame, status_pb, step_batches
 from specmesh.runtime.codec import GRPC_MAX_MESSAGE_BYTES, grpc_message_options
 from specmesh.runtime.errors import SpecmeshError
@@ -291,17 +290,3 @@ async def serve_model(
     await servicer.attach(await asyncio.to_thread(load), warm_up)
     log.info("%s ready on port %d", host.service_name, host.port)
     await host.run_until_signal(grace_s)
-
-
-def check_health(
-    address: str, service: str = "", timeout_s: float = 5.0, tls: TlsFiles | None = None
-) -> bool:
-    """True when ``service`` at ``address`` reports SERVING (a blocking probe; over TLS with
-    ``tls``: its CA verifies the server, its certificate is the client certificate)."""
-    with client_channel(address, tls) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        try:
-            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
-        except grpc.RpcError:
-            return False
-    return reply.status == SERVING

@@ -19,7 +19,7 @@ import grpc
 
 from specmesh.client import GenerationClient
 from specmesh.cluster import SERVICES, free_port
-from specmesh.rpc.service_common import check_health
+from specmesh.rpc.health import check_health
 from specmesh.runtime.sampling import SamplingParams
 from specmesh.v1 import common_pb2, draft_pb2_grpc, generation_pb2, target_pb2_grpc
 

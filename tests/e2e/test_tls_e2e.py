@@ -19,8 +19,8 @@ import pytest
 from certs import make_certs
 
 from specmesh.client import GenerationClient
+from specmesh.rpc.health import check_health
 from specmesh.rpc.security import API_KEY_ENV, TlsFiles
-from specmesh.rpc.service_common import check_health
 
 pytestmark = pytest.mark.slow
 

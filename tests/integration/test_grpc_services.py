@@ -32,7 +32,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from specmesh.client import GenerationClient
 from specmesh.draft_service.drafter import SpecParams
 from specmesh.draft_service.runtime import DraftConfig, DraftRuntime, load_draft
-from specmesh.rpc.service_common import check_health
+from specmesh.rpc.health import check_health
 from specmesh.runtime.features import AuxLayers, Feature, FeatureSpec
 from specmesh.runtime.tree import Tree
 from specmesh.target_service.runtime import TargetConfig, TargetRuntime

@@ -34,8 +34,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from specmesh.client import GenerationClient
 from specmesh.draft_service.runtime import DraftConfig, load_draft
+from specmesh.rpc.health import check_health
 from specmesh.rpc.security import TlsFiles, client_channel
-from specmesh.rpc.service_common import ServiceHost, check_health
+from specmesh.rpc.service_common import ServiceHost
 from specmesh.target_service.runtime import TargetConfig, TargetRuntime
 from specmesh.v1 import draft_pb2_grpc, generation_pb2, generation_pb2_grpc, target_pb2_grpc
 

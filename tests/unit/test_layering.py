@@ -59,3 +59,16 @@ def test_grpc_router_does_not_import_the_model_stack() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_health_probe_imports_no_torch() -> None:
+    """``specmesh health`` is what Kubernetes and compose run as an exec probe, every few seconds."""
+    code = (
+        "import sys\n"
+        "from specmesh.main import build_parser\n"
+        "args = build_parser('health').parse_args(['health', '127.0.0.1:1'])\n"
+        "args.run(args)\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert out.stdout.strip() == "False", out.stderr
