@@ -26,6 +26,16 @@ class Phase(Enum):
     FINISHED = "finished"
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One token's log-probability under the target's processed distribution, with the top
+    alternatives asked for (``SamplingParams.logprobs`` / ``prompt_logprobs``)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most probable first
+
+
 @dataclass
 class Chunk:
     """What one emission adds for the client."""
@@ -33,6 +43,9 @@ class Chunk:
     token_ids: list[int]
     text: str
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when asked for
+    # With the first chunk, when asked for: one per prompt token (None for the first).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass

@@ -27,6 +27,18 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Controls applied to the target's logits before sampling, per tree path under speculation
+    # (the tokens before each node count): vLLM / OpenAI semantics.
+    min_p: float = 0.0  # drop tokens below min_p x the top probability; 0 = off
+    repetition_penalty: float = 1.0  # >1 divides positive / multiplies negative logits of seen ids
+    frequency_penalty: float = 0.0  # logit -= f x count of the id among generated tokens
+    presence_penalty: float = 0.0  # logit -= p if the id occurs among generated tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    min_tokens: int = 0  # EOS and stop token ids are impossible before this many tokens
+    # Log-probabilities returned with each output token under the target's processed
+    # distribution: None = none, 0 = the chosen token's, k = it plus the top k alternatives.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first
     extra: dict = field(default_factory=dict, compare=False)
 
     def validate(self) -> None:
