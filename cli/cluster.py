@@ -1,8 +1,9 @@
 """``specmesh up``: target(s), draft and router as child processes on this machine.
 
 Each child is ``python -m specmesh <service>`` on a free loopback port. The manager waits until
-every child reports ready through ``grpc.health.v1`` (its service name SERVING), prints one line
-``specmesh router ready on HOST:PORT``, then watches: Ctrl-C or SIGTERM stops every child
+every child reports ready through ``grpc.health.v1`` (its service name SERVING), prints
+``specmesh router ready on HOST:PORT`` and (unless ``--no-http``) ``specmesh http ready on
+http://HOST:PORT`` (the OpenAI-compatible API, `--http-port`), then watches: Ctrl-C or SIGTERM stops every child
 (SIGTERM, a grace period, then SIGKILL), and so does any child exiting on its own.
 
 With ``--tls-*`` every child gets the same files (so the certificate needs serverAuth and
@@ -69,9 +70,16 @@ def run_cluster(args: argparse.Namespace) -> int:
         router = ["--target", ",".join(targets), "--draft", ",".join(drafts), "--threads", "1"]
         router += ["--tokenizer", models.target]  # services report model names, not paths
         env = {**os.environ, API_KEY_ENV: api_key or ""}
+        http_port = None if args.no_http else _http_port(args.host, args.http_port)
+        if http_port is not None:
+            router += ["--http-port", str(http_port)]
+        router += ["--chat-template", args.chat_template] if args.chat_template else []
         spawn("router", router, host=args.host, port=port, env=env)
         wait_ready(children, args.ready_timeout, tls)
         print(f"specmesh router ready on {args.host}:{port}", flush=True)
+        if http_port is not None:  # the router serves HTTP before it reports ready
+            scheme = "https" if tls and tls.cert_file else "http"
+            print(f"specmesh http ready on {scheme}://{args.host}:{http_port}", flush=True)
         return _watch(children)
     except KeyboardInterrupt:
         return 0
@@ -82,6 +90,18 @@ def run_cluster(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the stop
         stop_all(children)
         signal.signal(signal.SIGTERM, previous)
+
+
+def _http_port(host: str, port: int) -> int:
+    """``port``, or a free one when it is 0 or taken (the default 8000 often is)."""
+    if port:
+        try:
+            with socket.socket() as s:
+                s.bind((host, port))
+            return port
+        except OSError:
+            print(f"specmesh up: HTTP port {port} is taken, using a free one", file=sys.stderr)
+    return free_port(host)
 
 
 def model_threads(num_model_services: int) -> int:

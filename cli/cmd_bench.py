@@ -70,6 +70,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--quick", action="store_true", help="few prompts and tokens (CI smoke run)")
     p.add_argument(
+        "--http",
+        metavar="URL",
+        help="only drive this OpenAI-compatible server's /v1/completions (e.g. "
+        "http://127.0.0.1:8000) with the same workload and batch sizes; reports tokens/s "
+        "(API key: SPECMESH_API_KEY)",
+    )
+    p.add_argument(
         "--out", default="bench_results", metavar="DIR", help="output folder (or a .json file path)"
     )
     p.set_defaults(run=run)
@@ -137,6 +144,8 @@ def run(args: argparse.Namespace) -> int:
     from specmesh.bench import report, schema
     from specmesh.bench.session import run_bench
 
+    if args.http:
+        return run_http_mode(args)
     results = run_bench(settings_from_args(args))
     out = Path(args.out)
     json_path = out if out.suffix == ".json" else out / "results.json"
@@ -147,4 +156,33 @@ def run(args: argparse.Namespace) -> int:
     missing = schema.check(results)
     if missing:
         raise ValueError(f"results are missing fields: {', '.join(missing[:10])}")
+    return 0
+
+
+def run_http_mode(args: argparse.Namespace) -> int:
+    """``--http URL``: the first workload's prompts (this --target-model's tokenizer) at each
+    batch size and temperature, through the server's /v1/completions."""
+    import os
+
+    from specmesh.bench.http_client import format_results, run_http
+    from specmesh.bench.workloads import load_workload
+    from specmesh.defaults import resolve_models
+    from specmesh.runtime.tokenizer import load_tokenizer
+
+    base = QUICK if args.quick else FULL
+    pick = lambda name: base[name] if getattr(args, name) is None else getattr(args, name)
+    batches = _ints(pick("batch_sizes"), "--batch-sizes")
+    tokenizer = load_tokenizer(resolve_models(args.target_model, None, None).target)
+    name = args.workloads.split(",")[0].strip()
+    num = max(max(batches), pick("min_requests"))
+    workload = load_workload(name, tokenizer, num, pick("prompt_len"))
+    key = os.environ.get("SPECMESH_API_KEY")
+    for temperature in (float(t) for t in args.temperatures.split(",") if t.strip()):
+        results = [
+            run_http(args.http, workload.prompts[: max(b, pick("min_requests"))],
+                     pick("max_new_tokens"), b, temperature, key)
+            for b in batches
+        ]  # fmt: skip
+        print(f"workload {name}, temperature {temperature}")
+        print(format_results(args.http.rstrip("/"), results))
     return 0

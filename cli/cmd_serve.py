@@ -15,6 +15,7 @@ from specmesh.cmd_generate import add_spec_args
 from specmesh.draft_service.runtime import DRAFT_KINDS, DraftConfig
 from specmesh.router.core import RouterConfig
 from specmesh.router.limits import RouterLimits
+from specmesh.rpc.metrics import add_metrics_port_arg
 from specmesh.rpc.security import add_api_key_arg, add_tls_args, api_key_from_args, tls_from_args
 from specmesh.runtime.codec import GRPC_MAX_MESSAGE_BYTES
 from specmesh.target_service.runtime import TargetConfig
@@ -114,6 +115,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "(other sizes run eagerly)",
     )
     _add_limit_args(p, TargetConfig, IMAGE_LIMITS)
+    add_metrics_port_arg(p)
     p.set_defaults(run=run_target)
 
     p = sub.add_parser("draft", help="serve a draft model (specmesh.v1.Draft)")
@@ -128,6 +130,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_spec_args(p)
     add_listen_args(p, PORTS["draft"])
     add_runtime_args(p, DraftConfig)
+    add_metrics_port_arg(p)
     p.set_defaults(run=run_draft)
 
     p = sub.add_parser("router", help="serve the public API (specmesh.v1.Generation)")
@@ -175,6 +178,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     _add_limit_args(p, RouterLimits, ROUTER_LIMITS)
     add_listen_args(p, PORTS["router"])
     add_api_key_arg(p, "clients of specmesh.v1.Generation must send 'authorization: Bearer KEY'")
+    add_http_args(p, None)
     p.set_defaults(run=run_router)
 
     p = sub.add_parser("up", help="start target(s), draft and router here; Ctrl-C stops them")
@@ -198,7 +202,28 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     add_tls_args(p)  # one certificate for every service (serverAuth + clientAuth) and its CA
     add_api_key_arg(p, "the router's API key, handed to it in its environment")
+    add_http_args(p, HTTP_PORT)
+    p.add_argument("--no-http", action="store_true", help="no OpenAI-compatible HTTP API")
     p.set_defaults(run=run_up)
+
+
+HTTP_PORT = 8000  # `specmesh up`'s OpenAI-compatible HTTP API (a free port when it is taken)
+
+
+def add_http_args(p: argparse.ArgumentParser, default_port: int | None) -> None:
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=default_port,
+        help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions) on "
+        "this port of --host (0: any free port; same TLS files and API key as gRPC)"
+        + ("" if default_port is None else f"; default {default_port}, or a free port if taken"),
+    )
+    p.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        help="Jinja chat template for /v1/chat/completions (default: the tokenizer's own)",
+    )
 
 
 # Per-request limits (README "Limits"): field -> help; each is a flag --max-..., its default the
@@ -270,6 +295,7 @@ def run_target(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         servicer = server.make_servicer(_address(args), args.max_message_mb << 20)
+        servicer.metrics.serve(args.metrics_port or None, args.host)
         add = target_pb2_grpc.add_TargetServicer_to_server
         await serve_model(
             servicer, add, load, server.warm_up, grace_s=args.grace, credentials=credentials
@@ -294,6 +320,7 @@ def run_draft(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         servicer = server.make_servicer(_address(args), args.max_message_mb << 20)
+        servicer.metrics.serve(args.metrics_port or None, args.host)
         add = draft_pb2_grpc.add_DraftServicer_to_server
         load = lambda: load_draft(cfg)
         await serve_model(servicer, add, load, None, grace_s=args.grace, credentials=credentials)
@@ -331,6 +358,8 @@ def run_router(args: argparse.Namespace) -> int:
         tls=tls_from_args(args),
         api_key=api_key_from_args(args),
         limits=RouterLimits(**{name: getattr(args, name) for name in ROUTER_LIMITS}),
+        http_address=None if args.http_port is None else f"{args.host}:{args.http_port}",
+        chat_template=args.chat_template,
     )
     if not settings.targets:
         raise ValueError("--target needs at least one HOST:PORT")

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from specmesh.router.clients import DraftClient, TargetClient, TargetInfo
 from specmesh.router.faults import StepDeadline
 from specmesh.router.limits import check_stop_rules
+from specmesh.router.metrics import RouterMetrics
 from specmesh.router.placement import Balancer
 from specmesh.router.request import Chunk, Phase, Request
 from specmesh.router.round import RoundRunner
@@ -85,6 +86,7 @@ class RouterCore:
         self.streams: dict[str, asyncio.Queue] = {}
         self.requests: dict[str, Request] = {}
         self.rounds = RoundRunner(self)
+        self.metrics = RouterMetrics(self)  # records into the process's `metrics.REGISTRY`
         self._workers: list[asyncio.Task] = []
 
     @property
@@ -148,6 +150,7 @@ class RouterCore:
         finally:
             if not req.finished:
                 req.abort()  # the worker that runs it sees this and has it leave
+            self.metrics.on_finish(req)
             self.streams.pop(req.rid, None)
             self.requests.pop(req.rid, None)
 

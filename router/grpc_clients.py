@@ -27,6 +27,7 @@ from specmesh.rpc.service_common import channel_options
 from specmesh.rpc.wire import (
     error_from_rpc,
     error_from_status,
+    logprobs_from_pb,
     needs_from_pb,
     needs_to_pb,
     sampling_to_pb,
@@ -39,7 +40,7 @@ from specmesh.runtime.codec import (
 from specmesh.runtime.errors import ServiceDownError
 from specmesh.runtime.features import FeatureSpec
 from specmesh.runtime.tree import Tree
-from specmesh.target_service.steps import PrefillInput, StepOutput, VerifyInput
+from specmesh.target_service.steps import Logprob, PrefillInput, StepOutput, VerifyInput
 from specmesh.v1 import (
     common_pb2,
     draft_pb2,
@@ -187,6 +188,10 @@ class GrpcTargetClient(_GrpcClient):
                 out.tokens[rid], out.row_counts[rid] = list(result.token_ids), rows
                 if result.prompt_ids:
                     out.prompt_ids[rid] = list(result.prompt_ids)
+                if result.logprobs:
+                    out.logprobs[rid] = logprobs_from_pb(result.logprobs, Logprob)
+                if result.prompt_logprobs:
+                    out.prompt_logprobs[rid] = logprobs_from_pb(result.prompt_logprobs, Logprob)
         return out
 
 

@@ -85,8 +85,16 @@ class Request:
     def mean_accept_len(self) -> float:
         return sum(self.accept_lens) / len(self.accept_lens) if self.accept_lens else 0.0
 
-    def emit(self, tokens: list[int], *, accepted_round: bool = False) -> Chunk:
-        """Append the tokens a step produced, stopping at the first stop condition.
+    def emit(
+        self,
+        tokens: list[int],
+        *,
+        accepted_round: bool = False,
+        logprobs: list[TokenLogprob] | None = None,
+        prompt_logprobs: list[TokenLogprob | None] | None = None,
+    ) -> Chunk:
+        """Append the tokens a step produced, stopping at the first stop condition; their
+        ``logprobs`` (one per token) are cut at the same place.
 
         Text is held back by ``len(longest stop string) - 1`` characters until the request
         finishes, so a stop string that spans two steps is never partly streamed.
@@ -121,7 +129,8 @@ class Request:
         visible = max(len(self.text), len(self._full_text) - holdback)
         new_text = self._full_text[len(self.text) : visible]
         self.text += new_text
-        return Chunk(new_ids, new_text, self.finish_reason)
+        kept = None if logprobs is None else logprobs[: len(new_ids)]
+        return Chunk(new_ids, new_text, self.finish_reason, kept, prompt_logprobs)
 
     def _stop_string_index(self, start: int) -> int | None:
         """Where the earliest stop string starts in the text, if one occurs at or after

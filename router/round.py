@@ -21,20 +21,22 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
 
 from specmesh.draft_service.steps import ExtendInput
-from specmesh.router.request import Request
+from specmesh.router.request import Request, TokenLogprob
 from specmesh.runtime.errors import (
     KVCacheFullError,
     ServiceDownError,
     SpecmeshError,
     UnknownRequestError,
 )
+from specmesh.runtime.sampling import SamplingParams
 from specmesh.runtime.tree import Tree
-from specmesh.target_service.steps import PrefillInput, StepOutput, VerifyInput
+from specmesh.target_service.steps import Logprob, PrefillInput, StepOutput, VerifyInput
 
 if TYPE_CHECKING:
     from specmesh.router.core import RouterCore
@@ -59,16 +61,20 @@ class RoundRunner:
         """verify -> emit -> propose, for requests pinned to one target."""
         roots = {r.rid: r.output_ids[-1] for r in reqs}
         trees = [VerifyInput(r.rid, r.tree or Tree.chain([roots[r.rid]])) for r in reqs]
-        out = await self._target(reqs, lambda target: target.verify(trees))
+        verify = self.core.metrics.timed_target(lambda target: target.verify(trees))
+        out = await self._target(reqs, verify)
         if out is not None:
             live = await self._emit(reqs, out, accepted_round=True)
+            self.core.metrics.on_round(reqs, trees, out)
             await self._propose(
                 live, out, lambda r: [roots[r.rid], *out.tokens[r.rid][:-1]], new=False
             )
 
     async def _prefill(self, reqs: list[Request]) -> None:
         inputs = [
-            PrefillInput(r.rid, r.context_ids(), r.params, r.num_generated, images=r.images)
+            PrefillInput(
+                r.rid, r.context_ids(), _prefill_params(r), r.num_generated, images=r.images
+            )
             for r in reqs
         ]
         out = await self._target(reqs, lambda target: target.prefill(inputs))
@@ -94,6 +100,7 @@ class RoundRunner:
     async def _on_target_down(self, reqs: list[Request], error: ServiceDownError) -> None:
         """Replay each request on another replica, up to ``max_replays`` times."""
         self.core.replicas.breakers[reqs[0].placement.target.name].record_failure()
+        self.core.metrics.on_target_down(reqs)
         for r in reqs:
             r.replays += 1
             if r.replays > self.core.cfg.max_replays:
@@ -108,7 +115,12 @@ class RoundRunner:
             if r.rid in out.errors:
                 await self._on_target_error(r, out.errors[r.rid])
             elif not r.finished:  # an abort while the step ran: the worker retires it
-                chunk = r.emit(out.tokens[r.rid], accepted_round=accepted_round)
+                chunk = r.emit(
+                    out.tokens[r.rid],
+                    accepted_round=accepted_round,
+                    logprobs=_logprobs(out.logprobs.get(r.rid)),
+                    prompt_logprobs=_prompt_logprobs(out.prompt_logprobs.get(r.rid)),
+                )
                 if r.finished:  # free the state before the client hears the end
                     await self.core.leave(r)
                 self.core.push(r, chunk)
@@ -154,11 +166,13 @@ class RoundRunner:
             log.warning("draft %s failed (%s: %s); continuing without speculation",
                         draft.name, type(e).__name__, e)  # fmt: skip
             breaker.record_failure()
+            self.core.metrics.on_draft_failure(draft.name)
             for r, _ in group:  # undo work it may still do for them (a late answer is dropped)
                 await self.core.drop_draft(r, release=True)
             return
         breaker.record_success()
         deadline.observe(time.monotonic() - started)
+        self.core.metrics.on_draft_step(draft.name, time.monotonic() - started)
         for r, _ in group:
             if r.rid in res.trees:
                 r.tree = res.trees[r.rid]
@@ -171,6 +185,25 @@ class RoundRunner:
         if not isinstance(error, UnknownRequestError):
             r.speculate = False
         await self.core.drop_draft(r, release=False)
+
+
+def _prefill_params(r: Request) -> SamplingParams:
+    """A request's params for a prefill: prompt logprobs only until they were sent (a replay
+    after tokens were emitted, which came with them, does not ask again)."""
+    if r.params.prompt_logprobs is None or r.num_generated == 0:
+        return r.params
+    return replace(r.params, prompt_logprobs=None)
+
+
+def _logprobs(entries: list[Logprob] | None) -> list[TokenLogprob] | None:
+    return (
+        None if entries is None else [TokenLogprob(e.token_id, e.logprob, e.top) for e in entries]
+    )
+
+
+def _prompt_logprobs(entries: list[Logprob] | None) -> list[TokenLogprob | None] | None:
+    """The target sends one per prompt token after the first; the first token has none."""
+    return None if entries is None else [None, *_logprobs(entries)]
 
 
 def _by_target(reqs: list[Request]) -> list[list[Request]]:

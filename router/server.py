@@ -34,9 +34,10 @@ from specmesh.router.request import Chunk, Request
 from specmesh.rpc.malformed import add_servicer
 from specmesh.rpc.security import TlsFiles, api_key_interceptors, model_name
 from specmesh.rpc.service_common import ServiceHost
-from specmesh.rpc.wire import abort_with, sampling_from_pb
+from specmesh.rpc.wire import abort_with, logprobs_to_pb, sampling_from_pb
 from specmesh.runtime.codec import GRPC_MAX_MESSAGE_BYTES
 from specmesh.runtime.errors import InvalidRequestError, SpecmeshError
+from specmesh.runtime.sampling import SamplingParams
 from specmesh.runtime.tokenizer import load_tokenizer, resolve_seed
 from specmesh.v1 import generation_pb2, generation_pb2_grpc
 
@@ -63,6 +64,10 @@ class RouterSettings:
     tls: TlsFiles | None = None
     api_key: str | None = None  # required from Generation callers; health stays open
     limits: RouterLimits = field(default_factory=RouterLimits)  # per request, before any work
+    # OpenAI-compatible HTTP API (`specmesh.router.openai_api`) beside the gRPC port: HOST:PORT
+    # (port 0: any free one), None = off. Same TLS certificate and API key as the gRPC port.
+    http_address: str | None = None
+    chat_template: str | None = None  # Jinja file; default: the tokenizer's own chat template
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
@@ -118,9 +123,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             )
         return self.core
 
-    async def _make_request(self, core: RouterCore, msg: generation_pb2.GenerateRequest) -> Request:
+    async def _make_request(
+        self,
+        core: RouterCore,
+        msg: generation_pb2.GenerateRequest,
+        params: SamplingParams | None = None,
+    ) -> Request:
         """Every limit first, from sizes alone (`specmesh.router.limits`); then sampling values
-        and stop rules; then the tokenizer, off the event loop; then the request."""
+        and stop rules; then the tokenizer, off the event loop; then the request.
+
+        ``params``: sampling values the message cannot carry (the OpenAI HTTP API builds them
+        from its JSON, `specmesh.router.openai_api`); by default they come from ``msg.sampling``.
+        """
         if bool(msg.prompt) == bool(msg.prompt_token_ids):
             raise InvalidRequestError("set exactly one of prompt and prompt_token_ids")
         rid = msg.request_id or uuid.uuid4().hex
@@ -133,7 +147,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             raise PreconditionError(
                 "the router has no tokenizer (--tokenizer); send prompt_token_ids"
             )
-        params = sampling_from_pb(msg.sampling, self.settings.max_new_tokens)
+        if params is None:
+            params = sampling_from_pb(msg.sampling, self.settings.max_new_tokens)
+        params.validate()
         check_stop_rules(params, core.info.vocab_size)
         if msg.prompt_token_ids:
             ids = list(msg.prompt_token_ids)
@@ -166,6 +182,8 @@ def _response(req: Request, chunk: Chunk) -> generation_pb2.GenerateResponse:
         token_ids=chunk.token_ids,
         text=chunk.text,
         finish_reason=chunk.finish_reason or "",
+        logprobs=logprobs_to_pb(chunk.logprobs or []),
+        prompt_logprobs=logprobs_to_pb([e for e in chunk.prompt_logprobs or [] if e is not None]),
     )
     if chunk.finish_reason is not None:
         now = time.monotonic()
@@ -210,14 +228,25 @@ class RouterService:
             for i, a in enumerate(settings.drafts)
         ]
         self.core: RouterCore | None = None
+        self.http = None  # the OpenAI-compatible HTTP front, when settings.http_address is set
+        if settings.http_address is not None:
+            from specmesh.router.openai_api import HttpFront
+
+            self.http = HttpFront(self.servicer, settings)
 
     @property
     def port(self) -> int:
         return self.host.port
 
+    @property
+    def http_port(self) -> int:
+        return self.http.port if self.http is not None else 0
+
     async def start(self) -> None:
         tls = self.settings.tls
         await self.host.start(tls.server_credentials(require_client_auth=False) if tls else None)
+        if self.http is not None:
+            await self.http.start()  # answers 503 until the services answered
         timeout = self.settings.connect_timeout_s
         await asyncio.gather(*(c.connect(timeout) for c in [*self.targets, *self.drafts]))
         _check_compatible(self.targets, self.drafts)
@@ -232,6 +261,8 @@ class RouterService:
         await self.close()
 
     async def close(self) -> None:
+        if self.http is not None:
+            await self.http.stop()
         if self.core is not None:
             await self.core.stop()
         for client in [*self.targets, *self.drafts]:

@@ -23,6 +23,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from specmesh.rpc.metrics import ServiceMetrics
 from specmesh.rpc.ownership import Ownership, StreamOwner
 from specmesh.rpc.wire import abort_with, frame, status_pb, step_batches
 from specmesh.runtime.codec import GRPC_MAX_MESSAGE_BYTES, grpc_message_options
@@ -170,6 +171,7 @@ class ModelServicer:
         self.runtime = None  # set by `attach` once weights are loaded and warmed up
         self.owners = Ownership()
         self.worker = ThreadPoolExecutor(1, thread_name_prefix=host.service_name)
+        self.metrics = ServiceMetrics(self)  # its own registry; served with --metrics-port
 
     async def attach(self, runtime, warm_up=None) -> None:
         if warm_up is not None:
@@ -207,7 +209,8 @@ class ModelServicer:
         try:
             async for chunks in step_batches(request_iterator, context):
                 async with self.host.work(context):
-                    answer = await self._submit(self._answer, runtime, stream, chunks)
+                    timed = self.metrics.timed(self._answer)
+                    answer = await self._submit(timed, runtime, stream, chunks)
                 if isinstance(answer, StreamRefusedError):
                     await abort_with(context, answer)
                 for msg in frame(answer, chunks[0].batch_id):

@@ -139,6 +139,14 @@ def sampling_from_pb(msg: generation_pb2.SamplingParams, default_max_new: int) -
         stop=tuple(msg.stop),
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
+        min_p=msg.min_p,
+        repetition_penalty=msg.repetition_penalty or 1.0,
+        frequency_penalty=msg.frequency_penalty,
+        presence_penalty=msg.presence_penalty,
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
+        min_tokens=msg.min_tokens,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
     )
     params.validate()
     return params
@@ -154,7 +162,34 @@ def sampling_to_pb(params: SamplingParams) -> generation_pb2.SamplingParams:
         stop=list(params.stop),
         stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
+        min_p=params.min_p,
+        repetition_penalty=params.repetition_penalty,
+        frequency_penalty=params.frequency_penalty,
+        presence_penalty=params.presence_penalty,
+        logit_bias=dict(params.logit_bias),
+        min_tokens=params.min_tokens,
+        logprobs=params.logprobs,
+        prompt_logprobs=params.prompt_logprobs,
     )
+
+
+def logprobs_to_pb(entries) -> list[generation_pb2.TokenLogprob]:
+    """Any objects with ``token_id``, ``logprob`` and ``top`` ((id, logprob) pairs) -> wire."""
+    return [
+        generation_pb2.TokenLogprob(
+            token_id=e.token_id,
+            logprob=e.logprob,
+            top=[generation_pb2.TopLogprob(token_id=t, logprob=v) for t, v in e.top],
+        )
+        for e in entries
+    ]
+
+
+def logprobs_from_pb(msgs, make) -> list:
+    """Wire -> ``make(token_id, logprob, top)`` per entry (the caller's dataclass)."""
+    return [
+        make(m.token_id, m.logprob, tuple((t.token_id, t.logprob) for t in m.top)) for m in msgs
+    ]
 
 
 # -- features ----------------------------------------------------------------------------------

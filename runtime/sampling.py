@@ -8,6 +8,7 @@ the tree sampler uses for its final token.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -15,6 +16,7 @@ import torch
 from specmesh.runtime.errors import InvalidRequestError
 
 _MIX = 0x9E3779B97F4A7C15
+MAX_LOGPROBS = 20  # most alternatives a request may ask for per token
 
 
 @dataclass(frozen=True)
@@ -41,7 +43,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
     extra: dict = field(default_factory=dict, compare=False)
 
-    def validate(self) -> None:
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Range checks; ``vocab_size`` (where known) bounds the logit_bias ids."""
         if self.max_new_tokens < 1:
             raise InvalidRequestError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not 0.0 <= self.temperature <= 100.0:
@@ -52,6 +55,44 @@ class SamplingParams:
             raise InvalidRequestError(f"top_k must be >= 0, got {self.top_k}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise InvalidRequestError(f"seed must be in [0, 2**63), got {self.seed}")
+        self._validate_controls(vocab_size)
+
+    def _validate_controls(self, vocab_size: int | None) -> None:
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not 0.0 < self.repetition_penalty <= 100.0:
+            raise InvalidRequestError(
+                f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}"
+            )
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise InvalidRequestError(
+                f"min_tokens must be in [0, max_new_tokens={self.max_new_tokens}], "
+                f"got {self.min_tokens}"
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            if n is not None and not 0 <= n <= MAX_LOGPROBS:
+                raise InvalidRequestError(f"{name} must be in [0, {MAX_LOGPROBS}], got {n}")
+        limit = vocab_size if vocab_size is not None else 2**31
+        bad = [(t, b) for t, b in self.logit_bias if not (0 <= t < limit and -100 <= b <= 100)]
+        if bad:
+            raise InvalidRequestError(
+                f"logit_bias needs token ids in [0, {limit}) and biases in [-100, 100]: {bad[:5]}"
+            )
+
+    @property
+    def uses_history(self) -> bool:
+        """Whether the logits are processed with the tokens so far (`TokenHistory`)."""
+        return bool(
+            self.logit_bias
+            or self.repetition_penalty != 1.0
+            or self.frequency_penalty
+            or self.presence_penalty
+            or self.min_tokens
+        )
 
     @property
     def greedy(self) -> bool:
@@ -67,11 +108,95 @@ def uniforms(seed: int, offset: int, n: int) -> torch.Tensor:
     return torch.rand(n, generator=request_generator(seed, offset))
 
 
-def processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Temperature, then top-k, then top-p, per row; returns fp32 probabilities ``[rows, vocab]``.
-    Rows with greedy params become one-hot on the argmax. Batched over rows (a few kernels for
-    the whole batch; each row's result depends on that row alone: sorts are stable)."""
-    logits = logits.float()
+@dataclass
+class TokenHistory:
+    """The tokens so far that a request's logit processors read; kept (by the target) only for
+    requests that use them (`SamplingParams.uses_history`). How many were generated is the
+    request's sample offset, passed beside it."""
+
+    seen: set[int]  # every id in prompt + output (repetition_penalty)
+    output_counts: Counter  # id -> occurrences among generated tokens (frequency / presence)
+    stop_ids: frozenset[int]  # EOS (unless ignore_eos) + stop_token_ids: banned before min_tokens
+
+    @staticmethod
+    def start(
+        prompt: list[int], output: list[int], params: SamplingParams, eos_ids: tuple[int, ...]
+    ) -> TokenHistory:
+        stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
+        return TokenHistory(set(prompt) | set(output), Counter(output), frozenset(stop))
+
+    def add(self, tokens: list[int]) -> None:
+        self.seen.update(tokens)
+        self.output_counts.update(tokens)
+
+    def extended(self, tokens: list[int]) -> TokenHistory:
+        """A copy with ``tokens`` generated after these (a tree node's path)."""
+        out = TokenHistory(set(self.seen), Counter(self.output_counts), self.stop_ids)
+        out.add(tokens)
+        return out
+
+
+def apply_history(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    histories: list[TokenHistory | None] | None,
+    num_generated: list[int] | None,
+) -> torch.Tensor:
+    """The logit processors that read the tokens so far, per row with a history, in vLLM's
+    order: logit_bias; repetition_penalty over prompt + output (positive logits divided, others
+    multiplied); ``frequency * count + presence`` subtracted per generated id; EOS and stop ids
+    at -inf while fewer than min_tokens were generated. Returns ``logits`` itself when no row
+    has a history, else new fp32 logits ``[rows, vocab]``."""
+    rows = [r for r, h in enumerate(histories or []) if h is not None and params[r].uses_history]
+    if not rows:
+        return logits
+    bias, rep, pen, ban = ([], [], []), ([], [], []), ([], [], []), ([], [])
+    for r in rows:
+        p, h = params[r], histories[r]
+        for tok, b in p.logit_bias:
+            _extend(bias, r, [tok], [b])
+        if p.repetition_penalty != 1.0:
+            _extend(rep, r, list(h.seen), [p.repetition_penalty] * len(h.seen))
+        if p.frequency_penalty or p.presence_penalty:
+            ids = list(h.output_counts)
+            amounts = [p.frequency_penalty * h.output_counts[t] + p.presence_penalty for t in ids]
+            _extend(pen, r, ids, amounts)
+        if num_generated[r] < p.min_tokens:
+            _extend(ban, r, list(h.stop_ids))
+    x = logits.float().clone()
+    dev = x.device
+    as_t = lambda xs, dtype=torch.int64: torch.tensor(xs, dtype=dtype, device=dev)
+    if bias[0]:
+        x.index_put_((as_t(bias[0]), as_t(bias[1])), as_t(bias[2], torch.float32), accumulate=True)
+    if rep[0]:
+        at = (as_t(rep[0]), as_t(rep[1]))
+        v, penalty = x[at], as_t(rep[2], torch.float32)
+        x[at] = torch.where(v > 0, v / penalty, v * penalty)
+    if pen[0]:
+        x.index_put_((as_t(pen[0]), as_t(pen[1])), -as_t(pen[2], torch.float32), accumulate=True)
+    if ban[0]:
+        x[as_t(ban[0]), as_t(ban[1])] = float("-inf")
+    return x
+
+
+def _extend(cols: tuple[list, ...], row: int, ids: list[int], *values: list) -> None:
+    cols[0].extend([row] * len(ids))
+    cols[1].extend(ids)
+    for col, vals in zip(cols[2:], values, strict=True):
+        col.extend(vals)
+
+
+def processed_probs(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    histories: list[TokenHistory | None] | None = None,
+    num_generated: list[int] | None = None,
+) -> torch.Tensor:
+    """`apply_history`, then temperature, top-k, top-p and min_p, per row; returns fp32
+    probabilities ``[rows, vocab]``. Rows with greedy params become one-hot on the argmax.
+    Batched over rows (a few kernels for the whole batch; each row's result depends on that
+    row alone: sorts are stable)."""
+    logits = apply_history(logits, params, histories, num_generated).float()
     vocab = logits.shape[-1]
     dev = logits.device
     col = lambda values, dtype=torch.float32: torch.tensor(values, dtype=dtype, device=dev)[:, None]
@@ -88,10 +213,31 @@ def processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
         drop = (sorted_p.cumsum(-1) - sorted_p >= top_p) & (top_p < 1.0)
         cut = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
         probs = torch.where(top_p < 1.0, cut / cut.sum(-1, keepdim=True), probs)
+    if any(p.min_p > 0.0 for p in params):
+        min_p = col([p.min_p for p in params])
+        cut = probs.masked_fill(probs < min_p * probs.max(-1, keepdim=True).values, 0.0)
+        probs = torch.where(min_p > 0.0, cut / cut.sum(-1, keepdim=True), probs)
     if not any(p.greedy for p in params):
         return probs
     greedy = col([p.greedy for p in params], torch.bool)
     return torch.where(greedy, torch.nn.functional.one_hot(logits.argmax(-1), vocab).float(), probs)
+
+
+def processed_logprobs(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    histories: list[TokenHistory | None] | None = None,
+    num_generated: list[int] | None = None,
+) -> torch.Tensor:
+    """Log-probabilities ``[rows, vocab]`` fp32 of the distribution each row samples from:
+    greedy rows the log-softmax of the processed logits (temperature 1), the others the log of
+    `processed_probs` (-inf where top-k / top-p / min_p removed a token)."""
+    x = apply_history(logits, params, histories, num_generated).float()
+    out = torch.log_softmax(x, -1)
+    rows = [r for r, p in enumerate(params) if not p.greedy]
+    if rows:
+        out[rows] = processed_probs(x[rows], [params[r] for r in rows]).log()
+    return out
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -103,10 +249,15 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def sample_tokens(
-    logits: torch.Tensor, params: list[SamplingParams], offsets: list[int]
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    offsets: list[int],
+    histories: list[TokenHistory | None] | None = None,
 ) -> torch.Tensor:
-    """One token per row of ``logits`` ``[rows, vocab]``: greedy rows by argmax, others by
-    inverse CDF with the request's own uniform."""
+    """One token per row of ``logits`` ``[rows, vocab]``: greedy rows by argmax of the processed
+    logits, others by inverse CDF with the request's own uniform. ``offsets`` (tokens generated
+    so far) seed the draws and drive min_tokens."""
+    logits = apply_history(logits, params, histories, offsets)
     tokens = logits.argmax(-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:

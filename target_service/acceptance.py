@@ -1,26 +1,47 @@
-"""Which draft tokens the target accepts: pad every request's tree to one shape, then run the
+"""Which draft tokens the target accepts: pad every request's tree to one shape, process each
+node's logits (the tokens before a node count: per-node history for penalties), then run the
 greedy or the lossless sampling tree verifier (`specmesh.kernels.tree_verify`)."""
 
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from specmesh.kernels.tree_verify import TreeVerifyResult, verify_tree_greedy, verify_tree_sampling
-from specmesh.runtime.sampling import processed_probs, uniforms
+from specmesh.runtime.sampling import (
+    TokenHistory,
+    apply_history,
+    processed_logprobs,
+    processed_probs,
+    uniforms,
+)
 
 if TYPE_CHECKING:
-    from specmesh.target_service.steps import VerifyInput
+    from specmesh.target_service.runtime import _Verify
+
+
+@dataclass
+class Acceptance:
+    result: TreeVerifyResult
+    # When a request asks for logprobs: per node, the log-probabilities of the distribution the
+    # token after that node is drawn from (the same the verifier used). [bs, n_max, vocab] fp32
+    logprobs: torch.Tensor | None = None
 
 
 def accept_trees(
-    inputs: list[VerifyInput], logits: torch.Tensor, n_max: int, impl: str = "torch"
-) -> TreeVerifyResult:
+    inputs: list[_Verify], logits: torch.Tensor, n_max: int, impl: str = "torch"
+) -> Acceptance:
     """Accept a path of every request's tree: greedy when every request is greedy, else by
     lossless tree sampling with each request's own uniforms (seed, generation offset). ``impl``
-    picks the verifier kernel (`specmesh.kernels.common.kernel_impl`)."""
+    picks the verifier kernel (`specmesh.kernels.common.kernel_impl`).
+
+    Node i's logits predict the token after it, so its processors read the request's history
+    plus the path root..i (the root, the pending token, is already in the history) and count
+    ``sample_offset + depth(i)`` generated tokens: exactly what plain decoding would see had it
+    emitted that path, so verification stays lossless."""
     bs = len(inputs)
     tokens = torch.zeros(bs, n_max, dtype=torch.int64)
     first_child = torch.full((bs, n_max), -1, dtype=torch.int64)
@@ -35,14 +56,45 @@ def accept_trees(
     dev = logits.device  # the trees are built on the host, verified where the logits are
     tree = [t.to(dev) for t in (tokens, first_child, next_sibling)]
     counts = [i.tree.num_nodes for i in inputs]
-    padded = pad_rows(logits, counts, n_max)  # [bs, n_max, vocab]
-    if all(i.params.greedy for i in inputs):
-        return verify_tree_greedy(*tree, padded.argmax(-1), impl=impl)
+    padded = pad_rows(logits, counts, n_max).flatten(0, 1)  # [bs * n_max, vocab]
     params = [i.params for i in inputs for _ in range(n_max)]
-    probs = processed_probs(padded.flatten(0, 1), params).view(bs, n_max, -1)
+    histories, generated = node_histories(inputs, n_max)
+    padded = apply_history(padded, params, histories, generated)
+    lp = None
+    if any(i.params.logprobs is not None for i in inputs):
+        lp = processed_logprobs(padded, params).view(bs, n_max, -1)
+    if all(i.params.greedy for i in inputs):
+        target_ids = padded.argmax(-1).view(bs, n_max)
+        return Acceptance(verify_tree_greedy(*tree, target_ids, impl=impl), lp)
+    probs = processed_probs(padded, params).view(bs, n_max, -1)
     rand = torch.stack([uniforms(i.params.seed or 0, i.sample_offset, n_max + 1) for i in inputs])
     rand = rand.to(dev)
-    return verify_tree_sampling(*tree, probs, rand[:, :n_max], rand[:, n_max], impl=impl)
+    res = verify_tree_sampling(*tree, probs, rand[:, :n_max], rand[:, n_max], impl=impl)
+    return Acceptance(res, lp)
+
+
+def node_histories(
+    inputs: list[_Verify], n_max: int
+) -> tuple[list[TokenHistory | None] | None, list[int]]:
+    """Per padded node: the request's history extended by the path to it, and the tokens
+    generated before the one it predicts. (None, ...) when no request keeps a history."""
+    generated = [i.sample_offset + d for i in inputs for d in _padded(i.tree.depths, n_max)]
+    if all(i.history is None for i in inputs):
+        return None, generated
+    histories: list[TokenHistory | None] = []
+    for inp in inputs:
+        nodes: list[TokenHistory | None] = [inp.history] + [None] * (n_max - 1)
+        if inp.history is not None:
+            toks, parents = inp.tree.tokens.tolist(), inp.tree.parents.tolist()
+            for i in range(1, inp.tree.num_nodes):
+                nodes[i] = nodes[parents[i]].extended([toks[i]])
+        histories.extend(nodes)
+    return histories, generated
+
+
+def _padded(depths: torch.Tensor, n_max: int) -> list[int]:
+    d = depths.tolist()
+    return d + [0] * (n_max - len(d))
 
 
 def padded_row_index(counts: list[int], n_max: int) -> torch.Tensor:

@@ -36,7 +36,12 @@ from specmesh.runtime.graph_runner import graphs_enabled
 from specmesh.runtime.kv_cache import KVCache
 from specmesh.runtime.model_runner import BatchItem, run_batch
 from specmesh.runtime.models.causal_lm import CausalLM, ModelOutput, load_causal_lm
-from specmesh.runtime.sampling import SamplingParams, sample_tokens
+from specmesh.runtime.sampling import (
+    SamplingParams,
+    TokenHistory,
+    processed_logprobs,
+    sample_tokens,
+)
 from specmesh.runtime.tree import Tree
 from specmesh.target_service.acceptance import accept_trees, padded_row_index
 from specmesh.target_service.batching import extend_chunked, run_isolated
@@ -49,7 +54,7 @@ from specmesh.target_service.multimodal import (
     ImageLimits,
     merge_images,
 )
-from specmesh.target_service.steps import PrefillInput, StepOutput, VerifyInput
+from specmesh.target_service.steps import PrefillInput, StepOutput, VerifyInput, pick_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +89,8 @@ class TargetRequest:
     params: SamplingParams
     next_offset: int  # output index of the next sampled token (seeded sampling)
     pending: int  # the last sampled token, not yet in the KV cache
+    # Tokens so far (pending included), kept only when the params' processors read them.
+    history: TokenHistory | None = None
 
 
 @dataclass
@@ -94,6 +101,7 @@ class _Verify:
     tree: Tree
     params: SamplingParams
     sample_offset: int
+    history: TokenHistory | None = None
     item: BatchItem | None = None  # the forward's row (set once the tree fits the KV cache)
 
 
@@ -198,21 +206,62 @@ class TargetRuntime:
         outputs = extend_chunked(self.model, self.cache, self.backend, ok, chunk)
         last_rows = torch.tensor(list(itertools.accumulate([len(i.input_ids) for i in ok]))) - 1
         logits = self.model.compute_logits(outputs.hidden[last_rows])
-        first = sample_tokens(logits, [i.params for i in ok], [i.sample_offset for i in ok])
+        params, offsets = [i.params for i in ok], [i.sample_offset for i in ok]
+        histories = [self._history(i) for i in ok]
+        first = sample_tokens(logits, params, offsets, histories).tolist()
         out = StepOutput(features=self._features(outputs, feature))
         out.mm_input_embeds = outputs.mm_input_embeds
-        for inp, tok in zip(ok, first.tolist(), strict=True):
+        self._prompt_logprobs(ok, outputs.hidden, out)
+        asked = [b for b, p in enumerate(params) if p.logprobs is not None]
+        if asked:
+            lp = processed_logprobs(logits[asked], [params[b] for b in asked],
+                                    [histories[b] for b in asked], [offsets[b] for b in asked])  # fmt: skip
+            for row, b in enumerate(asked):
+                out.logprobs[ok[b].rid] = pick_logprobs(
+                    lp[row : row + 1], [first[b]], params[b].logprobs
+                )
+        for inp, tok, history in zip(ok, first, histories, strict=True):
             self.cache.commit(inp.rid, len(inp.input_ids))
-            self.requests[inp.rid] = TargetRequest(inp.params, inp.sample_offset + 1, tok)
-            out.tokens[inp.rid] = [tok]
+            self.requests[inp.rid] = TargetRequest(inp.params, inp.sample_offset, tok, history)
+            self._advance(inp.rid, [tok], out)
             out.row_counts[inp.rid] = len(inp.input_ids)
         return out
+
+    def _history(self, inp: PrefillInput) -> TokenHistory | None:
+        """What the request's logit processors read: prompt and output so far (a replay's
+        input ends with its ``sample_offset`` emitted tokens); None when they read nothing."""
+        if not inp.params.uses_history:
+            return None
+        cut = len(inp.input_ids) - inp.sample_offset
+        eos = self.model_config.eos_token_ids
+        return TokenHistory.start(inp.input_ids[:cut], inp.input_ids[cut:], inp.params, eos)
+
+    def _prompt_logprobs(
+        self, ok: list[PrefillInput], hidden: torch.Tensor, out: StepOutput
+    ) -> None:
+        """Log-softmax of the prompt's own logits (row t predicts token t + 1), for requests
+        that ask; over the prompt only (a replay's emitted tokens are not prompt)."""
+        starts = [0, *itertools.accumulate(len(i.input_ids) for i in ok)]
+        for inp, start in zip(ok, starts, strict=False):
+            n = len(inp.input_ids) - inp.sample_offset
+            if inp.params.prompt_logprobs is None or n < 2:
+                continue
+            entries = []
+            for a in range(0, n - 1, 1024):  # [chunk, vocab] logits at a time
+                b = min(a + 1024, n - 1)
+                lp = torch.log_softmax(
+                    self.model.compute_logits(hidden[start + a : start + b]).float(), -1
+                )
+                entries += pick_logprobs(
+                    lp, inp.input_ids[a + 1 : b + 1], inp.params.prompt_logprobs
+                )
+            out.prompt_logprobs[inp.rid] = entries
 
     def _admit(self, inp: PrefillInput, admitted: dict[str, int]) -> None:
         """Validate one request and reserve its row, if its whole prompt fits in the KV cache
         beside the requests ``admitted`` before it in this batch (ask first, then act)."""
         self.check_ids(inp.rid, inp.input_ids, what="prompt")
-        inp.params.validate()
+        inp.params.validate(self.model_config.vocab_size)
         limit = self.cfg.max_context - 1
         if len(inp.input_ids) > limit:
             raise InvalidRequestError(
@@ -267,7 +316,7 @@ class TargetRuntime:
                 f"request {inp.rid!r}: tree root {root} is not the pending token {req.pending}"
             )
         self.check_ids(inp.rid, inp.tree.tokens.tolist(), what="draft tree")
-        return _Verify(inp.rid, inp.tree, req.params, req.next_offset)
+        return _Verify(inp.rid, inp.tree, req.params, req.next_offset, req.history)
 
     def _verify_item(self, row: _Verify, demand: dict[str, int]) -> BatchItem:
         base = self.cache.get(row.rid).committed_len
@@ -289,19 +338,26 @@ class TargetRuntime:
         else:
             res = run_batch(self.model, self.cache, self.backend, items)
         logits = self.model.compute_logits(res.hidden)
-        if all(r.tree.num_nodes == 1 and r.params.greedy for r in rows):
+        if all(r.tree.num_nodes == 1 and _plain_greedy(r.params) for r in rows):
             return self._greedy_decode(rows, res, logits, feature)
         n_max = max(r.tree.num_nodes for r in rows)
-        result = accept_trees(rows, logits, n_max, self.kernel_impl)
+        acceptance = accept_trees(rows, logits, n_max, self.kernel_impl)
+        result = acceptance.result
         flat, _ = compact_accepted(result.accept_path, result.accept_len, self.kernel_impl)
         row_of = padded_row_index([r.tree.num_nodes for r in rows], n_max).to(flat.device)
         out = StepOutput(features=self._features(res.select(row_of[flat]), feature))
         # One device-to-host copy per field; the per-request bookkeeping below is host-side.
         paths, lens = result.accept_path.tolist(), result.accept_len.tolist()
-        for row, full_path, n, bonus in zip(rows, paths, lens, result.bonus.tolist(), strict=True):
+        for b, (row, full_path, n, bonus) in enumerate(
+            zip(rows, paths, lens, result.bonus.tolist(), strict=True)
+        ):
             path = full_path[:n]
             self.cache.accept_path(row.rid, path, row.tree.num_nodes)
-            self._advance(row.rid, [*row.tree.tokens[path[1:]].tolist(), bonus], out)
+            tokens = [*row.tree.tokens[path[1:]].tolist(), bonus]
+            if row.params.logprobs is not None:  # node path[k]'s row drew tokens[k]
+                lp = acceptance.logprobs[b, torch.tensor(path, device=acceptance.logprobs.device)]
+                out.logprobs[row.rid] = pick_logprobs(lp, tokens, row.params.logprobs)
+            self._advance(row.rid, tokens, out)
         return out
 
     def _greedy_decode(
@@ -321,6 +377,8 @@ class TargetRuntime:
         req = self.requests[rid]
         req.pending = tokens[-1]
         req.next_offset += len(tokens)
+        if req.history is not None:
+            req.history.add(tokens)
         out.tokens[rid], out.row_counts[rid] = tokens, len(tokens)
 
     @staticmethod
@@ -344,3 +402,8 @@ class TargetRuntime:
             return False
         self.cache.release(rid)
         return True
+
+
+def _plain_greedy(params: SamplingParams) -> bool:
+    """Greedy on the raw logits with nothing else to compute: the fast decode path."""
+    return params.greedy and not params.uses_history and params.logprobs is None

@@ -16,7 +16,7 @@ from specmesh import __version__
 from specmesh.rpc.ownership import StreamOwner
 from specmesh.rpc.security import model_name
 from specmesh.rpc.service_common import ModelServicer, ServiceHost, StreamRefusedError
-from specmesh.rpc.wire import needs_from_pb, sampling_from_pb, status_pb
+from specmesh.rpc.wire import logprobs_to_pb, needs_from_pb, sampling_from_pb, status_pb
 from specmesh.runtime.codec import DEFAULT_MAX_MESSAGE_BYTES, DTYPE_NAMES, split_hidden_states
 from specmesh.runtime.errors import InvalidRequestError, SpecmeshError
 from specmesh.runtime.features import Feature, FeatureSpec
@@ -181,6 +181,8 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServicer):
                         request_id=rid,
                         token_ids=out.tokens[rid],
                         prompt_ids=out.prompt_ids.get(rid, []),
+                        logprobs=logprobs_to_pb(out.logprobs.get(rid, [])),
+                        prompt_logprobs=logprobs_to_pb(out.prompt_logprobs.get(rid, [])),
                     )
                 )
             row_counts.append(0 if error is not None else out.row_counts[rid])

@@ -31,6 +31,28 @@ class VerifyInput:
     tree: Tree
 
 
+@dataclass(frozen=True)
+class Logprob:
+    """One token's log-probability under the target's processed distribution, with the top
+    alternatives asked for (the router's `TokenLogprob` has the same fields)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most probable first
+
+
+def pick_logprobs(logprobs: torch.Tensor, tokens: list[int], num_top: int) -> list[Logprob]:
+    """Row i of ``logprobs`` ``[rows, vocab]`` is the distribution ``tokens[i]`` was drawn
+    from: its log-probability and the ``num_top`` most probable alternatives."""
+    chosen = logprobs.gather(-1, torch.tensor(tokens, device=logprobs.device)[:, None])[:, 0]
+    top = logprobs.topk(num_top, -1) if num_top else None
+    top_vals, top_ids = (top.values.tolist(), top.indices.tolist()) if top else ([], [])
+    return [
+        Logprob(t, lp, tuple(zip(top_ids[i], top_vals[i], strict=True)) if num_top else ())
+        for i, (t, lp) in enumerate(zip(tokens, chosen.tolist(), strict=True))
+    ]
+
+
 @dataclass
 class StepOutput:
     """Per-request tokens plus per-row features, rows grouped request by request."""
@@ -42,6 +64,10 @@ class StepOutput:
     # only where expansion changed them. Row counts and the draft's committed ids follow these.
     prompt_ids: dict[str, list[int]] = field(default_factory=dict)
     row_counts: dict[str, int] = field(default_factory=dict)
+    # Requests that asked (SamplingParams.logprobs): one per entry of ``tokens``.
+    logprobs: dict[str, list[Logprob]] = field(default_factory=dict)
+    # Prefill of requests that asked (prompt_logprobs): one per prompt token after the first.
+    prompt_logprobs: dict[str, list[Logprob]] = field(default_factory=dict)
     errors: dict[str, SpecmeshError] = field(default_factory=dict)
 
     @staticmethod
@@ -56,5 +82,7 @@ class StepOutput:
             out.tokens.update(p.tokens)
             out.prompt_ids.update(p.prompt_ids)
             out.row_counts.update(p.row_counts)
+            out.logprobs.update(p.logprobs)
+            out.prompt_logprobs.update(p.prompt_logprobs)
             out.errors.update(p.errors)
         return out

@@ -1,7 +1,8 @@
 """docker-compose.yml (+ docker-compose.tls.yml), the Dockerfile and the Kubernetes manifests,
 checked against the real CLI: every command parses with `specmesh`'s own parser, every port a
 command listens on is the one exposed / probed / dialled / admitted by the NetworkPolicies,
-every health check names a service the servers register, every path baked into the image exists
+every health check names a service the servers register, every metrics port is the one the
+Prometheus annotations name and the NetworkPolicies open, every path baked into the image exists
 in the repository, every TLS file is mounted (from a Secret in Kubernetes) and every probe of a
 TLS service speaks TLS with the service's own files."""
 
@@ -171,7 +172,12 @@ def test_k8s_workloads_parse_and_probe_registered_services(k8s: list[dict]) -> N
         _check_paths(args)
         role = args.command
         assert args.host == "0.0.0.0"  # the CLI's default is loopback: pods say so
-        assert [p["containerPort"] for p in container["ports"]] == [args.port]
+        metrics_port = getattr(args, "metrics_port", 0)
+        assert [p["containerPort"] for p in container["ports"]] == [
+            args.port,
+            *([metrics_port] if metrics_port else []),
+        ]
+        _check_scrape_annotations(pod["metadata"].get("annotations", {}), args)
         assert container["resources"]["requests"]
         for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
             if probe in container:
@@ -183,6 +189,19 @@ def test_k8s_workloads_parse_and_probe_registered_services(k8s: list[dict]) -> N
         assert [p["port"] for p in svc["spec"]["ports"]] == [args.port]
         if role in ("target", "draft"):
             assert svc["spec"]["clusterIP"] == "None", f"{role} needs a headless Service"
+
+
+def _check_scrape_annotations(annotations: dict, args) -> None:
+    """Scrape annotations name the port that serves /metrics: ``--metrics-port`` of a target or
+    draft (which must then carry them), the HTTP port of the router (`metrics.REGISTRY`)."""
+    metrics_port = getattr(args, "metrics_port", 0)
+    scrape_port = metrics_port or getattr(args, "http_port", None)
+    if metrics_port:
+        assert annotations.get("prometheus.io/scrape") == "true", f"{args.command} not scraped"
+    if "prometheus.io/scrape" in annotations:
+        assert scrape_port, f"{args.command} is scraped but serves no /metrics"
+        assert annotations["prometheus.io/port"] == str(scrape_port)
+        assert annotations["prometheus.io/path"] == "/metrics"
 
 
 def _k8s_probe(probe: dict, service) -> tuple[int, str]:
@@ -223,28 +242,38 @@ def test_k8s_tls_files_come_from_secrets(k8s: list[dict]) -> None:
 
 
 def test_k8s_network_policies_admit_only_the_router_to_model_services(k8s: list[dict]) -> None:
-    pods = {
-        d["metadata"]["name"]: (
-            d["spec"]["template"]["metadata"]["labels"],
-            _parse(d["spec"]["template"]["spec"]["containers"][0]["args"]).port,
-        )
-        for d in k8s
-        if d["kind"] in ("Deployment", "StatefulSet")
-    }
+    pods, metrics_ports = {}, {}
+    for d in k8s:
+        if d["kind"] in ("Deployment", "StatefulSet"):
+            args = _parse(d["spec"]["template"]["spec"]["containers"][0]["args"])
+            pods[d["metadata"]["name"]] = (d["spec"]["template"]["metadata"]["labels"], args.port)
+            metrics_ports[d["metadata"]["name"]] = getattr(args, "metrics_port", 0)
     matches = lambda selector, labels: selector["matchLabels"].items() <= labels.items()
     policies = [d for d in k8s if d["kind"] == "NetworkPolicy"]
     for role in ROLE_SERVICE:
         labels, port = pods[f"specmesh-{role}"]
         (policy,) = [p for p in policies if matches(p["spec"]["podSelector"], labels)]
         assert policy["spec"]["policyTypes"] == ["Ingress"]
-        (rule,) = policy["spec"]["ingress"]
+        rule, *metrics_rules = policy["spec"]["ingress"]
         assert rule["ports"] == [{"protocol": "TCP", "port": port}]
+        _check_metrics_rules(metrics_rules, metrics_ports[f"specmesh-{role}"])
         if role == "router":
             assert "from" not in rule  # the public port admits anyone
             continue
         (peer,) = rule["from"]
         admitted = [name for name, (pod, _) in pods.items() if matches(peer["podSelector"], pod)]
         assert admitted == ["specmesh-router"], f"{role} admits {admitted}"
+
+
+def _check_metrics_rules(rules: list[dict], metrics_port: int) -> None:
+    """The metrics port (if any) admits Prometheus pods only, and on that port alone."""
+    if not metrics_port:
+        assert not rules
+        return
+    (rule,) = rules
+    assert rule["ports"] == [{"protocol": "TCP", "port": metrics_port}]
+    (peer,) = rule["from"]
+    assert peer["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "prometheus"}
 
 
 def test_k8s_router_dials_every_model_replica(k8s: list[dict]) -> None:

@@ -1,0 +1,205 @@
+"""The OpenAI-compatible API's wire shapes: request bodies (pydantic), the error object and the
+one table from specmesh's status codes to HTTP statuses. Responses are built as plain dicts in
+`specmesh.router.openai_api`, field for field the OpenAI schema.
+
+Fields accepted beyond OpenAI's are vLLM's (``top_k``, ``min_p``, ``repetition_penalty``,
+``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``); unknown fields are
+ignored, as OpenAI and vLLM do.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
+
+from specmesh.runtime.errors import SpecmeshError
+
+# specmesh / gRPC status -> HTTP status (README "OpenAI-compatible HTTP").
+HTTP_STATUS = {
+    "INVALID_ARGUMENT": 400,
+    "OUT_OF_RANGE": 400,
+    "FAILED_PRECONDITION": 400,  # e.g. text prompts without a tokenizer
+    "UNAUTHENTICATED": 401,
+    "PERMISSION_DENIED": 403,
+    "NOT_FOUND": 404,
+    "ALREADY_EXISTS": 409,
+    "RESOURCE_EXHAUSTED": 429,  # queue, tokenizer queue or KV cache full
+    "CANCELLED": 499,
+    "INTERNAL": 500,
+    "UNIMPLEMENTED": 501,
+    "UNAVAILABLE": 503,  # no target replica left, still connecting, shutting down
+    "DEADLINE_EXCEEDED": 504,
+}
+ERROR_TYPE = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+    503: "service_unavailable_error",
+}
+
+
+class OpenAIError(Exception):
+    """An error answered as OpenAI's ``{"error": {message, type, param, code}}``."""
+
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        if self.status >= 500 and self.status not in ERROR_TYPE:
+            kind = "server_error"
+        else:
+            kind = ERROR_TYPE.get(self.status, "invalid_request_error")
+        error = {"message": self.message, "type": kind, "param": self.param, "code": self.code}
+        return {"error": error}
+
+
+def as_openai_error(exc: BaseException) -> OpenAIError:
+    """A `SpecmeshError` by its ``grpc_code``, any other ``ValueError`` as 400, else 500."""
+    if isinstance(exc, OpenAIError):
+        return exc
+    if isinstance(exc, SpecmeshError):
+        code = exc.grpc_code
+    elif isinstance(exc, ValueError):
+        code = "INVALID_ARGUMENT"
+    else:
+        return OpenAIError(500, f"internal error: {type(exc).__name__}", code="internal_error")
+    return OpenAIError(HTTP_STATUS.get(code, 500), str(exc), code=code.lower())
+
+
+# -- request bodies ----------------------------------------------------------------------------
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingBody(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    n: int = Field(1, ge=1, le=128)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None  # None: OpenAI's default, 1.0
+    top_p: float = 1.0
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    user: str | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    # vLLM's extras
+    top_k: int = Field(0, ge=-1)  # 0 or -1 = off
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    min_tokens: NonNegativeInt = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[NonNegativeInt] | None = None
+    skip_special_tokens: bool = True
+
+    @property
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionBody(SamplingBody):
+    prompt: str | list[str] | list[NonNegativeInt] | list[list[NonNegativeInt]]
+    max_tokens: NonNegativeInt | None = 16  # OpenAI's default; None: the router's default
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None  # refused (no insertion)
+    best_of: int | None = None  # only best_of == n
+
+
+class ImageUrl(BaseModel):
+    url: str
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "image_url"]
+    text: str | None = None
+    image_url: ImageUrl | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatBody(SamplingBody):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: NonNegativeInt | None = None  # None: the router's default (--max-new-tokens)
+    max_completion_tokens: NonNegativeInt | None = None  # wins over max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Any] | None = None  # refused when not empty
+    chat_template: str | None = None  # refused: the router's template (--chat-template) only
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else (self.max_tokens)
+        )
+
+
+# -- response pieces ---------------------------------------------------------------------------
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    total = prompt_tokens + completion_tokens
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": total,
+    }
+
+
+# One token's logprobs as text: (token text, logprob or None, [(alternative text, logprob)]).
+TokenEntry = tuple[str, "float | None", list[tuple[str, float]]]
+
+
+def completion_logprobs(entries: list[TokenEntry], text_offset: int) -> dict:
+    """OpenAI's legacy completions shape (a logprob of None: the first prompt token under
+    ``echo``); ``top_logprobs`` maps token text to logprob and includes the chosen token, as
+    vLLM does."""
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    for text, logprob, top in entries:
+        tokens.append(text)
+        offsets.append(text_offset)
+        text_offset += len(text)
+        token_logprobs.append(logprob)
+        top_logprobs.append(None if logprob is None else {text: logprob, **dict(top)})
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top_logprobs,
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(entries: list[TokenEntry]) -> dict:
+    """Chat's shape: ``{"content": [{token, logprob, bytes, top_logprobs: [...]}]}``."""
+    item = lambda text, logprob: {
+        "token": text,
+        "logprob": logprob,
+        "bytes": list(text.encode("utf-8")),
+    }
+    content = [
+        {**item(text, logprob), "top_logprobs": [item(t, v) for t, v in top]}
+        for text, logprob, top in entries
+    ]
+    return {"content": content}

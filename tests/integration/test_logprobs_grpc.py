@@ -1,0 +1,58 @@
+"""Logprobs and sampling controls travel the wire: client -> router -> target and back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from grpc_harness import collect
+
+from specmesh.runtime.sampling import SamplingParams
+
+PROMPT = [5, 6, 7, 8, 9, 10, 5, 6]
+
+
+def test_logprobs_and_penalty_over_grpc(stack) -> None:
+    from transformers import AutoModelForCausalLM
+
+    params = SamplingParams(
+        max_new_tokens=10, repetition_penalty=1.5, ignore_eos=True, logprobs=3, prompt_logprobs=2
+    )
+    responses = list(stack.client.generate(prompt_token_ids=PROMPT, sampling=params, timeout=60))
+    ids, _, last = collect(responses)
+    hf = AutoModelForCausalLM.from_pretrained(stack.dirs.target, dtype=torch.float32).eval()
+    with torch.no_grad():
+        prompt = torch.tensor([PROMPT])
+        expect = hf.generate(
+            prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=10, do_sample=False,
+            repetition_penalty=1.5, eos_token_id=None, pad_token_id=0,
+        )[0, len(PROMPT):].tolist()  # fmt: skip
+        logits = hf(torch.tensor([PROMPT + ids])).logits[0].float()
+    assert ids == expect and last.finish_reason == "length"
+    logprobs = [e for r in responses for e in r.logprobs]
+    assert [e.token_id for e in logprobs] == ids
+    for k, (tok, e) in enumerate(zip(ids, logprobs, strict=True)):
+        x = logits[len(PROMPT) - 1 + k].clone()
+        seen = torch.tensor(sorted(set(PROMPT + ids[:k])))
+        x[seen] = torch.where(x[seen] > 0, x[seen] / 1.5, x[seen] * 1.5)
+        row = torch.log_softmax(x, -1)
+        assert e.logprob == pytest.approx(row[tok].item(), abs=1e-4)
+        assert [t.token_id for t in e.top] == row.topk(3).indices.tolist()
+    prompt_lp = responses[0].prompt_logprobs
+    assert [e.token_id for e in prompt_lp] == PROMPT[1:]
+    assert all(not r.prompt_logprobs for r in responses[1:])
+    raw = torch.log_softmax(logits, -1)
+    for t, e in enumerate(prompt_lp, start=1):
+        assert e.logprob == pytest.approx(raw[t - 1, PROMPT[t]].item(), abs=1e-4)
+        assert len(e.top) == 2
+
+
+def test_out_of_range_control_is_invalid_argument(stack) -> None:
+    import grpc
+
+    for params in (
+        SamplingParams(presence_penalty=3.0),
+        SamplingParams(logit_bias=((10**6, 1.0),)),
+    ):
+        with pytest.raises(grpc.RpcError) as err:
+            list(stack.client.generate(prompt_token_ids=PROMPT, sampling=params, timeout=30))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
