@@ -1,4 +1,6 @@
-"""The OpenAI-compatible HTTP API, served by uvicorn on the router's own event loop.
+"""The OpenAI-compatible HTTP API's endpoint logic (`OpenAIService`), served by uvicorn on the
+router's own event loop (`specmesh.router.openai_server`; responses in `openai_views`, streaming
+plumbing in `openai_stream`).
 
     POST /v1/completions, /v1/chat/completions    one `Request` per (prompt, n) choice, built by
                                                  `GenerationServicer._make_request` (the gRPC
@@ -17,21 +19,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
-import socket
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
-import pydantic
-import uvicorn
-from fastapi import FastAPI
 from fastapi import Request as HttpRequest
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException
+from fastapi.responses import JSONResponse, Response
 
 from specmesh.router.chat import ChatRenderer, read_template
 from specmesh.router.openai_schema import (
@@ -41,36 +37,21 @@ from specmesh.router.openai_schema import (
     SamplingBody,
     TokenEntry,
     as_openai_error,
-    chat_logprobs,
-    completion_logprobs,
-    usage,
 )
-from specmesh.router.request import Chunk, Request, TokenLogprob
+from specmesh.router.openai_stream import (
+    merge,
+    read_body,
+    sse_event,
+    sse_response,
+    unless_disconnected,
+)
+from specmesh.router.openai_views import ChatView, Choice, CompletionView
+from specmesh.router.request import TokenLogprob
 from specmesh.rpc.security import model_name
 from specmesh.runtime.sampling import SamplingParams
 from specmesh.v1 import generation_pb2
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Choice:
-    """One (prompt, n) choice: its request and what it produced so far."""
-
-    index: int
-    req: Request
-    echo: str = ""  # the prompt's text, returned before the completion (``echo``)
-    text: str = ""
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    prompt_logprobs: list[TokenLogprob | None] | None = None
-    finish_reason: str | None = None
-
-    def add(self, chunk: Chunk) -> None:
-        self.text += chunk.text
-        self.logprobs += chunk.logprobs or []
-        if chunk.prompt_logprobs is not None:
-            self.prompt_logprobs = chunk.prompt_logprobs
-        self.finish_reason = chunk.finish_reason or self.finish_reason
 
 
 class OpenAIService:
@@ -217,8 +198,8 @@ class OpenAIService:
             )
             view = CompletionView(self, rid, body.logprobs is not None)
             if body.stream:
-                return _sse(self.stream(choices, view, body.include_usage))
-            await _unless_disconnected(http, self.run(choices))
+                return sse_response(self.stream(choices, view, body.include_usage))
+            await unless_disconnected(http, self.run(choices))
             return JSONResponse(view.response(choices))
 
     async def chat_completions(self, http: HttpRequest) -> Response:
@@ -243,8 +224,8 @@ class OpenAIService:
             )
             view = ChatView(self, rid, body.logprobs)
             if body.stream:
-                return _sse(self.stream(choices, view, body.include_usage))
-            await _unless_disconnected(http, self.run(choices))
+                return sse_response(self.stream(choices, view, body.include_usage))
+            await unless_disconnected(http, self.run(choices))
             return JSONResponse(view.response(choices))
 
     async def run(self, choices: list[Choice]) -> None:
@@ -258,12 +239,12 @@ class OpenAIService:
             async with self.work():
                 for c in choices:
                     if first := view.first_chunk(c):
-                        yield _event(first, include_usage)
+                        yield sse_event(first, include_usage)
                 async for i, chunk in merge([self.core.generate(c.req) for c in choices]):
                     choices[i].add(chunk)
-                    yield _event(view.chunk(choices[i], chunk), include_usage)
+                    yield sse_event(view.chunk(choices[i], chunk), include_usage)
             if include_usage:
-                yield _event(
+                yield sse_event(
                     {**view.header("chunk"), "choices": [], "usage": view.usage(choices)}, True
                 )
         except Exception as e:  # the status line is gone: report it in the stream
@@ -282,114 +263,6 @@ class OpenAIService:
         return {"object": "list", "data": [card]}
 
 
-class CompletionView:
-    """``text_completion`` objects from choices and chunks."""
-
-    def __init__(self, api: OpenAIService, rid: str, logprobs: bool) -> None:
-        self.api, self.rid, self.want_logprobs = api, rid, logprobs
-        self.model, self.created = api.model, int(time.time())
-
-    def header(self, _kind: str) -> dict:
-        return {
-            "id": self.rid,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.model,
-        }
-
-    def usage(self, choices: list[Choice]) -> dict:
-        return _usage(choices)
-
-    def logprobs(
-        self, c: Choice, ids: list[int], lps: list[TokenLogprob], offset: int
-    ) -> dict | None:
-        if not self.want_logprobs:
-            return None
-        pairs = list(zip(ids, lps, strict=False))
-        if c.echo and offset == 0 and c.prompt_logprobs is not None:
-            pairs = list(zip(c.req.prompt_ids, c.prompt_logprobs, strict=False)) + pairs
-        return completion_logprobs(self.api.entries(pairs), offset)
-
-    def response(self, choices: list[Choice]) -> dict:
-        out = [
-            {
-                "index": c.index, "text": c.echo + c.text,
-                "logprobs": self.logprobs(c, c.req.output_ids, c.logprobs, 0),
-                "finish_reason": c.finish_reason,
-            }
-            for c in choices
-        ]  # fmt: skip
-        return {**self.header(""), "choices": out, "usage": self.usage(choices)}
-
-    def first_chunk(self, c: Choice) -> dict | None:
-        if not c.echo:
-            return None
-        choice = {"index": c.index, "text": c.echo, "logprobs": None, "finish_reason": None}
-        return {**self.header(""), "choices": [choice]}
-
-    def chunk(self, c: Choice, chunk: Chunk) -> dict:
-        lps = self.logprobs(
-            c, chunk.token_ids, chunk.logprobs or [], len(c.echo) + len(c.text) - len(chunk.text)
-        )
-        choice = {
-            "index": c.index,
-            "text": chunk.text,
-            "logprobs": lps,
-            "finish_reason": chunk.finish_reason,
-        }
-        return {**self.header(""), "choices": [choice]}
-
-
-class ChatView:
-    """``chat.completion`` / ``chat.completion.chunk`` objects from choices and chunks."""
-
-    def __init__(self, api: OpenAIService, rid: str, logprobs: bool) -> None:
-        self.api, self.rid, self.want_logprobs = api, rid, logprobs
-        self.model, self.created = api.model, int(time.time())
-
-    def header(self, kind: str) -> dict:
-        obj = "chat.completion.chunk" if kind == "chunk" else "chat.completion"
-        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model}
-
-    def usage(self, choices: list[Choice]) -> dict:
-        return _usage(choices)
-
-    def logprobs(self, ids: list[int], lps: list[TokenLogprob]) -> dict | None:
-        if not self.want_logprobs:
-            return None
-        return chat_logprobs(self.api.entries(list(zip(ids, lps, strict=False))))
-
-    def response(self, choices: list[Choice]) -> dict:
-        out = [
-            {
-                "index": c.index, "message": {"role": "assistant", "content": c.text},
-                "logprobs": self.logprobs(c.req.output_ids, c.logprobs),
-                "finish_reason": c.finish_reason,
-            }
-            for c in choices
-        ]  # fmt: skip
-        return {**self.header(""), "choices": out, "usage": self.usage(choices)}
-
-    def first_chunk(self, c: Choice) -> dict:
-        delta = {"role": "assistant", "content": ""}
-        choice = {"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None}
-        return {**self.header("chunk"), "choices": [choice]}
-
-    def chunk(self, c: Choice, chunk: Chunk) -> dict:
-        delta = {"content": chunk.text} if chunk.text or not chunk.finish_reason else {}
-        choice = {
-            "index": c.index, "delta": delta,
-            "logprobs": self.logprobs(chunk.token_ids, chunk.logprobs or []),
-            "finish_reason": chunk.finish_reason,
-        }  # fmt: skip
-        return {**self.header("chunk"), "choices": [choice]}
-
-
-def _usage(choices: list[Choice]) -> dict:
-    prompts = {c.index: len(c.req.prompt_ids) for c in choices}  # every choice counts its prompt
-    return usage(sum(prompts.values()), sum(c.req.num_generated for c in choices))
-
-
 def _prompt_list(prompt) -> list[str | list[int]]:
     if isinstance(prompt, str):
         return [prompt]
@@ -398,208 +271,3 @@ def _prompt_list(prompt) -> list[str | list[int]]:
     if isinstance(prompt[0], int):
         return [list(prompt)]
     return [p if isinstance(p, str) else list(p) for p in prompt]
-
-
-async def merge(streams: list[AsyncIterator[Chunk]]) -> AsyncIterator[tuple[int, Chunk]]:
-    """``(stream index, chunk)`` as the streams produce them; the first error raises. Closing
-    the merge (or an error) closes every stream, which aborts its request."""
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, stream: AsyncIterator[Chunk]) -> None:
-        try:
-            async for chunk in stream:
-                queue.put_nowait((i, chunk))
-        except Exception as e:
-            queue.put_nowait((i, e))
-        finally:
-            await stream.aclose()
-            queue.put_nowait((i, None))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        running = len(tasks)
-        while running:
-            i, item = await queue.get()
-            if item is None:
-                running -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _unless_disconnected(http: HttpRequest, work) -> None:
-    """Run ``work``; cancel it if the client goes away first (non-streaming responses)."""
-    task = asyncio.ensure_future(work)
-    try:
-        while not task.done():
-            await asyncio.wait({task}, timeout=0.25)
-            if not task.done() and await http.is_disconnected():
-                raise OpenAIError(499, "the client closed the connection", code="cancelled")
-        task.result()
-    finally:
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-
-def _event(obj: dict, include_usage: bool) -> str:
-    if include_usage and "usage" not in obj:
-        obj = {**obj, "usage": None}
-    return f"data: {json.dumps(obj)}\n\n"
-
-
-def _sse(events: AsyncIterator[str]) -> StreamingResponse:
-    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-
-
-async def read_body(http: HttpRequest, model: type[pydantic.BaseModel], limit: int):
-    """The JSON body as ``model``: 413 past ``limit`` bytes (from Content-Length, else while
-    reading), 400 when it does not parse or validate."""
-    declared = http.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise _too_large(int(declared), limit)
-    data = bytearray()
-    async for part in http.stream():
-        data += part
-        if len(data) > limit:
-            raise _too_large(len(data), limit)
-    try:
-        return model.model_validate_json(bytes(data))
-    except pydantic.ValidationError as e:
-        first = e.errors()[0]
-        param = ".".join(str(x) for x in first["loc"]) or None
-        raise OpenAIError(
-            400, f"invalid request body: {param}: {first['msg']}", param=param
-        ) from None
-
-
-def _too_large(size: int, limit: int) -> OpenAIError:
-    return OpenAIError(
-        413, f"request body of {size} bytes exceeds the limit of {limit} (derived from "
-        "--max-prompt-bytes, --max-images-per-request and --max-image-bytes)",
-        code="request_too_large",
-    )  # fmt: skip
-
-
-# -- the app and its server ----------------------------------------------------------------------
-OPEN_PATHS = frozenset({"/health"})
-
-
-def make_app(api: OpenAIService, api_key: str | None) -> FastAPI:
-    app = FastAPI(title="specmesh", docs_url=None, redoc_url=None, openapi_url=None)
-    key = api_key.encode() if api_key else None
-
-    @app.middleware("http")
-    async def check_api_key(http: HttpRequest, call_next):
-        if key is not None and http.url.path not in OPEN_PATHS:
-            scheme, _, token = http.headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key):
-                why = "missing API key" if not token else "invalid API key"
-                error = OpenAIError(
-                    401, f"{why}: send 'Authorization: Bearer <key>'", code="invalid_api_key"
-                )
-                return _error_response(error)
-        return await call_next(http)
-
-    @app.exception_handler(Exception)
-    async def on_error(_http: HttpRequest, exc: Exception) -> JSONResponse:
-        error = as_openai_error(exc)
-        if error.status >= 500 and not isinstance(exc, OpenAIError):
-            log.error("request failed", exc_info=exc)
-        return _error_response(error)
-
-    @app.exception_handler(HTTPException)
-    async def on_http_error(http: HttpRequest, exc: HTTPException) -> JSONResponse:
-        what = f"no route {http.method} {http.url.path}" if exc.status_code == 404 else exc.detail
-        return _error_response(OpenAIError(exc.status_code, str(what)))
-
-    for exc_type in (OpenAIError, ValueError):
-        app.add_exception_handler(exc_type, on_error)
-    app.add_api_route("/v1/completions", api.completions, methods=["POST"])
-    app.add_api_route("/v1/chat/completions", api.chat_completions, methods=["POST"])
-    app.add_api_route("/v1/models", lambda: api.models(), methods=["GET"])
-    app.add_api_route("/health", lambda: health(api), methods=["GET"])
-    app.add_api_route("/metrics", metrics, methods=["GET"])
-    return app
-
-
-def health(api: OpenAIService) -> Response:
-    ready = api.servicer.core is not None and not api.host.draining
-    return JSONResponse(
-        {"status": "ok" if ready else "unavailable"}, status_code=200 if ready else 503
-    )
-
-
-def metrics() -> Response:
-    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
-    from specmesh.router.metrics import REGISTRY
-
-    return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
-
-
-def _error_response(error: OpenAIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
-
-
-class _Server(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self):  # the router owns SIGTERM / SIGINT (it drains, then stops us)
-        yield
-
-
-class HttpFront:
-    """uvicorn serving the app as a task on the router's loop, on a socket bound here (so a
-    port in use is a clear error, and port 0 picks a free one)."""
-
-    def __init__(self, servicer, settings) -> None:
-        self.settings = settings
-        self.app = make_app(OpenAIService(servicer, settings), settings.api_key)
-        self.port = 0
-        self.server: _Server | None = None
-        self.task: asyncio.Task | None = None
-
-    @property
-    def scheme(self) -> str:
-        return "https" if self.settings.tls and self.settings.tls.cert_file else "http"
-
-    async def start(self) -> None:
-        host, _, port = self.settings.http_address.rpartition(":")
-        host = host.strip("[]") or "127.0.0.1"
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-        try:
-            sock.bind((host, int(port)))
-        except OSError as e:
-            sock.close()
-            raise ValueError(
-                f"cannot listen on {self.settings.http_address} (HTTP): {e.strerror}"
-            ) from None
-        self.port = sock.getsockname()[1]
-        tls = self.settings.tls
-        config = uvicorn.Config(
-            self.app, log_level="warning", lifespan="off", timeout_graceful_shutdown=1,
-            ssl_certfile=tls.cert_file if tls else None, ssl_keyfile=tls.key_file if tls else None,
-        )  # fmt: skip
-        self.server = _Server(config)
-        self.task = asyncio.create_task(self.server.serve(sockets=[sock]))
-        while not self.server.started:
-            if self.task.done():
-                self.task.result()
-                raise RuntimeError("the HTTP server stopped while starting")
-            await asyncio.sleep(0.01)
-        log.info("HTTP API on %s://%s:%d", self.scheme, host, self.port)
-
-    async def stop(self) -> None:
-        if self.task is None:
-            return
-        self.server.should_exit = True
-        with contextlib.suppress(Exception, asyncio.CancelledError):
-            await asyncio.wait_for(self.task, 5.0)
-        self.task = None

@@ -230,7 +230,7 @@ class RouterService:
         self.core: RouterCore | None = None
         self.http = None  # the OpenAI-compatible HTTP front, when settings.http_address is set
         if settings.http_address is not None:
-            from specmesh.router.openai_api import HttpFront
+            from specmesh.router.openai_server import HttpFront
 
             self.http = HttpFront(self.servicer, settings)
 
