@@ -16,7 +16,7 @@ from specmesh.draft_service.runtime import DraftConfig, load_draft
 from specmesh.router.core import RouterConfig, RouterCore
 from specmesh.router.detokenizer import Detokenizer
 from specmesh.router.in_process import InProcessDraft, InProcessTarget
-from specmesh.router.request import Request
+from specmesh.router.request import Request, TokenLogprob
 from specmesh.runtime.sampling import SamplingParams
 from specmesh.runtime.tokenizer import load_tokenizer, resolve_seed
 from specmesh.target_service.runtime import TargetConfig, TargetRuntime
@@ -30,6 +30,10 @@ class GenerationResult:
     text: str
     finish_reason: str
     accept_lens: list[int] = field(default_factory=list)
+    # Set when the request asked for them (`SamplingParams.logprobs` / ``prompt_logprobs``), as
+    # the core streamed them: one per token_ids entry; one per prompt token (None for the first).
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def mean_accept_len(self) -> float:
@@ -113,8 +117,13 @@ class Engine:
 
     @staticmethod
     async def _collect(core: RouterCore, req: Request) -> GenerationResult:
-        async for _ in core.generate(req):
-            pass
+        logprobs = [] if req.params.logprobs is not None else None
+        prompt_logprobs = None
+        async for chunk in core.generate(req):
+            if logprobs is not None:
+                logprobs += chunk.logprobs or []
+            if chunk.prompt_logprobs is not None:
+                prompt_logprobs = chunk.prompt_logprobs
         return GenerationResult(
             req.rid,
             req.prompt_ids,
@@ -122,4 +131,6 @@ class Engine:
             req.text,
             req.finish_reason or "abort",
             req.accept_lens,
+            logprobs,
+            prompt_logprobs,
         )

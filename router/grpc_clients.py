@@ -22,7 +22,8 @@ import torch
 
 from specmesh.draft_service.steps import DraftInfo, DraftStepResult, ExtendInput
 from specmesh.router.clients import TargetInfo
-from specmesh.router.step_stream import StepStream
+from specmesh.router.metrics import STEP_BYTES_RECEIVED, STEP_BYTES_SENT
+from specmesh.router.step_stream import CountingChannel, StepStream
 from specmesh.rpc.service_common import channel_options
 from specmesh.rpc.wire import (
     error_from_rpc,
@@ -71,7 +72,13 @@ class _GrpcClient:
             self.channel = grpc.aio.insecure_channel(address, options=channel_options())
         else:  # TLS: verify the service with the CA, present the router's client certificate
             self.channel = grpc.aio.secure_channel(address, credentials, options=channel_options())
-        self.stub = self.stub_type(self.channel)
+        # Step bytes on the wire, counted where the stub's serializers make and read them.
+        counting = CountingChannel(
+            self.channel,
+            STEP_BYTES_SENT.labels(self.name).inc,
+            STEP_BYTES_RECEIVED.labels(self.name).inc,
+        )
+        self.stub = self.stub_type(counting)
         self.stream = StepStream(self.stub.Step, self.name, step_timeout_s)
 
     async def get_info(self, timeout_s: float):

@@ -1,7 +1,9 @@
 """The router's Prometheus metrics, on `REGISTRY` (served at ``/metrics`` on its HTTP port).
 
-Names follow vLLM's under a ``specmesh:`` prefix; what the split adds (step latency as the router
-sees it, circuit breakers, replays) is labelled by replica.
+Names follow vLLM's under a ``specmesh:`` prefix; what the split adds (prefill and step latency
+as the router sees it, Step bytes on the wire, circuit breakers, replays) is labelled by replica.
+The byte counters are fed by the gRPC clients' serializers (`step_stream.CountingChannel`), so
+they count exactly what went over each stream, handshakes and releases included.
 
 One registry per process. Every metric object is created once, here, at import, so any number
 of `RouterCore`s share them without registering twice: counters and histograms add up over the
@@ -80,6 +82,14 @@ REPLAYS = _counter(
     "request_replays", "Requests sent back for replay because this target replica failed",
     ("replica",),
 )  # fmt: skip
+STEP_BYTES_SENT = _counter(
+    "step_bytes_sent", "Serialized bytes of the Step messages written to this replica",
+    ("replica",),
+)  # fmt: skip
+STEP_BYTES_RECEIVED = _counter(
+    "step_bytes_received", "Serialized bytes of the Step messages read from this replica",
+    ("replica",),
+)  # fmt: skip
 DRAFT_FAILURES = _counter(
     "draft_failures", "Draft steps that failed or missed their deadline", ("replica",)
 )
@@ -93,6 +103,12 @@ E2E = _histogram("e2e_request_latency_seconds", "Arrival to the request's end", 
 TARGET_STEP = _histogram(
     "target_step_latency_seconds",
     "Verify step latency as the router sees it (wire and queueing included)",
+    STEP_BUCKETS,
+    ("replica",),
+)
+TARGET_PREFILL = _histogram(
+    "target_prefill_latency_seconds",
+    "Prefill step latency as the router sees it (wire and queueing included)",
     STEP_BUCKETS,
     ("replica",),
 )
@@ -138,6 +154,21 @@ _LIVE = _LiveCores()
 REGISTRY.register(_LIVE)
 
 
+TargetCall = Callable[["TargetClient"], Awaitable["StepOutput"]]
+
+
+def _timed(histogram: Histogram, call: TargetCall) -> TargetCall:
+    """``call`` observed into ``histogram`` under the replica it runs on (failures excluded)."""
+
+    async def run(target: TargetClient) -> StepOutput:
+        started = time.monotonic()
+        out = await call(target)
+        histogram.labels(target.name).observe(time.monotonic() - started)
+        return out
+
+    return run
+
+
 @dataclass
 class _Cursor:
     """How much of a request's record is counted already."""
@@ -148,27 +179,23 @@ class _Cursor:
 
 
 class RouterMetrics:
-    """The recording API of one core. Hooks: `timed_target` (wraps a target call), `on_round`
-    (after a round's emit), `on_draft_step`, `on_draft_failure`, `on_target_down`, `on_finish`
-    (when the request's client side ends: every admitted request passes there once)."""
+    """The recording API of one core. Hooks: `timed_target` / `timed_prefill` (wrap a target's
+    verify / prefill call), `on_round` (after a round's emit), `on_draft_step`,
+    `on_draft_failure`, `on_target_down`, `on_finish` (when the request's client side ends:
+    every admitted request passes there once)."""
 
     def __init__(self, core: RouterCore) -> None:
         self.core = core
         self._cursors: dict[str, _Cursor] = {}
         _LIVE.cores.add(core)
 
-    def timed_target(
-        self, call: Callable[[TargetClient], Awaitable[StepOutput]]
-    ) -> Callable[[TargetClient], Awaitable[StepOutput]]:
-        """``call`` observed into the target step histogram of the replica it runs on."""
+    def timed_target(self, call: TargetCall) -> TargetCall:
+        """``call`` (a verify) observed into the target step histogram of its replica."""
+        return _timed(TARGET_STEP, call)
 
-        async def run(target: TargetClient) -> StepOutput:
-            started = time.monotonic()
-            out = await call(target)
-            TARGET_STEP.labels(target.name).observe(time.monotonic() - started)
-            return out
-
-        return run
+    def timed_prefill(self, call: TargetCall) -> TargetCall:
+        """``call`` (a prefill) observed into the target prefill histogram of its replica."""
+        return _timed(TARGET_PREFILL, call)
 
     def on_round(self, reqs: list[Request], trees: list[VerifyInput], out: StepOutput) -> None:
         """After a verify round's emit: the trees verified, and what each request streamed."""

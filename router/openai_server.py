@@ -20,7 +20,7 @@ from specmesh.router.openai_schema import OpenAIError, as_openai_error
 
 log = logging.getLogger(__name__)
 
-OPEN_PATHS = frozenset({"/health"})  # probes need no API key
+OPEN_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapers need no API key
 
 
 def make_app(api: OpenAIService, api_key: str | None) -> FastAPI:

@@ -77,7 +77,8 @@ class RoundRunner:
             )
             for r in reqs
         ]
-        out = await self._target(reqs, lambda target: target.prefill(inputs))
+        prefill = self.core.metrics.timed_prefill(lambda target: target.prefill(inputs))
+        out = await self._target(reqs, prefill)
         if out is not None:
             # A multimodal prompt ran with its image placeholders expanded: the draft's rows
             # follow the expanded ids (the request keeps its original prompt for replays).

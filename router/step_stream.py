@@ -24,6 +24,38 @@ from specmesh.runtime.errors import ServiceDownError
 _BROKEN = (grpc.aio.UsageError, asyncio.InvalidStateError, RuntimeError)
 
 
+class CountingChannel:
+    """The channel a generated stub is built on, counting the serialized bytes of its streaming
+    calls (the Step stream): the stub's own serializer and deserializer are wrapped, so each
+    message is serialized once and counted where its bytes are made or read. Unary calls
+    (GetInfo) pass through uncounted."""
+
+    def __init__(
+        self,
+        channel: grpc.aio.Channel,
+        on_sent: Callable[[int], None],
+        on_received: Callable[[int], None],
+    ) -> None:
+        self.channel, self.on_sent, self.on_received = channel, on_sent, on_received
+
+    def unary_unary(self, *args, **kwargs):
+        return self.channel.unary_unary(*args, **kwargs)
+
+    def stream_stream(self, method: str, request_serializer, response_deserializer, **kwargs):
+        def serialize(message) -> bytes:
+            data = request_serializer(message)
+            self.on_sent(len(data))
+            return data
+
+        def deserialize(data: bytes):
+            self.on_received(len(data))
+            return response_deserializer(data)
+
+        return self.channel.stream_stream(
+            method, request_serializer=serialize, response_deserializer=deserialize, **kwargs
+        )
+
+
 class StepStream:
     """One bidi Step stream: `request` sends a batch's chunks and returns its answer's chunks;
     `send` writes a batch whose answer nobody awaits. ``handshake`` (when set) makes the first

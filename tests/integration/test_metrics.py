@@ -103,6 +103,37 @@ def test_router_gauges_and_per_replica_series(stack) -> None:
     assert "specmesh:num_requests_running " in text and "specmesh:num_requests_waiting " in text
 
 
+def test_step_bytes_and_prefill_latency_per_replica(stack) -> None:
+    """Each request adds Step bytes both ways on the target and the draft it ran on, and one
+    prefill step (requests sent one at a time, so none share a prefill batch) to the target's
+    prefill histogram; the verify histogram keeps counting verify steps only."""
+    target, draft = stack.router.core.targets[0].name, stack.router.core.drafts[0].name
+    value = lambda name, replica: REGISTRY.get_sample_value(name, {"replica": replica}) or 0.0
+    series = {
+        "target_sent": ("specmesh:step_bytes_sent_total", target),
+        "target_received": ("specmesh:step_bytes_received_total", target),
+        "draft_sent": ("specmesh:step_bytes_sent_total", draft),
+        "draft_received": ("specmesh:step_bytes_received_total", draft),
+        "prefills": ("specmesh:target_prefill_latency_seconds_count", target),
+        "verifies": ("specmesh:target_step_latency_seconds_count", target),
+    }
+    snapshot = lambda: {k: value(*v) for k, v in series.items()}
+    before = snapshot()
+    rounds = 0
+    for prompt in PROMPTS:
+        *_, last = collect(stack.client.generate(prompt_token_ids=prompt, sampling=greedy(8)))
+        rounds += last.stats.num_rounds
+    assert wait_until(lambda: not stack.router.core.requests)
+    delta = {k: v - before[k] for k, v in snapshot().items()}
+    # A prompt token alone is at least a byte each way; the answers carry tokens (and the
+    # draft's rows carry hidden states), so every direction grows by more than the prompts.
+    num_prompt_tokens = sum(len(p) for p in PROMPTS)
+    for key in ("target_sent", "target_received", "draft_sent", "draft_received"):
+        assert delta[key] > num_prompt_tokens, (key, delta)
+    assert delta["prefills"] == len(PROMPTS)
+    assert delta["verifies"] == rounds, (rounds, delta)
+
+
 def _scrape(port: int) -> dict[str, float]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
         text = resp.read().decode()

@@ -198,6 +198,7 @@ def test_errors_are_openai_error_objects(http, stack) -> None:
         assert ok.usage.completion_tokens >= 1
         base = f"http://127.0.0.1:{keyed.http_port}"
         assert _get(f"{base}/health")[0] == 200  # open without the key
+        assert _get(f"{base}/metrics")[0] == 200  # scrapers need no key either
         assert _get(f"{base}/v1/models")[0] == 401
         assert _get(f"{base}/v1/models", KEY)[0] == 200
     finally:

@@ -1,13 +1,16 @@
 """docker-compose.yml (+ docker-compose.tls.yml), the Dockerfile and the Kubernetes manifests,
 checked against the real CLI: every command parses with `specmesh`'s own parser, every port a
 command listens on is the one exposed / probed / dialled / admitted by the NetworkPolicies,
-every health check names a service the servers register, every metrics port is the one the
-Prometheus annotations name and the NetworkPolicies open, every path baked into the image exists
+every health check names a service the servers register, every port serving /metrics (a
+model service's ``--metrics-port``, the router's ``--http-port``) is the one the Prometheus
+annotations name and the NetworkPolicies open, every path baked into the image exists
 in the repository, every TLS file is mounted (from a Secret in Kubernetes) and every probe of a
-TLS service speaks TLS with the service's own files."""
+TLS service speaks TLS with the service's own files. `test_k8s_checks_catch_a_wrong_port` keeps
+the checks honest: each port mismatch it plants must fail them."""
 
 from __future__ import annotations
 
+import copy
 import re
 from pathlib import Path
 
@@ -56,6 +59,12 @@ def _tls(args) -> tuple[str | None, ...]:
     return tuple(getattr(args, name) for name in TLS_ARGS)
 
 
+def _public_ports(args) -> list[int]:
+    """The ports a command serves its clients on: gRPC, then the router's HTTP API if set."""
+    http_port = getattr(args, "http_port", None)
+    return [args.port, *([http_port] if http_port else [])]
+
+
 def _check_probe_tls(service, probe) -> None:
     """A probe of a TLS service verifies it with the service's CA and, where the service asks
     for client certificates (a CA given to target / draft), presents the service's own."""
@@ -86,16 +95,20 @@ def test_compose_commands_parse_and_ports_line_up(compose: dict) -> None:
         published = [str(p) for p in svc.get("expose", [])] + [
             str(p).split(":")[-1] for p in svc.get("ports", [])
         ]
-        assert str(args.port) in published, f"{name} listens on {args.port}, exposes {published}"
+        for port in _public_ports(args):
+            assert str(port) in published, f"{name} listens on {port}, exposes {published}"
         test = svc["healthcheck"]["test"]
         assert test[0] == "CMD" and test[1] == "specmesh"
         health = _parse(test[2:])
         assert health.command == "health" and health.address == f"localhost:{args.port}"
         assert health.service == ROLE_SERVICE[name]
         assert args.host == "0.0.0.0"  # the CLI's default is loopback: containers say so
-    assert all(str(p).startswith("127.0.0.1:") for p in compose["router"]["ports"])
     assert "SPECMESH_API_KEY" in compose["router"]["environment"]
     router = _parse(compose["router"]["command"])
+    assert router.http_port, "the router serves no OpenAI-compatible HTTP API"
+    assert sorted(compose["router"]["ports"]) == sorted(
+        f"127.0.0.1:{p}:{p}" for p in _public_ports(router)
+    ), "the router's ports are published on the host's loopback, each on its own number"
     assert (
         router.target == f"target:{ports['target']}" and router.draft == f"draft:{ports['draft']}"
     )
@@ -161,6 +174,10 @@ def k8s() -> list[dict]:
 
 
 def test_k8s_workloads_parse_and_probe_registered_services(k8s: list[dict]) -> None:
+    _check_workloads(k8s)
+
+
+def _check_workloads(k8s: list[dict]) -> None:
     services = {d["metadata"]["name"]: d for d in k8s if d["kind"] == "Service"}
     workloads = [d for d in k8s if d["kind"] in ("Deployment", "StatefulSet")]
     assert {w["metadata"]["name"] for w in workloads} == {f"specmesh-{r}" for r in ROLE_SERVICE}
@@ -174,9 +191,9 @@ def test_k8s_workloads_parse_and_probe_registered_services(k8s: list[dict]) -> N
         assert args.host == "0.0.0.0"  # the CLI's default is loopback: pods say so
         metrics_port = getattr(args, "metrics_port", 0)
         assert [p["containerPort"] for p in container["ports"]] == [
-            args.port,
+            *_public_ports(args),
             *([metrics_port] if metrics_port else []),
-        ]
+        ], f"{role}: container ports"
         _check_scrape_annotations(pod["metadata"].get("annotations", {}), args)
         assert container["resources"]["requests"]
         for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
@@ -186,22 +203,32 @@ def test_k8s_workloads_parse_and_probe_registered_services(k8s: list[dict]) -> N
         assert _k8s_probe(container["readinessProbe"], args)[1] == ROLE_SERVICE[role]
         svc = services[w["metadata"]["name"]]
         assert svc["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
-        assert [p["port"] for p in svc["spec"]["ports"]] == [args.port]
+        assert [p["port"] for p in svc["spec"]["ports"]] == _public_ports(args), f"{role} Service"
+        targets = {p["name"]: p["containerPort"] for p in container["ports"]}
+        for p in svc["spec"]["ports"]:  # a named targetPort is the container port of that name
+            assert targets.get(p["targetPort"], p["targetPort"]) == p["port"], f"{role}: {p}"
         if role in ("target", "draft"):
             assert svc["spec"]["clusterIP"] == "None", f"{role} needs a headless Service"
 
 
+def _scrape_port(args) -> int | None:
+    """The port serving /metrics: ``--metrics-port`` of a target or draft, the router's
+    ``--http-port`` (`specmesh.router.metrics.REGISTRY`)."""
+    return getattr(args, "metrics_port", None) or getattr(args, "http_port", None)
+
+
 def _check_scrape_annotations(annotations: dict, args) -> None:
-    """Scrape annotations name the port that serves /metrics: ``--metrics-port`` of a target or
-    draft (which must then carry them), the HTTP port of the router (`metrics.REGISTRY`)."""
-    metrics_port = getattr(args, "metrics_port", 0)
-    scrape_port = metrics_port or getattr(args, "http_port", None)
-    if metrics_port:
+    """A pod serving /metrics carries scrape annotations naming that port, scheme https where the
+    port speaks TLS (the router's HTTP API does with --tls-cert-file; metrics ports never)."""
+    scrape_port = _scrape_port(args)
+    if scrape_port:
         assert annotations.get("prometheus.io/scrape") == "true", f"{args.command} not scraped"
     if "prometheus.io/scrape" in annotations:
         assert scrape_port, f"{args.command} is scraped but serves no /metrics"
-        assert annotations["prometheus.io/port"] == str(scrape_port)
+        assert annotations["prometheus.io/port"] == str(scrape_port), f"{args.command} scrape"
         assert annotations["prometheus.io/path"] == "/metrics"
+        tls = args.command == "router" and args.tls_cert_file
+        assert annotations.get("prometheus.io/scheme", "http") == ("https" if tls else "http")
 
 
 def _k8s_probe(probe: dict, service) -> tuple[int, str]:
@@ -242,23 +269,29 @@ def test_k8s_tls_files_come_from_secrets(k8s: list[dict]) -> None:
 
 
 def test_k8s_network_policies_admit_only_the_router_to_model_services(k8s: list[dict]) -> None:
+    _check_policies(k8s)
+
+
+def _check_policies(k8s: list[dict]) -> None:
     pods, metrics_ports = {}, {}
     for d in k8s:
         if d["kind"] in ("Deployment", "StatefulSet"):
             args = _parse(d["spec"]["template"]["spec"]["containers"][0]["args"])
-            pods[d["metadata"]["name"]] = (d["spec"]["template"]["metadata"]["labels"], args.port)
+            labels = d["spec"]["template"]["metadata"]["labels"]
+            pods[d["metadata"]["name"]] = (labels, _public_ports(args))
             metrics_ports[d["metadata"]["name"]] = getattr(args, "metrics_port", 0)
     matches = lambda selector, labels: selector["matchLabels"].items() <= labels.items()
     policies = [d for d in k8s if d["kind"] == "NetworkPolicy"]
     for role in ROLE_SERVICE:
-        labels, port = pods[f"specmesh-{role}"]
+        labels, ports = pods[f"specmesh-{role}"]
         (policy,) = [p for p in policies if matches(p["spec"]["podSelector"], labels)]
         assert policy["spec"]["policyTypes"] == ["Ingress"]
         rule, *metrics_rules = policy["spec"]["ingress"]
-        assert rule["ports"] == [{"protocol": "TCP", "port": port}]
+        assert rule["ports"] == [{"protocol": "TCP", "port": p} for p in ports], f"{role} policy"
         _check_metrics_rules(metrics_rules, metrics_ports[f"specmesh-{role}"])
         if role == "router":
-            assert "from" not in rule  # the public port admits anyone
+            # The public ports admit anyone: clients, and Prometheus on the HTTP port's /metrics.
+            assert "from" not in rule
             continue
         (peer,) = rule["from"]
         admitted = [name for name, (pod, _) in pods.items() if matches(peer["podSelector"], pod)]
@@ -274,6 +307,55 @@ def _check_metrics_rules(rules: list[dict], metrics_port: int) -> None:
     assert rule["ports"] == [{"protocol": "TCP", "port": metrics_port}]
     (peer,) = rule["from"]
     assert peer["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "prometheus"}
+
+
+def _router_pod(docs: list[dict]) -> dict:
+    (router,) = [d for d in docs if d["metadata"]["name"] == "specmesh-router"
+                 and d["kind"] == "Deployment"]  # fmt: skip
+    return router["spec"]["template"]
+
+
+def _set_http_port(docs: list[dict], port: int) -> None:
+    args = _router_pod(docs)["spec"]["containers"][0]["args"]
+    args[args.index("--http-port") + 1] = str(port)
+
+
+def _set_port(docs: list[dict], kind: str, name: str, old: int, new: int) -> None:
+    """Every ``port`` / ``containerPort`` equal to ``old`` in that document becomes ``new``."""
+    (doc,) = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+
+    def walk(node) -> None:
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        for key, value in list(items):
+            if key in ("port", "containerPort") and value == old:
+                node[key] = new
+            elif isinstance(value, dict | list):
+                walk(value)
+
+    walk(doc)
+
+
+WRONG_PORTS = {
+    "annotation": lambda docs: _router_pod(docs)["metadata"]["annotations"].update(
+        {"prometheus.io/port": "8001"}
+    ),
+    "no annotations": lambda docs: _router_pod(docs)["metadata"].pop("annotations"),
+    "--http-port": lambda docs: _set_http_port(docs, 8001),
+    "container port": lambda docs: _set_port(docs, "Deployment", "specmesh-router", 8000, 8001),
+    "Service port": lambda docs: _set_port(docs, "Service", "specmesh-router", 8000, 8001),
+    "NetworkPolicy": lambda docs: _set_port(docs, "NetworkPolicy", "specmesh-router", 8000, 8001),
+    "target metrics": lambda docs: _set_port(docs, "NetworkPolicy", "specmesh-target", 9402, 9401),
+}
+
+
+@pytest.mark.parametrize("mistake", WRONG_PORTS)
+def test_k8s_checks_catch_a_wrong_port(k8s: list[dict], mistake: str) -> None:
+    """Each mistake, planted in a copy of the manifests, fails the workload or policy checks."""
+    docs = copy.deepcopy(k8s)
+    WRONG_PORTS[mistake](docs)
+    with pytest.raises(AssertionError):
+        _check_workloads(docs)
+        _check_policies(docs)
 
 
 def test_k8s_router_dials_every_model_replica(k8s: list[dict]) -> None:

@@ -61,6 +61,35 @@ def test_stop_string_and_stop_token_cut_the_output(tiny_dir: Path, oracle) -> No
     assert cut.token_ids == ref[: first + 1]
 
 
+def test_result_carries_the_logprobs_the_core_streamed(tiny_dir: Path, oracle) -> None:
+    """Greedy fp32 with EAGLE-3 speculation: one logprob per generated token (collected over
+    every round's chunk) and one per prompt token, each transformers' log-softmax there."""
+    engine = Engine(
+        tiny_dir / "target", draft_model=tiny_dir / "draft", draft_kind="eagle3",
+        spec=SpecParams(3, 4, 8),
+    )  # fmt: skip
+    prompt, n = PROMPTS[0], 12
+    params = SamplingParams(max_new_tokens=n, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    res, plain = engine.generate([prompt, prompt], [params, SamplingParams(max_new_tokens=n)])
+    assert res.token_ids == oracle(tiny_dir / "target", prompt, n)
+    assert plain.logprobs is None and plain.prompt_logprobs is None  # not asked for
+    from conftest import _hf_model  # the model `oracle` runs
+
+    hf = _hf_model(str(tiny_dir / "target"))
+    with torch.no_grad():
+        rows = torch.log_softmax(hf(torch.tensor([prompt + res.token_ids])).logits[0].float(), -1)
+    assert [e.token_id for e in res.logprobs] == res.token_ids
+    for k, e in enumerate(res.logprobs):
+        row = rows[len(prompt) - 1 + k]
+        assert e.logprob == pytest.approx(row[e.token_id].item(), abs=1e-4)
+        assert [t for t, _ in e.top] == row.topk(2).indices.tolist()
+    first, *rest = res.prompt_logprobs
+    assert first is None and [e.token_id for e in rest] == prompt[1:]
+    for t, e in enumerate(rest, start=1):
+        assert e.logprob == pytest.approx(rows[t - 1, prompt[t]].item(), abs=1e-4)
+        assert len(e.top) == 1
+
+
 @pytest.fixture(scope="module")
 def small_vocab_pair(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A target with an 8-token vocabulary, so a top-4 tree covers most of the target's mass and
