@@ -1,5 +1,5 @@
-"""How the target runs a batch: prefill extends in chunks, and a batch whose forward raises run
-again request by request, so that one bad request fails alone."""
+"""How the target runs a batch: prefill extends in chunks (and the prompt's own logprobs), and a
+batch whose forward raises run again request by request, so that one bad request fails alone."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from specmesh.runtime.errors import SpecmeshError, as_specmesh_error
 from specmesh.runtime.kv_cache import KVCache
 from specmesh.runtime.model_runner import BatchItem, run_batch
 from specmesh.runtime.models.causal_lm import CausalLM, ModelOutput
-from specmesh.target_service.steps import PrefillInput, StepOutput
+from specmesh.target_service.steps import PrefillInput, StepOutput, pick_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -87,3 +87,22 @@ def _concat_outputs(parts: list[ModelOutput]) -> ModelOutput:
         None if getattr(parts[0], name) is None else torch.cat([getattr(p, name) for p in parts])
     )
     return ModelOutput(**{name: cat(name) for name in vars(parts[0])})
+
+
+def prompt_logprobs(
+    model: CausalLM, ok: list[PrefillInput], hidden: torch.Tensor, out: StepOutput
+) -> None:
+    """Log-softmax of the prompt's own logits (row t predicts token t + 1), for requests that
+    ask; over the prompt only (a replay's emitted tokens are not prompt). ``hidden`` holds the
+    prefill's rows of every request of ``ok``, in order."""
+    starts = [0, *itertools.accumulate(len(i.input_ids) for i in ok)]
+    for inp, start in zip(ok, starts, strict=False):
+        n = len(inp.input_ids) - inp.sample_offset
+        if inp.params.prompt_logprobs is None or n < 2:
+            continue
+        entries = []
+        for a in range(0, n - 1, 1024):  # [chunk, vocab] logits at a time
+            b = min(a + 1024, n - 1)
+            lp = torch.log_softmax(model.compute_logits(hidden[start + a : start + b]).float(), -1)
+            entries += pick_logprobs(lp, inp.input_ids[a + 1 : b + 1], inp.params.prompt_logprobs)
+        out.prompt_logprobs[inp.rid] = entries

@@ -44,7 +44,7 @@ from specmesh.runtime.sampling import (
 )
 from specmesh.runtime.tree import Tree
 from specmesh.target_service.acceptance import accept_trees, padded_row_index
-from specmesh.target_service.batching import extend_chunked, run_isolated
+from specmesh.target_service.batching import extend_chunked, prompt_logprobs, run_isolated
 from specmesh.target_service.graphs import TargetGraphs
 from specmesh.target_service.llava import ImageEncoder, is_llava_checkpoint, load_llava
 from specmesh.target_service.multimodal import (
@@ -211,7 +211,7 @@ class TargetRuntime:
         first = sample_tokens(logits, params, offsets, histories).tolist()
         out = StepOutput(features=self._features(outputs, feature))
         out.mm_input_embeds = outputs.mm_input_embeds
-        self._prompt_logprobs(ok, outputs.hidden, out)
+        prompt_logprobs(self.model, ok, outputs.hidden, out)
         asked = [b for b, p in enumerate(params) if p.logprobs is not None]
         if asked:
             lp = processed_logprobs(logits[asked], [params[b] for b in asked],
@@ -235,27 +235,6 @@ class TargetRuntime:
         cut = len(inp.input_ids) - inp.sample_offset
         eos = self.model_config.eos_token_ids
         return TokenHistory.start(inp.input_ids[:cut], inp.input_ids[cut:], inp.params, eos)
-
-    def _prompt_logprobs(
-        self, ok: list[PrefillInput], hidden: torch.Tensor, out: StepOutput
-    ) -> None:
-        """Log-softmax of the prompt's own logits (row t predicts token t + 1), for requests
-        that ask; over the prompt only (a replay's emitted tokens are not prompt)."""
-        starts = [0, *itertools.accumulate(len(i.input_ids) for i in ok)]
-        for inp, start in zip(ok, starts, strict=False):
-            n = len(inp.input_ids) - inp.sample_offset
-            if inp.params.prompt_logprobs is None or n < 2:
-                continue
-            entries = []
-            for a in range(0, n - 1, 1024):  # [chunk, vocab] logits at a time
-                b = min(a + 1024, n - 1)
-                lp = torch.log_softmax(
-                    self.model.compute_logits(hidden[start + a : start + b]).float(), -1
-                )
-                entries += pick_logprobs(
-                    lp, inp.input_ids[a + 1 : b + 1], inp.params.prompt_logprobs
-                )
-            out.prompt_logprobs[inp.rid] = entries
 
     def _admit(self, inp: PrefillInput, admitted: dict[str, int]) -> None:
         """Validate one request and reserve its row, if its whole prompt fits in the KV cache
