@@ -30,6 +30,45 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(getattr(pytest.mark, group))
 
 
+def rss_mb() -> float:
+    """This process's resident memory (Linux), for "a refused request costs nothing" checks."""
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith("VmRSS:"))
+    return int(line.split()[1]) / 1024
+
+
+def tiny_engine(tiny_dir: Path, speculate: bool):
+    """The in-process engine on the tiny target, with its EAGLE-3 draft when ``speculate``."""
+    from specmesh.draft_service.drafter import SpecParams
+    from specmesh.router.engine import Engine
+
+    if not speculate:
+        return Engine(tiny_dir / "target")
+    return Engine(
+        tiny_dir / "target", draft_model=tiny_dir / "draft", draft_kind="eagle3",
+        spec=SpecParams(3, 4, 8),
+    )  # fmt: skip
+
+
+def make_small_vocab_pair(root: Path, vocab_size: int, num_layers: int, seed: int) -> Path:
+    """A Llama target with a handful of tokens and an EAGLE-3 draft: top-4 trees cover much of
+    the target's mass, so speculative sampling accepts often and every verifier branch runs."""
+    import transformers
+
+    from specmesh.runtime.tiny import build_tokenizer, make_tiny_eagle3
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
+        num_attention_heads=4, num_key_value_heads=2, initializer_range=0.3, eos_token_id=None,
+        bos_token_id=None, pad_token_id=None,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(root / "target")
+    build_tokenizer().save_pretrained(root / "target")
+    make_tiny_eagle3(root / "draft", root / "target", seed=1)
+    return root
+
+
 def reorder_tolerance(dtype: torch.dtype) -> dict[str, float]:
     """Tolerances for the same math run in another order (padded vs unpadded batches, another
     kernel): a few units in the last place of the dtype, scaled for the tiny models' reductions.

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import make_small_vocab_pair
 
 from specmesh.draft_service.drafter import SpecParams
 from specmesh.router.core import RouterConfig
 from specmesh.router.engine import Engine
 from specmesh.runtime.sampling import SamplingParams
-from specmesh.runtime.tiny import build_tokenizer, make_tiny_eagle3
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [40, 41, 42, 43, 44, 45, 46, 47, 48], [90], [7, 7]]
 MAX_NEW = [14, 6, 11, 20, 9]
@@ -73,7 +73,7 @@ def test_result_carries_the_logprobs_the_core_streamed(tiny_dir: Path, oracle) -
     res, plain = engine.generate([prompt, prompt], [params, SamplingParams(max_new_tokens=n)])
     assert res.token_ids == oracle(tiny_dir / "target", prompt, n)
     assert plain.logprobs is None and plain.prompt_logprobs is None  # not asked for
-    from conftest import _hf_model  # the model `oracle` runs
+    from conftest import _hf_model  # the model `oracle` runs, make_small_vocab_pair
 
     hf = _hf_model(str(tiny_dir / "target"))
     with torch.no_grad():
@@ -94,19 +94,9 @@ def test_result_carries_the_logprobs_the_core_streamed(tiny_dir: Path, oracle) -
 def small_vocab_pair(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A target with an 8-token vocabulary, so a top-4 tree covers most of the target's mass and
     speculative sampling accepts often: the distribution test then exercises every branch."""
-    import transformers
-
-    root = tmp_path_factory.mktemp("small_vocab")
-    cfg = transformers.LlamaConfig(
-        vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
-        num_attention_heads=4, num_key_value_heads=2, initializer_range=0.3, eos_token_id=None,
-        bos_token_id=None, pad_token_id=None,
-    )  # fmt: skip
-    torch.manual_seed(3)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(root / "target")
-    build_tokenizer().save_pretrained(root / "target")
-    make_tiny_eagle3(root / "draft", root / "target", seed=1)
-    return root
+    return make_small_vocab_pair(
+        tmp_path_factory.mktemp("small_vocab"), vocab_size=8, num_layers=6, seed=3
+    )
 
 
 def _target_probs(target: Path, ids: list[int], temperature: float) -> torch.Tensor:

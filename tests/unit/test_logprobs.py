@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_engine
 
-from specmesh.draft_service.drafter import SpecParams
 from specmesh.router.core import RouterCore
 from specmesh.router.engine import Engine
 from specmesh.router.in_process import InProcessDraft, InProcessTarget
@@ -19,15 +19,6 @@ from specmesh.runtime.sampling import SamplingParams
 
 PROMPT = [5, 6, 7, 8, 9, 10]
 ATOL = 1e-4
-
-
-def make_engine(tiny_dir: Path, speculate: bool) -> Engine:
-    if not speculate:
-        return Engine(tiny_dir / "target")
-    return Engine(
-        tiny_dir / "target", draft_model=tiny_dir / "draft", draft_kind="eagle3",
-        spec=SpecParams(3, 4, 8),
-    )  # fmt: skip
 
 
 def run_chunks(engine: Engine, prompt: list[int], params: SamplingParams) -> list[Chunk]:
@@ -65,7 +56,7 @@ def assert_matches(entry, token: int, row: torch.Tensor, num_top: int) -> None:
 
 @pytest.mark.parametrize("speculate", [False, True], ids=["plain", "eagle3"])
 def test_greedy_logprobs_equal_transformers(tiny_dir: Path, oracle, speculate: bool) -> None:
-    engine = make_engine(tiny_dir, speculate)
+    engine = tiny_engine(tiny_dir, speculate)
     params = SamplingParams(max_new_tokens=12, ignore_eos=True, logprobs=4, prompt_logprobs=3)
     chunks = run_chunks(engine, PROMPT, params)
     tokens = [t for c in chunks for t in c.token_ids]
@@ -86,7 +77,7 @@ def test_greedy_logprobs_equal_transformers(tiny_dir: Path, oracle, speculate: b
 
 def test_logprobs_are_cut_with_the_tokens(tiny_dir: Path, oracle) -> None:
     """A stop token inside an accepted run ends the tokens and their logprobs at one place."""
-    engine = make_engine(tiny_dir, True)
+    engine = tiny_engine(tiny_dir, True)
     ref = oracle(tiny_dir / "target", PROMPT, 12)
     stop = ref[5]
     params = SamplingParams(max_new_tokens=12, stop_token_ids=(stop,), ignore_eos=True, logprobs=0)
@@ -106,7 +97,7 @@ def test_sampled_logprobs_are_the_samplers_distribution(tiny_dir: Path, speculat
     than plain decoding with the same seed, from the same distribution)."""
     params = SamplingParams(max_new_tokens=8, temperature=0.7, top_k=20, seed=11, ignore_eos=True,
                             logprobs=2)  # fmt: skip
-    chunks = run_chunks(make_engine(tiny_dir, speculate), PROMPT, params)
+    chunks = run_chunks(tiny_engine(tiny_dir, speculate), PROMPT, params)
     entries = [e for c in chunks for e in c.logprobs]
     rows = hf_log_softmax(tiny_dir / "target", PROMPT + [e.token_id for e in entries])
     for k, entry in enumerate(entries):

@@ -9,24 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import make_small_vocab_pair, tiny_engine
 
 from specmesh.draft_service.drafter import SpecParams
 from specmesh.router.core import RouterConfig
 from specmesh.router.engine import Engine
 from specmesh.runtime.errors import InvalidRequestError
 from specmesh.runtime.sampling import SamplingParams
-from specmesh.runtime.tiny import build_tokenizer, make_tiny_eagle3
 
 PROMPT = [5, 6, 7, 8, 9, 10, 5, 6]
-
-
-def engine_for(tiny_dir: Path, speculate: bool) -> Engine:
-    if not speculate:
-        return Engine(tiny_dir / "target")
-    return Engine(
-        tiny_dir / "target", draft_model=tiny_dir / "draft", draft_kind="eagle3",
-        spec=SpecParams(3, 4, 8),
-    )  # fmt: skip
 
 
 def _hf(model_dir: Path):
@@ -60,7 +51,7 @@ def reference(model_dir: Path, prompt: list[int], params: SamplingParams, eos: t
 
 @pytest.mark.parametrize("speculate", [False, True], ids=["plain", "eagle3"])
 def test_repetition_penalty_equals_transformers_generate(tiny_dir: Path, speculate: bool) -> None:
-    engine = engine_for(tiny_dir, speculate)
+    engine = tiny_engine(tiny_dir, speculate)
     hf = _hf(tiny_dir / "target")
     for penalty in (1.5, 0.7):
         with torch.no_grad():
@@ -92,7 +83,7 @@ CONTROLS = {
 @pytest.mark.parametrize("name", list(CONTROLS))
 def test_controls_equal_reference_loop(tiny_dir: Path, name: str, speculate: bool) -> None:
     params = CONTROLS[name]
-    out = engine_for(tiny_dir, speculate).generate([PROMPT], params)[0].token_ids
+    out = tiny_engine(tiny_dir, speculate).generate([PROMPT], params)[0].token_ids
     assert out == reference(tiny_dir / "target", PROMPT, params)
     if name == "bias":
         assert out == [77] * 12
@@ -105,7 +96,7 @@ def test_min_tokens_bans_stop_ids_until_reached(tiny_dir: Path, oracle, speculat
     params = SamplingParams(
         max_new_tokens=12, stop_token_ids=(stop,), min_tokens=6, ignore_eos=True
     )
-    out = engine_for(tiny_dir, speculate).generate([PROMPT], params)[0].token_ids
+    out = tiny_engine(tiny_dir, speculate).generate([PROMPT], params)[0].token_ids
     assert out == reference(tiny_dir / "target", PROMPT, params)
     assert stop not in out[:6] and len(out) > 3
 
@@ -129,19 +120,9 @@ def test_validation_names_the_bad_value() -> None:
 def small_vocab_pair(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 12-token target and an EAGLE-3 draft: top-4 trees cover much of the mass, so
     speculative sampling accepts often and every branch of the verifier runs."""
-    import transformers
-
-    root = tmp_path_factory.mktemp("controls_vocab")
-    cfg = transformers.LlamaConfig(
-        vocab_size=12, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, initializer_range=0.3, eos_token_id=None,
-        bos_token_id=None, pad_token_id=None,
-    )  # fmt: skip
-    torch.manual_seed(5)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(root / "target")
-    build_tokenizer().save_pretrained(root / "target")
-    make_tiny_eagle3(root / "draft", root / "target", seed=1)
-    return root
+    return make_small_vocab_pair(
+        tmp_path_factory.mktemp("controls_vocab"), vocab_size=12, num_layers=4, seed=5
+    )
 
 
 CHI2_CRIT_001 = [0, 10.83, 13.82, 16.27, 18.47, 20.52, 22.46, 24.32, 26.12, 27.88, 29.59, 31.26]
