@@ -54,12 +54,14 @@ def run_cluster(args: argparse.Namespace) -> int:
     api_key = api_key_from_args(args)
     children: list[Child] = []
     spawn = functools.partial(spawn_service, children, log_level=args.log_level, tls=tls)
-    threads = ["--threads", str(model_threads(args.num_targets + (models.draft_kind is not None)))]
+    tp = args.tensor_parallel_size  # processes per target
+    num_procs = args.num_targets * tp + (models.draft_kind is not None)
+    threads = ["--threads", str(model_threads(num_procs))]
+    target_flags = ["--model", models.target, "--tensor-parallel-size", str(tp), *threads]
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         targets = [
-            spawn("target", ["--model", models.target, *threads, *args.service_arg])
-            for _ in range(args.num_targets)
+            spawn("target", [*target_flags, *args.service_arg]) for _ in range(args.num_targets)
         ]
         drafts = []
         if models.draft_kind is not None:

@@ -1,5 +1,10 @@
 """Llama-family decoder-only LM: Llama (incl. llama3 / linear RoPE scaling), Qwen2 (qkv bias),
-Qwen3 (q/k RMSNorm). One class: the three differ only by flags in `ModelConfig`."""
+Qwen3 (q/k RMSNorm). One class: the three differ only by flags in `ModelConfig`.
+
+With a `TensorParallel` of world size N > 1 the model is one rank's shard (`runtime.parallel`):
+every rank runs the same forward on its shard and the all-reduces keep the residual stream
+replicated; `compute_logits` gathers the vocabulary-parallel logits once. World size 1 is the
+plain model, unchanged."""
 
 from __future__ import annotations
 
@@ -13,7 +18,16 @@ from specmesh.runtime.attention.base import AttentionBackend
 from specmesh.runtime.config import CheckpointError, ModelConfig, load_model_config
 from specmesh.runtime.features import AuxLayers
 from specmesh.runtime.loader import assign_parameters, load_tensors
-from specmesh.runtime.models.layers import DecoderLayer, KVPair, RMSNorm, Rotary, attention_shape
+from specmesh.runtime.models.layers import (
+    DecoderLayer,
+    KVPair,
+    RMSNorm,
+    Rotary,
+    VocabParallelEmbedding,
+    attention_shape,
+)
+from specmesh.runtime.parallel import SINGLE, TensorParallel, vocab_range
+from specmesh.runtime.shard_loader import load_shard_tensors
 
 
 @dataclass
@@ -34,27 +48,39 @@ class ModelOutput:
 
 
 class _Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
         shape = attention_shape(cfg)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = (
+            VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+            if tp.enabled
+            else nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        )
         self.layers = nn.ModuleList(
-            DecoderLayer(shape, cfg.intermediate_size) for _ in range(cfg.num_layers)
+            DecoderLayer(shape, cfg.intermediate_size, tp=tp) for _ in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, aux: AuxLayers | None = None) -> None:
+    def __init__(
+        self, cfg: ModelConfig, aux: AuxLayers | None = None, tp: TensorParallel = SINGLE
+    ) -> None:
         super().__init__()
-        self.config = cfg
-        self.model = _Backbone(cfg)
+        self.config, self.tp = cfg, tp
+        self.model = _Backbone(cfg, tp)
         self.rotary = Rotary(cfg.rope, cfg.head_dim)
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            head_rows = vocab_range(cfg.vocab_size, tp)[1]
+            self.lm_head = nn.Linear(cfg.hidden_size, head_rows, bias=False)
         self.set_aux_layers(aux)
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        """KV heads this rank caches (all of them at world size 1)."""
+        return self.model.layers[0].self_attn.num_kv_heads if self.model.layers else 0
 
     def set_aux_layers(self, aux: AuxLayers | None) -> None:
         self.aux_points = aux.capture_points(self.config.num_layers) if aux else ()
@@ -71,7 +97,10 @@ class CausalLM(nn.Module):
         return self.model.embed_tokens(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return (hidden @ self.head_weight.t()).float()  # [rows, vocab] fp32
+        logits = hidden @ self.head_weight.t()  # [rows, vocab], or [rows, this rank's rows]
+        if self.tp.enabled:
+            logits = self.tp.all_gather_last(logits)[:, : self.config.vocab_size]
+        return logits.float()  # [rows, vocab] fp32
 
     def forward(
         self,
@@ -94,17 +123,25 @@ class CausalLM(nn.Module):
 
 
 def load_causal_lm(
-    model_dir: str | Path, *, dtype: torch.dtype | None = None, device: str = "cpu"
+    model_dir: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+    tp: TensorParallel = SINGLE,
 ) -> CausalLM:
-    """Build the model from ``config.json`` and fill it from safetensors; errors name the tensor."""
+    """Build the model from ``config.json`` and fill it from safetensors; errors name the tensor.
+    With ``tp`` enabled, only this rank's slice of each tensor is read."""
     cfg = load_model_config(model_dir)
     if dtype is not None:
         cfg = replace(cfg, dtype=dtype)
     with torch.device("meta"):
-        model = CausalLM(cfg)
+        model = CausalLM(cfg, tp=tp)
     model = model.to_empty(device=device).to(cfg.dtype)
     model.rotary.inv_freq = Rotary(cfg.rope, cfg.head_dim).inv_freq.to(device)
-    tensors = load_tensors(model_dir)
+    if tp.enabled:
+        tensors = load_shard_tensors(model_dir, model.state_dict(), cfg, tp)
+    else:
+        tensors = load_tensors(model_dir)
     if cfg.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     elif "lm_head.weight" not in tensors:

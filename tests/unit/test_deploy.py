@@ -371,3 +371,22 @@ def test_k8s_router_dials_every_model_replica(k8s: list[dict]) -> None:
     assert target["spec"]["serviceName"] == "specmesh-target"
     draft_port = by_name[("Service", "specmesh-draft")]["spec"]["ports"][0]["port"]
     assert args.draft == f"specmesh-draft:{draft_port}"
+
+
+def test_a_tensor_parallel_target_gets_one_gpu_per_rank(compose: dict, k8s: list[dict]) -> None:
+    """``--tensor-parallel-size N`` and the GPUs given to the target move together: compose
+    reads both from one variable, the k8s pod requests (and is limited to) N GPUs, and both
+    mount a shared-memory area large enough for NCCL."""
+    command = compose["target"]["command"]
+    tp = command[command.index("--tensor-parallel-size") + 1]
+    (devices,) = compose["target"]["deploy"]["resources"]["reservations"]["devices"]
+    assert str(devices["count"]) == tp and devices["capabilities"] == ["gpu"]
+    assert compose["target"]["shm_size"]
+    (target,) = [d for d in k8s if d["kind"] == "StatefulSet"]
+    (container,) = target["spec"]["template"]["spec"]["containers"]
+    n = _parse(container["args"]).tensor_parallel_size
+    resources = container["resources"]
+    assert resources["requests"]["nvidia.com/gpu"] == resources["limits"]["nvidia.com/gpu"] == n
+    shm = {m["name"] for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm"}
+    volumes = {v["name"]: v for v in target["spec"]["template"]["spec"]["volumes"]}
+    assert [volumes[name]["emptyDir"]["medium"] for name in shm] == ["Memory"]
