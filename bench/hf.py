@@ -1,9 +1,18 @@
-"""The ``transformers`` baseline: ``model.generate`` on the same checkpoint, dtype and prompts.
+"""The ``transformers`` baselines: ``model.generate`` on the same checkpoint, dtype and prompts,
+always in a worker process of its own (`bench.worker`).
 
-A batch of ``batch_size`` prompts is one left-padded ``generate`` call (the prompts have equal
-length, so the padding is empty, but the mask is built as for any batch); batches run one after
-another. A streamer stamps each decoding step, so TTFT and inter-token latency are measured the
-same way as for the router (one token per step per request).
+- plain: greedy ``generate``; a batch of ``batch_size`` prompts is one left-padded call (the
+  prompts have equal length, so the padding is empty, but the mask is built as for any batch);
+- ``ngram`` drafting -> prompt lookup, ``prompt_lookup_num_tokens = num_draft_tokens - 1`` (the
+  most tokens specmesh's n-gram drafter proposes) and ``max_matching_ngram_size = 3`` (its
+  longest match);
+- ``standalone`` drafting -> assisted generation, ``assistant_model=`` the same draft checkpoint
+  specmesh loads, ``num_assistant_tokens = num_steps`` (transformers' other assisted-generation
+  defaults kept: constant schedule, confidence threshold 0.4).
+
+transformers drafts for one sequence at a time, so its drafting baselines run at batch 1. A
+streamer stamps each step, so TTFT and inter-token latency are measured the way the router's are
+(a drafting step's chunk carries every token it accepted).
 """
 
 from __future__ import annotations
@@ -29,31 +38,58 @@ class StepClock(BaseStreamer):
             self.seen_prompt = True
             return
         now = time.perf_counter()
+        drafting = value.dim() == 2  # [1, accepted + bonus] per drafting round, else [batch]
+        num_tokens = value.shape[-1] if drafting else 1
         for trace in self.traces:
-            trace.add_chunk(now, 1)
+            trace.add_chunk(now, num_tokens)
+            trace.accept_lens += [num_tokens] if drafting else []
 
     def end(self) -> None:
         pass
 
 
+DRAFT_KINDS = ("ngram", "standalone")  # the drafting transformers has a counterpart of
+
+
+def drafting_options(spec: RunSpec) -> dict[str, Any]:
+    """The ``generate`` arguments of the run's drafting (none for plain decoding)."""
+    s = spec.spec
+    if s is None:
+        return {}
+    if spec.draft_kind == "ngram":
+        return {"prompt_lookup_num_tokens": s.num_draft_tokens - 1, "max_matching_ngram_size": 3}
+    if spec.draft_kind == "standalone":
+        return {"num_assistant_tokens": s.num_steps}
+    raise ValueError(f"transformers has no counterpart of {spec.draft_kind!r} drafting")
+
+
 class TransformersBackend:
-    def __init__(self, model_dir: str, dtype: torch.dtype, pad_token_id: int) -> None:
+    def __init__(
+        self, model_dir: str, dtype: torch.dtype, pad_token_id: int, draft_dir: str | None = None
+    ) -> None:
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+        load = lambda path: AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+        self.model = load(model_dir)
+        self.assistant = load(draft_dir) if draft_dir else None
         self.pad_token_id = pad_token_id
 
     def run(self, spec: RunSpec, prompts: list[list[int]]) -> dict[str, Any]:
-        if spec.temperature != 0.0 or spec.spec is not None:
-            raise ValueError("the transformers baseline runs greedy, plain decoding only")
-        self._generate([prompts[0]], 4, [RequestTrace(0)])  # warm-up
+        options = drafting_options(spec)
+        if spec.draft_kind == "standalone":
+            if self.assistant is None:
+                raise ValueError("assisted generation needs the standalone draft's directory")
+            options["assistant_model"] = self.assistant
+        if spec.temperature != 0.0 or (spec.spec is not None and spec.batch_size != 1):
+            raise ValueError("the transformers baselines run greedy, drafting at batch 1 only")
+        self._generate([prompts[0]], 4, [RequestTrace(0)], options)  # warm-up
         rows = [prompts[i % len(prompts)] for i in range(spec.num_requests)]
         traces: list[RequestTrace] = []
         start = time.perf_counter()
         for i in range(0, len(rows), spec.batch_size):
             batch = rows[i : i + spec.batch_size]
             batch_traces = [RequestTrace(time.perf_counter()) for _ in batch]
-            self._generate(batch, spec.max_new_tokens, batch_traces)
+            self._generate(batch, spec.max_new_tokens, batch_traces, options)
             traces += batch_traces
         wall_s = time.perf_counter() - start
         split = {
@@ -62,7 +98,9 @@ class TransformersBackend:
         }  # fmt: skip
         return result(spec, traces, wall_s, split, 0, "none")
 
-    def _generate(self, batch: list[list[int]], max_new_tokens: int, traces: list) -> None:
+    def _generate(
+        self, batch: list[list[int]], max_new_tokens: int, traces: list, options: dict[str, Any]
+    ) -> None:
         width = max(len(p) for p in batch)
         ids = torch.tensor(
             [[self.pad_token_id] * (width - len(p)) + p for p in batch]
@@ -77,6 +115,7 @@ class TransformersBackend:
                 eos_token_id=None,
                 pad_token_id=self.pad_token_id,
                 streamer=StepClock(traces),
+                **options,
             )
         if out.shape[1] - width != max_new_tokens:
             raise RuntimeError(f"generate made {out.shape[1] - width} tokens, not {max_new_tokens}")

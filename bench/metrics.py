@@ -15,6 +15,7 @@ when that round's accept_len >= i + 1.
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,4 +72,40 @@ def summarize(traces: list[RequestTrace], wall_s: float, num_steps: int) -> dict
         "num_rounds": len(lens),
         "mean_accept_len": sum(lens) / len(lens) if lens else 1.0,
         "accept_per_position": accept_per_position(lens, num_steps),
+    }
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """min / median / max of one configuration's per-repeat values."""
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+def ratio_spread(numerators: list[float], denominators: list[float]) -> dict[str, Any]:
+    """The ratio of the medians, and the per-repeat ratios (repeat i of one side over repeat i of
+    the other: runs taken under the same machine load) with their min and max."""
+    per_repeat = [a / b if b > 0 else math.inf for a, b in zip(numerators, denominators, strict=True)]  # fmt: skip
+    den = statistics.median(denominators)
+    return {
+        "ratio": statistics.median(numerators) / den if den > 0 else math.inf,
+        "ratio_min": min(per_repeat),
+        "ratio_max": max(per_repeat),
+        "ratio_runs": per_repeat,
+    }
+
+
+def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One configuration's repeats (in repeat order) -> one entry: tokens/s is the median, its
+    spread and every repeat's value are kept; the other fields are those of the median run (the
+    lower of the two middle runs for an even count)."""
+    values = [r["tokens_per_s"] for r in runs]
+    middle = sorted(runs, key=lambda r: r["tokens_per_s"])[(len(runs) - 1) // 2]
+    stats = spread(values)
+    return {
+        **middle,
+        "tokens_per_s": stats["median"],
+        "tokens_per_s_min": stats["min"],
+        "tokens_per_s_max": stats["max"],
+        "tokens_per_s_runs": values,
+        "pids": [r["pid"] for r in runs],
+        "repeats": len(runs),
     }

@@ -3,15 +3,12 @@
 `TimedTarget` / `TimedDraft` forward every call of the `TargetClient` / `DraftClient` protocol
 and record its (start, end) interval in a shared `CallLog`. The split of one run's wall time:
 
-    target_s  = total time inside target calls        (in process: the forward itself;
-    draft_s   = total time inside draft calls          over gRPC: client-observed, network incl.)
+    target_s  = total time inside target calls        (the forward itself, waiting for the
+    draft_s   = total time inside draft calls          target's lock included)
     router_s  = wall - |union of all call intervals|   (time no model call was in flight)
 
 With two micro-batches a target and a draft call can overlap, so target_s + draft_s may exceed
 the busy time; router_s counts only time when neither was running.
-
-Bytes on the wire: a client that counts its own serialized traffic exposes ``wire_bytes`` (int,
-request + response bytes so far); an in-process client has none and counts 0.
 """
 
 from __future__ import annotations
@@ -81,40 +78,14 @@ class TimedDraft:
         await self.log.timed("draft", lambda: self.inner.release(rids))
 
 
-def wire_bytes(clients: list[Any]) -> int:
-    """Serialized bytes the clients sent and received so far (0 for in-process clients)."""
-    return sum(int(getattr(getattr(c, "inner", c), "wire_bytes", 0)) for c in clients)
-
-
-def time_split(log: CallLog, wall_s: float, remote: bool) -> dict[str, Any]:
+def time_split(log: CallLog, wall_s: float) -> dict[str, Any]:
+    """The in-process split (the cluster reports none: its router is another process)."""
     target_s, draft_s = log.total_s("target"), log.total_s("draft")
     return {
         "wall_s": wall_s,
         "target_s": target_s,
         "draft_s": draft_s,
         "router_s": max(0.0, wall_s - log.busy_s()),
-        "network_s": None if remote else 0.0,
-        "note": (
-            "gRPC: target_s / draft_s are client-observed call times (network and "
-            "serialization included); the services report no compute time, so network_s is "
-            "not separated"
-            if remote
-            else "in process: no network"
-        ),
+        "network_s": 0.0,
+        "note": "in process: no network",
     }
-
-
-def count_step_bytes(client: Any) -> None:
-    """Make a gRPC model client count its Step stream traffic in ``client.wire_bytes``: the
-    serialized size of every request message and every response chunk (framing fields stamped
-    after this point and HTTP/2 overhead excluded; the small unary Release calls excluded)."""
-    client.wire_bytes = 0
-    request = client.stream.request
-
-    async def counted(messages: list) -> list:
-        chunks = await request(messages)
-        sent = sum(m.ByteSize() for m in messages)
-        client.wire_bytes += sent + sum(c.ByteSize() for c in chunks)
-        return chunks
-
-    client.stream.request = counted

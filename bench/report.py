@@ -10,6 +10,8 @@ from typing import Any
 TABLE_COLUMNS = (
     ("config", "name", "{}"),
     ("tok/s", "tokens_per_s", "{:.1f}"),
+    ("min", "tokens_per_s_min", "{:.1f}"),
+    ("max", "tokens_per_s_max", "{:.1f}"),
     ("TTFT ms", "ttft_s_mean", "{:.1f}", 1e3),
     ("ITL p50 ms", "itl_s_p50", "{:.1f}", 1e3),
     ("ITL p99 ms", "itl_s_p99", "{:.1f}", 1e3),
@@ -45,20 +47,24 @@ def format_table(results: dict[str, Any]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(r, widths, strict=True))) for r in rows]  # fmt: skip
     lines.insert(1, "  ".join("-" * w for w in widths))
-    lines += ["", "comparisons (tokens/s ratio, measured side by side):"]
+    lines += ["", "comparisons (ratio of median tokens/s; per-repeat min - max):"]
     for c in results["comparisons"]:
         goal = (
             ""
             if c["goal"] is None
             else f"  goal >= {c['goal']:.2f}: {'met' if c['met'] else 'MISSED'}"
         )
-        lines.append(f"  {c['name']} @ batch {c['batch_size']}: {c['ratio']:.2f}x{goal}")
+        lines.append(f"  {c['name']} {c['dtype']} @ batch {c['batch_size']}: {_ratio(c)}{goal}")
     lines += ["", "goals:"]
     for g in results["goals"]:
         lines.append(
             f"  {g['name']}: {g['value']:.2f} (target {g['target']:.2f}) {'met' if g['met'] else 'MISSED'}"
         )
     return "\n".join(lines)
+
+
+def _ratio(c: dict[str, Any]) -> str:
+    return f"{c['ratio']:.2f}x ({c['ratio_min']:.2f} - {c['ratio_max']:.2f})"
 
 
 def write_plots(results: dict[str, Any], out_dir: Path) -> list[Path]:
@@ -90,7 +96,7 @@ def write_plots(results: dict[str, Any], out_dir: Path) -> list[Path]:
     for c in results["configs"]:
         if c["backend"] == "inprocess" and c["batch_size"] == 1 and c["accept_per_position"]:
             ys = c["accept_per_position"]
-            label = f"{c['workload']} t={c['temperature']:g} ({c['num_steps']},{c['topk']},{c['num_draft_tokens']})"
+            label = f"{c['draft_kind']} {c['dtype']} {c['workload']} t={c['temperature']:g} ({c['num_steps']},{c['topk']},{c['num_draft_tokens']})"
             ax.plot(range(1, len(ys) + 1), ys, marker="o", label=label)
     ax.set(xlabel="draft position", ylabel="fraction of rounds accepted", ylim=(0, 1.05),
            title="Acceptance per draft position (batch 1)")  # fmt: skip
@@ -114,9 +120,8 @@ def _throughput_series(
             or (c["speculative"] and spec != main)
         ):
             continue  # another workload or temperature, or a sweep point
-        label = (
-            f"{c['backend']} {'spec ' + ','.join(map(str, spec)) if c['speculative'] else 'plain'}"
-        )
+        mode = f"{c['draft_kind']} {','.join(map(str, spec))}" if c["speculative"] else "plain"
+        label = f"{c['backend']} {c['dtype']} {mode}"
         series.setdefault(label, {})[c["batch_size"]] = c["tokens_per_s"]
     return series
 
@@ -126,10 +131,10 @@ def format_markdown(results: dict[str, Any]) -> str:
     head = [h for h, *_ in TABLE_COLUMNS]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(_row(c)) + " |" for c in results["configs"]]
-    lines += ["", "| comparison | batch | ratio | goal |", "|---|---|---|---|"]
+    lines += ["", "| comparison | dtype | batch | ratio (min - max) | goal |", "|---|---|---|---|---|"]  # fmt: skip
     for c in results["comparisons"]:
         goal = (
             "-" if c["goal"] is None else f">= {c['goal']:.2f} ({'met' if c['met'] else 'missed'})"
         )
-        lines.append(f"| {c['name']} | {c['batch_size']} | {c['ratio']:.2f}x | {goal} |")
+        lines.append(f"| {c['name']} | {c['dtype']} | {c['batch_size']} | {_ratio(c)} | {goal} |")
     return "\n".join(lines)

@@ -1,14 +1,12 @@
 """Run one benchmark configuration against a backend and return its result fields.
 
-Backends:
+Backends (each configuration runs in its own process, see `bench.worker`):
 
 - ``inprocess``: `RouterCore` over `InProcessTarget` / `InProcessDraft` (what `Engine` runs);
-- ``grpc``: the same `RouterCore` in this process over `GrpcTargetClient` / `GrpcDraftClient`
-  to target and draft services running as separate processes (time split and wire bytes are
-  measured here, on the router side);
-- ``cluster``: the whole deployment: requests go to a router process through the public
-  `Generation` API (what a user sees; no time split: the router is remote);
-- ``transformers``: `bench.hf`.
+  ``engine:<attention backend>[+graphs]`` is the same on another attention backend;
+- ``cluster``: the whole deployment: target, draft and router processes; requests go to the
+  router through the public `Generation` API (what a user sees; no time split);
+- ``transformers``: `bench.hf`; ``llamacpp``: `bench.llamacpp`.
 
 Every request is streamed and timed chunk by chunk; ``batch_size`` is the number of requests in
 flight at once (a client-side concurrency limit; the router batches what it has).
@@ -17,6 +15,7 @@ flight at once (a client-side concurrency limit; the router batches what it has)
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -24,14 +23,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specmesh.bench.metrics import RequestTrace, summarize
-from specmesh.bench.probes import CallLog, TimedDraft, TimedTarget, time_split, wire_bytes
+from specmesh.bench.probes import CallLog, TimedDraft, TimedTarget, time_split
 from specmesh.draft_service.drafter import SpecParams
 from specmesh.router.core import RouterConfig, RouterCore
 from specmesh.router.detokenizer import Detokenizer
 from specmesh.router.request import Request
 from specmesh.runtime.sampling import SamplingParams
 
-BACKENDS = ("inprocess", "grpc", "cluster", "transformers")
+BACKENDS = ("inprocess", "cluster", "transformers", "llamacpp")
 WARMUP_TOKENS = 4
 
 
@@ -44,12 +43,35 @@ class RunSpec:
     spec: SpecParams | None  # None = plain decoding (one token per target forward)
     max_new_tokens: int
     num_requests: int
+    dtype: str = "bf16"  # weights and activations, both sides of a comparison alike
+    draft_kind: str | None = None  # eagle3, ngram, standalone...; None exactly when plain
+
+    def __post_init__(self) -> None:
+        if (self.spec is None) != (self.draft_kind is None):
+            raise ValueError(f"{self.backend}: a draft kind goes with speculation parameters")
+
+    @property
+    def mode(self) -> str:
+        s, kind = self.spec, self.draft_kind
+        if s is None:
+            return "plain"
+        if self.backend == "transformers":  # what transformers calls its drafting
+            labels = {"ngram": f"lookup-{s.num_draft_tokens - 1}", "standalone": f"assisted-{s.num_steps}"}  # fmt: skip
+            return labels.get(kind or "", f"{kind}-unsupported")
+        return f"{kind}-{s.num_steps}-{s.topk}-{s.num_draft_tokens}"
 
     @property
     def name(self) -> str:
-        s = self.spec
-        mode = "plain" if s is None else f"spec-{s.num_steps}-{s.topk}-{s.num_draft_tokens}"
-        return f"{self.backend}/{self.workload}/b{self.batch_size}/t{self.temperature:g}/{mode}"
+        where = f"{self.backend}/{self.dtype}/{self.workload}"
+        return f"{where}/b{self.batch_size}/t{self.temperature:g}/{self.mode}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "spec": self.spec and dataclasses.asdict(self.spec)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RunSpec:
+        spec = data.get("spec")
+        return cls(**{**data, "spec": SpecParams(**spec) if spec else None})
 
     def sampling(self, index: int) -> SamplingParams:
         """Every request generates exactly max_new_tokens (EOS ignored), seeded by its index."""
@@ -69,6 +91,8 @@ class RunSpec:
             "batch_size": self.batch_size,
             "temperature": self.temperature,
             "speculative": s is not None,
+            "dtype": self.dtype,
+            "draft_kind": self.draft_kind,
             "num_steps": s.num_steps if s else 0,
             "topk": s.topk if s else 0,
             "num_draft_tokens": s.num_draft_tokens if s else 0,
@@ -113,7 +137,7 @@ def result(
 class RouterBackend:
     """Targets and drafts (in-process or gRPC clients) that a `RouterCore` is built over."""
 
-    backend: str  # "inprocess", "engine:<attention backend>[+graphs]" or "grpc"
+    backend: str  # "inprocess" or "engine:<attention backend>[+graphs]"
     targets: list[Any]
     drafts_by_spec: Callable[[SpecParams], list[Any]]
     tokenizer: Any
@@ -121,6 +145,7 @@ class RouterBackend:
     router_config: RouterConfig = field(default_factory=RouterConfig)
 
     async def run(self, spec: RunSpec, prompts: list[list[int]]) -> dict[str, Any]:
+        """The engine side: in-process, so no bytes cross a wire."""
         log = CallLog()
         targets = [TimedTarget(t, log) for t in self.targets]
         drafts = [TimedDraft(d, log) for d in self.drafts_by_spec(spec.spec)] if spec.spec else []
@@ -131,21 +156,14 @@ class RouterBackend:
                 core, prompts[0], replace_tokens(spec, WARMUP_TOKENS), RequestTrace(0)
             )
             log.intervals.clear()
-            bytes_before = wire_bytes([*targets, *drafts])
 
             async def run_one(i: int, trace: RequestTrace) -> None:
                 await self._stream(core, prompts[i % len(prompts)], spec.sampling(i), trace)
 
             traces, wall_s = await drive(run_one, spec.num_requests, spec.batch_size)
-            num_bytes = wire_bytes([*targets, *drafts]) - bytes_before
         finally:
             await core.stop()
-        split = time_split(log, wall_s, remote=self.backend == "grpc")
-        return result(spec, traces, wall_s, split, num_bytes, self.bytes_scope)
-
-    @property
-    def bytes_scope(self) -> str:
-        return "none" if self.backend == "inprocess" else "router<->target/draft Step streams"
+        return result(spec, traces, wall_s, time_split(log, wall_s), 0, "none")
 
     async def _stream(
         self, core: RouterCore, ids: list[int], params: SamplingParams, trace: RequestTrace

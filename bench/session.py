@@ -1,13 +1,14 @@
-"""One benchmark session: load the backends, run the plan, assemble the results document.
+"""One benchmark session: plan, run every (configuration, repeat) in a fresh process, assemble
+the results document.
 
     results = {"meta": {...}, "configs": [...], "comparisons": [...], "goals": [...]}
 
-(`bench.schema` lists the keys every entry has.)
+(`bench.schema` lists the keys every entry has.) This process only orchestrates: it loads the
+tokenizer to build the prompts and measures nothing itself.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import os
@@ -16,78 +17,72 @@ import sys
 import time
 from typing import Any
 
+from specmesh.bench import llamacpp
+from specmesh.bench.metrics import aggregate
 from specmesh.bench.runners import RunSpec
-from specmesh.bench.suite import BenchSettings, compare, goals, plan
+from specmesh.bench.spawn import run_worker
+from specmesh.bench.suite import BenchSettings, compare, goals, interleave, plan
+from specmesh.bench.worker import Job
 from specmesh.bench.workloads import load_workload
+
+WORKER_TIMEOUT_S = 1800.0
 
 
 def run_bench(settings: BenchSettings) -> dict[str, Any]:
-    settings.validate()
-    return asyncio.run(_run(settings))
+    from specmesh.runtime.tokenizer import load_tokenizer
 
-
-async def _run(s: BenchSettings) -> dict[str, Any]:
-    from specmesh.bench.stacks import (
-        engine_backends,
-        inprocess_backend,
-        local_deployment,
-        model_dtype,
-    )
-
+    s = settings
+    s.validate()
     started = time.time()
-    runs = plan(s)
-    specs = (s.spec, *s.sweep)
-    backends: dict[str, Any] = {"inprocess": inprocess_backend(s.models, s.runtime, specs)}
-    if s.engines:
-        backends |= engine_backends(s.models, s.runtime, s.engines, s.spec)
-    tokenizer = backends["inprocess"].tokenizer
+    runs, skipped = _drop_unavailable(s, plan(s))
+    tokenizer = load_tokenizer(s.models.target)
     num_prompts = max(max(r.num_requests for r in runs), 1)
-    workloads = {
-        name: load_workload(name, tokenizer, num_prompts, s.prompt_len) for name in s.workloads
-    }
-    if s.transformers:
-        from specmesh.bench.hf import TransformersBackend
-
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        dtype = model_dtype(backends["inprocess"])
-        backends["transformers"] = TransformersBackend(s.models.target, dtype, pad)
-    async with contextlib.AsyncExitStack() as stack:
-        if s.grpc:
-            deployment = local_deployment(s.models, s.spec, list(s.service_args))
-            backends["grpc"], backends["cluster"] = await stack.enter_async_context(deployment)
-        best: dict[str, dict[str, Any]] = {}
-        for repeat in range(s.repeats):
-            for i, run in enumerate(runs):
-                res = await _run_one(backends[run.backend], run, workloads[run.workload].prompts)
-                _keep_best(best, res)
-                _progress(repeat, i, len(runs), res)
-    configs = list(best.values())
+    workloads = {w: load_workload(w, tokenizer, num_prompts, s.prompt_len) for w in s.workloads}
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    by_name: dict[str, list[dict[str, Any]]] = {}
+    order = interleave(runs, s.repeats)
+    for i, (repeat, run) in enumerate(order):
+        res = run_side(s, run, workloads[run.workload].prompts, pad) | {"repeat": repeat}
+        by_name.setdefault(run.name, []).append(res)
+        _progress(i, len(order), res)
+    configs = [aggregate(rs) for rs in by_name.values()]
     comparisons = compare(s, configs)
     return {
-        "meta": _meta(s, workloads, started),
+        "meta": _meta(s, workloads, started, skipped),
         "configs": configs,
         "comparisons": comparisons,
         "goals": goals(comparisons, configs),
     }
 
 
-async def _run_one(backend: Any, run: RunSpec, prompts: list[list[int]]) -> dict[str, Any]:
-    out = backend.run(run, prompts)
-    return await out if asyncio.iscoroutine(out) else out
+def run_side(s: BenchSettings, run: RunSpec, prompts: list[list[int]], pad: int) -> dict:
+    """One (configuration, repeat) in a fresh process."""
+    if run.backend == "llamacpp":
+        job = llamacpp.job(run, s.gguf_dir, s.threads, prompts)
+        command = [s.llamacpp_python, str(llamacpp.WORKER)]
+        return llamacpp.to_result(run, run_worker(command, job, s.threads, WORKER_TIMEOUT_S))
+    draft = s.draft_dirs.get(run.draft_kind) if run.draft_kind else None
+    job = Job(run, s.models.target, draft, s.runtime, s.threads, prompts, pad)
+    command = [sys.executable, "-m", "specmesh.bench.worker"]
+    return run_worker(command, job.to_json(), s.threads, WORKER_TIMEOUT_S)
 
 
-def _keep_best(best: dict[str, dict[str, Any]], res: dict[str, Any]) -> None:
-    prev = best.get(res["name"])
-    runs = [*(prev["tokens_per_s_runs"] if prev else []), res["tokens_per_s"]]
-    if prev is None or res["tokens_per_s"] > prev["tokens_per_s"]:
-        best[res["name"]] = res
-    best[res["name"]]["tokens_per_s_runs"] = runs
+def _drop_unavailable(s: BenchSettings, runs: list[RunSpec]) -> tuple[list[RunSpec], dict]:
+    """The plan without the llama.cpp runs that cannot run; why, per dtype (printed too)."""
+    skipped: dict[str, str] = {}
+    for dtype in sorted({r.dtype for r in runs if r.backend == "llamacpp"}):
+        reason = llamacpp.unavailable(s.llamacpp_python, s.gguf_dir, dtype)
+        if reason:
+            skipped[f"llamacpp/{dtype}"] = reason
+            print(f"[bench] skipping llamacpp/{dtype}: {reason}", file=sys.stderr, flush=True)
+    kept = [r for r in runs if f"{r.backend}/{r.dtype}" not in skipped]
+    return kept, skipped
 
 
-def _progress(repeat: int, i: int, n: int, res: dict[str, Any]) -> None:
+def _progress(i: int, n: int, res: dict[str, Any]) -> None:
     print(
-        f"[bench {repeat + 1}.{i + 1}/{n}] {res['name']}: {res['tokens_per_s']:.1f} tok/s, "
-        f"accept {res['mean_accept_len']:.2f}",
+        f"[bench {i + 1}/{n} repeat {res['repeat'] + 1}] {res['name']}: "
+        f"{res['tokens_per_s']:.1f} tok/s, accept {res['mean_accept_len']:.2f}, pid {res['pid']}",
         file=sys.stderr,
         flush=True,
     )
@@ -101,14 +96,21 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _meta(s: BenchSettings, workloads: dict, started: float) -> dict[str, Any]:
+def _meta(s: BenchSettings, workloads: dict, started: float, skipped: dict) -> dict[str, Any]:
     import torch
     import transformers
+
+    from specmesh.cluster import model_threads
 
     return {
         "cpu_model": cpu_model(),
         "num_cpus": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
+        "threads": {
+            "per_process": s.threads,
+            "how": "OMP/MKL_NUM_THREADS and torch.set_num_threads (llama.cpp: n_threads) in "
+            "every measured process, one process per configuration and repeat",
+            "cluster": {"target": model_threads(2), "draft": model_threads(2), "router": 1},
+        },
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -119,5 +121,6 @@ def _meta(s: BenchSettings, workloads: dict, started: float) -> dict[str, Any]:
         "workloads": {
             k: {"num_prompts": len(w.prompts), "source": w.source} for k, w in workloads.items()
         },
+        "skipped": skipped,
         "settings": {k: v for k, v in dataclasses.asdict(s).items() if k not in ("models",)},
     }

@@ -1,18 +1,19 @@
 """The benchmark plan (which configurations run, in which order), the side-by-side comparisons
-and the issue's goals.
+and the goals.
 
-Order: the configurations a comparison divides are run back to back (per batch size), so a
-ratio compares runs taken under the same machine load; ``repeats`` runs the whole plan again
-and keeps each configuration's fastest run (the one least disturbed by other work).
+Every configuration runs in a fresh process per repeat (`bench.session`), and the repeats are
+interleaved: the whole plan once, then again (A1 B1 C1 A2 B2 C2 ...), so slow drift of the
+machine's load touches every side alike. Within one pass the two sides of a comparison run back
+to back; a ratio divides the medians and also reports the min / max of the per-repeat ratios.
 """
 
 from __future__ import annotations
 
-import contextlib
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from specmesh.bench.hf import DRAFT_KINDS as TRANSFORMERS_DRAFTING
+from specmesh.bench.metrics import ratio_spread
 from specmesh.bench.runners import RunSpec
 from specmesh.defaults import ModelChoice
 from specmesh.draft_service.drafter import SpecParams
@@ -26,56 +27,70 @@ SWEEP = (
 )
 ACCEPT_GOAL_SPEC, ACCEPT_GOAL = SpecParams(5, 4, 8), 3.0
 ENGINE_BASELINE = "torch"  # the engine variant the others are divided by
+DTYPES = ("fp32", "bf16")
+TRANSFORMERS_LABEL = {"ngram": "transformers_lookup", "standalone": "transformers_assisted"}
+
+
+@dataclass(frozen=True)
+class Side:
+    backend: str  # inprocess, engine:<variant>, cluster, transformers, llamacpp
+    draft_kind: str | None = None  # None = plain decoding
 
 
 @dataclass(frozen=True)
 class Comparison:
-    """ratio = tokens/s of ``numerator`` / tokens/s of ``denominator`` at the same batch size,
-    code workload, greedy. A side is (backend, speculative?)."""
+    """ratio = tokens/s of ``numerator`` / tokens/s of ``denominator``: same batch size, dtype
+    and prompts (code workload, greedy)."""
 
     name: str
-    numerator: tuple[str, bool]
-    denominator: tuple[str, bool]
+    numerator: Side
+    denominator: Side
+    batch_sizes: tuple[int, ...]
     goals: dict[int, float] = field(default_factory=dict)  # batch size -> minimum ratio
-
-
-COMPARISONS = (
-    Comparison("speculative_vs_plain", ("inprocess", True), ("inprocess", False), {1: 1.5}),
-    Comparison("grpc_cluster_vs_inprocess", ("cluster", True), ("inprocess", True), {1: 0.9, 8: 1.0}),
-    Comparison("grpc_router_vs_inprocess", ("grpc", True), ("inprocess", True)),
-    Comparison("plain_vs_transformers", ("inprocess", False), ("transformers", False), {1: 1.0, 8: 1.0}),
-)  # fmt: skip
 
 
 @dataclass(frozen=True)
 class BenchSettings:
-    models: ModelChoice
-    spec: SpecParams  # speculation of the main grid and of the comparisons
-    batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
-    compare_batch_sizes: tuple[int, ...] = (1, 8)
+    models: ModelChoice  # the target and the main draft
+    spec: SpecParams  # speculation of every drafting side and of the grid
+    dtypes: tuple[str, ...] = DTYPES
+    draft_kinds: tuple[str, ...] = ("eagle3", "ngram", "standalone")  # the main kind first
+    draft_dirs: dict[str, str | None] = field(default_factory=dict)  # kind -> checkpoint
+    compare_batch_sizes: tuple[int, ...] = (1, 8, 32)  # specmesh plain vs transformers
+    cluster_batch_sizes: tuple[int, ...] = (1, 8)  # gRPC cluster vs in process
+    batch_sizes: tuple[int, ...] = (1, 8)  # the grid (first dtype, main draft)
     workloads: tuple[str, ...] = ("code", "text")
     temperatures: tuple[float, ...] = (0.0, 0.7)
     max_new_tokens: int = 96
     prompt_len: int = 96
     min_requests: int = 8  # a configuration runs max(batch_size, min_requests) requests
-    repeats: int = 1
-    grpc: bool = True
+    repeats: int = 3
+    cluster: bool = True
     transformers: bool = True
+    llamacpp: bool = True
+    llamacpp_python: str = "python3"  # an interpreter that can import llama_cpp
+    gguf_dir: str = ""  # target-f32.gguf / target-bf16.gguf (bench.llamacpp)
     sweep: tuple[SpecParams, ...] = SWEEP
-    runtime: dict[str, Any] = field(default_factory=dict)  # attention_backend, dtype, device
-    service_args: tuple[str, ...] = ()
+    runtime: dict[str, Any] = field(default_factory=dict)  # attention_backend, device
+    threads: int = 1  # torch threads of every measured process (the cluster splits them)
     # In-process engine variants ("torch", "triton", "triton+graphs", ...; see engine_variants),
-    # each run plain and speculative, code, greedy, at engine_batch_sizes.
+    # each run plain and with the main draft, code, greedy, at engine_batch_sizes.
     engines: tuple[str, ...] = ()
     engine_batch_sizes: tuple[int, ...] = (1, 16)
 
     def validate(self) -> None:
-        if not self.batch_sizes or min(self.batch_sizes) < 1:
-            raise ValueError(f"batch sizes must be >= 1, got {self.batch_sizes}")
-        if self.max_new_tokens < 1 or self.repeats < 1 or self.min_requests < 1:
-            raise ValueError("--max-new-tokens, --repeats and --min-requests must be >= 1")
+        sizes = (*self.batch_sizes, *self.compare_batch_sizes, *self.cluster_batch_sizes)
+        if not self.batch_sizes or min(sizes) < 1:
+            raise ValueError(f"batch sizes must be >= 1, got {sizes}")
+        if min(self.max_new_tokens, self.repeats, self.min_requests, self.threads) < 1:
+            raise ValueError("--max-new-tokens, --repeats, --min-requests, --threads must be >= 1")
         for spec in (self.spec, *self.sweep):
             spec.validate()
+        unknown = [d for d in self.dtypes if d not in DTYPES]
+        if not self.dtypes or unknown:
+            raise ValueError(f"--dtypes takes {', '.join(DTYPES)}; got {self.dtypes}")
+        if not self.draft_kinds or self.draft_kinds[0] != self.models.draft_kind:
+            raise ValueError(f"the draft kinds must start with {self.models.draft_kind!r}")
         if self.engines and self.engines[0] != ENGINE_BASELINE:
             raise ValueError(f"engine variants must start with {ENGINE_BASELINE!r}: {self.engines}")
 
@@ -92,108 +107,119 @@ def engine_variants(attention_backends: tuple[str, ...], device: str) -> tuple[s
     return tuple(out)
 
 
+def comparisons(s: BenchSettings) -> list[Comparison]:
+    """The table of the README, in the order the plan runs them."""
+    main = s.models.draft_kind
+    plain, hf_plain = Side("inprocess"), Side("transformers")
+    out = [Comparison("plain_vs_transformers", plain, hf_plain, s.compare_batch_sizes, {1: 1.0, 8: 1.0})]  # fmt: skip
+    for kind in s.draft_kinds:
+        drafting = Side("inprocess", kind)
+        if kind in TRANSFORMERS_DRAFTING:
+            out.append(Comparison(f"{kind}_vs_{TRANSFORMERS_LABEL[kind]}", drafting, Side("transformers", kind), (1,)))  # fmt: skip
+        else:
+            out.append(Comparison(f"{kind}_vs_transformers", drafting, hf_plain, (1,)))
+        out.append(Comparison(f"{kind}_vs_plain", drafting, plain, (1,), {1: 1.5} if kind == main else {}))  # fmt: skip
+    out.append(Comparison("llamacpp_vs_plain", Side("llamacpp"), plain, (1,)))
+    cluster, local = Side("cluster", main), Side("inprocess", main)
+    out.append(Comparison("cluster_vs_inprocess", cluster, local, s.cluster_batch_sizes, {1: 0.9, 8: 1.0}))  # fmt: skip
+    for v in s.engines[1:]:
+        for kind in (None, main):
+            sides = Side(f"engine:{v}", kind), Side(f"engine:{ENGINE_BASELINE}", kind)
+            c = Comparison(f"{v}_vs_{ENGINE_BASELINE}_{kind or 'plain'}", *sides, s.engine_batch_sizes)  # fmt: skip
+            out.append(c)
+    return [c for c in out if _enabled(s, c.numerator) and _enabled(s, c.denominator)]
+
+
+def _enabled(s: BenchSettings, side: Side) -> bool:
+    flags = {"cluster": s.cluster, "transformers": s.transformers, "llamacpp": s.llamacpp}
+    return flags.get(side.backend, True)
+
+
 def plan(s: BenchSettings) -> list[RunSpec]:
+    """One pass: every comparison per dtype (its sides back to back), then, in the first dtype,
+    the (steps, topk, draft tokens) sweep and the workload x temperature x batch grid."""
     runs: dict[str, RunSpec] = {}
 
-    def add(backend: str, workload: str, b: int, temp: float, spec: SpecParams | None) -> None:
+    def add(side: Side, dtype: str, workload: str, b: int, temp: float, spec: SpecParams) -> None:
+        drafting = spec if side.draft_kind else None
         n = max(b, s.min_requests)
-        run = RunSpec(backend, workload, b, temp, spec, s.max_new_tokens, n)
+        run = RunSpec(side.backend, workload, b, temp, drafting, s.max_new_tokens, n, dtype, side.draft_kind)  # fmt: skip
         runs.setdefault(run.name, run)
 
-    for c, b in comparisons(s):
-        for backend, speculative in (c.numerator, c.denominator):
-            if _enabled(s, backend):
-                add(backend, "code", b, 0.0, s.spec if speculative else None)
+    for dtype in s.dtypes:
+        for c in comparisons(s):
+            for b in c.batch_sizes:
+                for side in (c.numerator, c.denominator):
+                    add(side, dtype, "code", b, 0.0, s.spec)
+    main, dtype = Side("inprocess", s.models.draft_kind), s.dtypes[0]
     for spec in s.sweep:
-        add("inprocess", "code", 1, 0.0, spec)
+        add(main, dtype, "code", 1, 0.0, spec)
     for workload in s.workloads:
         for temp in s.temperatures:
             for b in s.batch_sizes:
-                add("inprocess", workload, b, temp, s.spec)
-    for b in s.batch_sizes:
-        add("inprocess", "code", b, 0.0, None)
-        if s.transformers:
-            add("transformers", "code", b, 0.0, None)
-        if s.grpc:
-            add("grpc", "code", b, 0.0, s.spec)
+                add(main, dtype, workload, b, temp, s.spec)
     return list(runs.values())
 
 
-def comparisons(s: BenchSettings) -> list[tuple[Comparison, int]]:
-    """Every side-by-side comparison with its batch size, engine variants grouped by variant."""
-    out = [(c, b) for b in s.compare_batch_sizes for c in COMPARISONS]
-    for v in s.engines[1:]:
-        for speculative in (False, True):
-            mode = "speculative" if speculative else "plain"
-            sides = (f"engine:{v}", speculative), (f"engine:{ENGINE_BASELINE}", speculative)
-            c = Comparison(f"{v}_vs_{ENGINE_BASELINE}_{mode}", *sides)
-            out += [(c, b) for b in s.engine_batch_sizes]
-    return out
-
-
-def _enabled(s: BenchSettings, backend: str) -> bool:
-    return {"grpc": s.grpc, "cluster": s.grpc, "transformers": s.transformers}.get(backend, True)
+def interleave(runs: list[RunSpec], repeats: int) -> list[tuple[int, RunSpec]]:
+    """(repeat, run) in the order they execute: the whole plan, then the whole plan again."""
+    return [(r, run) for r in range(repeats) for run in runs]
 
 
 def compare(s: BenchSettings, configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every comparison whose two sides ran, per dtype and batch size (code, greedy, main spec)."""
     by_key = {
-        (c["backend"], c["speculative"], c["batch_size"]): c
+        (c["backend"], c["draft_kind"], c["dtype"], c["batch_size"]): c
         for c in configs
         if c["workload"] == "code" and c["temperature"] == 0.0 and _is_main(s, c)
     }
     out = []
-    for c, b in comparisons(s):
-        num, den = by_key.get((*c.numerator, b)), by_key.get((*c.denominator, b))
-        if num is None or den is None:
-            continue
-        ratio = _ratio(num["tokens_per_s"], den["tokens_per_s"])
-        goal = c.goals.get(b)
-        out.append({
-            "name": c.name, "batch_size": b, "metric": "tokens_per_s",
-            "numerator": num["name"], "denominator": den["name"],
-            "numerator_value": num["tokens_per_s"], "denominator_value": den["tokens_per_s"],
-            "ratio": ratio, "goal": goal, "met": None if goal is None else ratio >= goal,
-        })  # fmt: skip
+    for dtype in s.dtypes:
+        for c in comparisons(s):
+            for b in c.batch_sizes:
+                num = by_key.get((c.numerator.backend, c.numerator.draft_kind, dtype, b))
+                den = by_key.get((c.denominator.backend, c.denominator.draft_kind, dtype, b))
+                if num is not None and den is not None:
+                    out.append(_comparison(c, dtype, b, num, den))
     return out
 
 
+def _comparison(c: Comparison, dtype: str, b: int, num: dict, den: dict) -> dict[str, Any]:
+    ratios = ratio_spread(num["tokens_per_s_runs"], den["tokens_per_s_runs"])
+    goal = c.goals.get(b)
+    return {
+        "name": c.name, "dtype": dtype, "batch_size": b, "metric": "tokens_per_s",
+        "numerator": num["name"], "denominator": den["name"],
+        "numerator_value": num["tokens_per_s"], "denominator_value": den["tokens_per_s"],
+        **ratios, "goal": goal, "met": None if goal is None else ratios["ratio"] >= goal,
+    }  # fmt: skip
+
+
 def _is_main(s: BenchSettings, config: dict[str, Any]) -> bool:
-    """Plain configurations, or speculative ones with the main (not a sweep) spec."""
+    """Plain configurations, or drafting ones with the main (not a sweep) spec."""
     if not config["speculative"]:
         return True
     spec = (config["num_steps"], config["topk"], config["num_draft_tokens"])
     return spec == (s.spec.num_steps, s.spec.topk, s.spec.num_draft_tokens)
 
 
-def _ratio(a: float, b: float) -> float:
-    return a / b if b > 0 else math.inf
-
-
 def goals(comparisons: list[dict[str, Any]], configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = [
-        _goal(f"{c['name']}@b{c['batch_size']}", "ratio", c["ratio"], c["goal"])
+        _goal(f"{c['name']}@{c['dtype']}/b{c['batch_size']}", "ratio", c["ratio"], c["goal"])
         for c in comparisons
         if c["goal"] is not None
     ]
     g = ACCEPT_GOAL_SPEC
-    with contextlib.suppress(StopIteration):
-        c = next(
-            c
-            for c in configs
-            if c["backend"] == "inprocess" and c["workload"] == "code" and c["batch_size"] == 1
-            and c["temperature"] == 0.0
+    for c in configs:
+        if (
+            c["backend"] == "inprocess" and c["workload"] == "code" and c["batch_size"] == 1
+            and c["temperature"] == 0.0 and c["draft_kind"] == "eagle3"
             and (c["num_steps"], c["topk"], c["num_draft_tokens"]) == (g.num_steps, g.topk, g.num_draft_tokens)
-        )  # fmt: skip
-        name = f"mean_accept_len_code_{g.num_steps}_{g.topk}_{g.num_draft_tokens}"
-        out.append(_goal(name, "mean_accept_len", c["mean_accept_len"], ACCEPT_GOAL))
+        ):  # fmt: skip
+            name = f"mean_accept_len_code_{g.num_steps}_{g.topk}_{g.num_draft_tokens}@{c['dtype']}"
+            out.append(_goal(name, "mean_accept_len", c["mean_accept_len"], ACCEPT_GOAL))
     return out
 
 
 def _goal(name: str, metric: str, value: float, target: float) -> dict[str, Any]:
-    return {
-        "name": name,
-        "metric": metric,
-        "value": value,
-        "target": target,
-        "met": value >= target,
-    }
+    return {"name": name, "metric": metric, "value": value, "target": target, "met": value >= target}  # fmt: skip

@@ -1,60 +1,98 @@
-"""``specmesh bench``: throughput, latency, acceptance and where the time goes, for the in-process
-engine, a local gRPC deployment and the ``transformers`` baseline, measured side by side.
+"""``specmesh bench``: throughput, latency and acceptance of specmesh (in process, drafting with
+EAGLE-3 / n-gram / a standalone draft, and as a gRPC cluster) against transformers (plain,
+prompt lookup, assisted generation) and, when installed, llama.cpp, on the same checkpoint,
+dtype and prompts.
 
-Writes ``OUT/results.json`` (schema: specmesh.bench.schema), PNG plots when matplotlib is
-installed, and a table on stdout. ``--quick`` shrinks everything (a CI smoke run).
+Every (configuration, repeat) runs in a fresh process with the same thread count; the repeats
+are interleaved (the whole plan, then again); each configuration reports min / median / max
+tokens/s and each comparison the ratio of the medians with the min / max of the per-repeat
+ratios. Writes ``OUT/results.json`` (schema: specmesh.bench.schema), PNG plots when matplotlib
+is installed, and a table on stdout. ``--quick`` shrinks everything (a CI smoke run).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from specmesh.cmd_generate import add_model_args
 
 # Full run / --quick defaults for the flags left unset.
-FULL = {"batch_sizes": "1,2,4,8,16,32", "max_new_tokens": 96, "prompt_len": 96, "min_requests": 8}
-QUICK = {"batch_sizes": "1,8", "max_new_tokens": 16, "prompt_len": 32, "min_requests": 2}
+FULL = {
+    "dtypes": "fp32,bf16", "batch_sizes": "1,8", "compare_batch_sizes": "1,8,32",
+    "cluster_batch_sizes": "1,8", "workloads": "code,text", "temperatures": "0,0.7",
+    "max_new_tokens": 96, "prompt_len": 96, "min_requests": 8, "repeats": 3,
+}  # fmt: skip
+QUICK = {
+    "dtypes": "fp32", "batch_sizes": "1", "compare_batch_sizes": "1", "cluster_batch_sizes": "1",
+    "workloads": "code", "temperatures": "0", "max_new_tokens": 16, "prompt_len": 32,
+    "min_requests": 1, "repeats": 1,
+}  # fmt: skip
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmark speculative serving", description=__doc__)
     add_model_args(p)
+    d = lambda name: f"(default {FULL[name]}; --quick {QUICK[name]})"
+    p.add_argument("--dtypes", metavar="fp32,bf16", help=f"weights and activations {d('dtypes')}")
     p.add_argument(
-        "--batch-sizes",
-        metavar="1,8",
-        help=f"requests in flight (default {FULL['batch_sizes']}; --quick {QUICK['batch_sizes']})",
+        "--draft-kinds",
+        metavar="eagle3,ngram,standalone",
+        help="drafting sides: the main draft (--draft-kind) first, then ngram and standalone "
+        "(default: all three)",
     )
     p.add_argument(
-        "--compare-batch-sizes",
-        default="1,8",
-        metavar="1,8",
-        help="batch sizes of the side-by-side comparisons",
+        "--standalone-draft",
+        metavar="DIR",
+        help="standalone draft checkpoint for specmesh and transformers' assistant_model "
+        "(default: the target's first 2 layers, made once under $SPECMESH_CACHE/bench)",
     )
     p.add_argument(
-        "--max-new-tokens", type=int, help=f"tokens per request (default {FULL['max_new_tokens']})"
-    )
-    p.add_argument("--prompt-len", type=int, help=f"prompt tokens (default {FULL['prompt_len']})")
+        "--compare-batch-sizes", metavar="1,8,32",
+        help=f"batch sizes of specmesh plain vs transformers {d('compare_batch_sizes')}",
+    )  # fmt: skip
     p.add_argument(
-        "--min-requests",
-        type=int,
-        help=f"requests per configuration at least (default {FULL['min_requests']})",
+        "--cluster-batch-sizes", metavar="1,8",
+        help=f"batch sizes of the gRPC cluster vs in process {d('cluster_batch_sizes')}",
+    )  # fmt: skip
+    p.add_argument(
+        "--batch-sizes", metavar="1,8",
+        help=f"grid of the main draft over workloads x temperatures {d('batch_sizes')}",
+    )  # fmt: skip
+    p.add_argument("--max-new-tokens", type=int, help=f"tokens per request {d('max_new_tokens')}")
+    p.add_argument("--prompt-len", type=int, help=f"prompt tokens {d('prompt_len')}")
+    p.add_argument(
+        "--min-requests", type=int, help=f"requests per configuration at least {d('min_requests')}"
+    )
+    p.add_argument("--workloads", help=f"code (held-out stdlib), text {d('workloads')}")
+    p.add_argument("--temperatures", help=f"0 = greedy {d('temperatures')}")
+    p.add_argument(
+        "--repeats", type=int, help=f"fresh processes per configuration, interleaved {d('repeats')}"
     )
     p.add_argument(
-        "--workloads", default="code,text", help="code (held-out stdlib), text (docstrings)"
-    )
-    p.add_argument("--temperatures", default="0,0.7", help="0 = greedy")
-    p.add_argument(
-        "--repeats",
-        type=int,
-        default=1,
-        help="run the plan N times, keep each configuration's fastest run",
+        "--threads", type=int, help="torch threads of every measured process (default: all cores)"
     )
     p.add_argument(
-        "--no-sweep", action="store_true", help="skip the (steps, topk, draft tokens) sweep"
-    )
-    p.add_argument("--no-grpc", action="store_true", help="skip the local gRPC deployment")
-    p.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
+        "--no-sweep", action="store_true", help="skip the (steps, topk, draft tokens) sweep "
+        "(--quick skips it)",
+    )  # fmt: skip
+    p.add_argument(
+        "--no-cluster", "--no-grpc", dest="no_cluster", action="store_true",
+        help="skip the gRPC cluster side",
+    )  # fmt: skip
+    p.add_argument("--no-transformers", action="store_true", help="skip the transformers sides")
+    p.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp side")
+    p.add_argument(
+        "--llamacpp-python", default=sys.executable, metavar="PYTHON",
+        help="interpreter with llama_cpp installed (default: this one; the side is skipped "
+        "when it cannot import llama_cpp)",
+    )  # fmt: skip
+    p.add_argument(
+        "--gguf-dir", metavar="DIR",
+        help="target-f32.gguf / target-bf16.gguf for llama.cpp (default: "
+        "$SPECMESH_CACHE/bench/<target>-<hash>/gguf)",
+    )  # fmt: skip
     p.add_argument(
         "--compare-attention-backends",
         default="",
@@ -89,7 +127,17 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
         raise ValueError(f"{flag} must be comma-separated integers: {e}") from e
 
 
+def _words(text: str) -> tuple[str, ...]:
+    return tuple(t.strip() for t in text.split(",") if t.strip())
+
+
+def _picker(args: argparse.Namespace):
+    base = QUICK if args.quick else FULL
+    return lambda name: base[name] if getattr(args, name) is None else getattr(args, name)
+
+
 def settings_from_args(args: argparse.Namespace):  # -> BenchSettings
+    from specmesh.bench.spawn import available_cores
     from specmesh.bench.suite import SWEEP, BenchSettings, engine_variants
     from specmesh.defaults import resolve_models
     from specmesh.draft_service.drafter import SpecParams
@@ -99,30 +147,32 @@ def settings_from_args(args: argparse.Namespace):  # -> BenchSettings
         raise ValueError(
             "specmesh bench compares speculation: give --draft-kind (and --draft-model)"
         )
-    base = QUICK if args.quick else FULL
-    pick = lambda name: base[name] if getattr(args, name) is None else getattr(args, name)
-    runtime = {
-        "attention_backend": args.attention_backend,
-        "dtype": args.dtype,
-        "device": args.device,
-    }
-    service_args = [f"--{k.replace('_', '-')}={v}" for k, v in runtime.items() if v is not None]
+    pick = _picker(args)
+    dtypes = pick("dtypes") if args.dtypes or not args.dtype else args.dtype
+    kinds = _draft_kinds(args, models.draft_kind)
     return BenchSettings(
         models=models,
         spec=SpecParams(args.num_steps, args.topk, args.num_draft_tokens),
+        dtypes=_words(dtypes),
+        draft_kinds=kinds,
+        draft_dirs=_draft_dirs(args, models, kinds),
+        compare_batch_sizes=_ints(pick("compare_batch_sizes"), "--compare-batch-sizes"),
+        cluster_batch_sizes=_ints(pick("cluster_batch_sizes"), "--cluster-batch-sizes"),
         batch_sizes=_ints(pick("batch_sizes"), "--batch-sizes"),
-        compare_batch_sizes=_ints(args.compare_batch_sizes, "--compare-batch-sizes"),
-        workloads=tuple(w.strip() for w in args.workloads.split(",") if w.strip()),
-        temperatures=tuple(float(t) for t in args.temperatures.split(",") if t.strip()),
+        workloads=_words(pick("workloads")),
+        temperatures=tuple(float(t) for t in _words(pick("temperatures"))),
         max_new_tokens=pick("max_new_tokens"),
         prompt_len=pick("prompt_len"),
         min_requests=pick("min_requests"),
-        repeats=args.repeats,
-        grpc=not args.no_grpc,
+        repeats=pick("repeats"),
+        cluster=not args.no_cluster,
         transformers=not args.no_transformers,
-        sweep=() if args.no_sweep else SWEEP,
-        runtime=runtime,
-        service_args=tuple(service_args),
+        llamacpp=not args.no_llamacpp,
+        llamacpp_python=args.llamacpp_python,
+        gguf_dir=args.gguf_dir or str(_gguf_default(models.target)),
+        sweep=() if args.no_sweep or args.quick else SWEEP,
+        runtime={"attention_backend": args.attention_backend, "device": args.device},
+        threads=args.threads or available_cores(),
         engines=engine_variants(_names(args.compare_attention_backends), args.device)
         if args.compare_attention_backends
         else (),
@@ -130,10 +180,40 @@ def settings_from_args(args: argparse.Namespace):  # -> BenchSettings
     )
 
 
+def _draft_kinds(args: argparse.Namespace, main: str) -> tuple[str, ...]:
+    kinds = _words(args.draft_kinds) if args.draft_kinds else (main, "ngram", "standalone")
+    kinds = tuple(dict.fromkeys(kinds))  # the main kind may also be ngram or standalone
+    extra = [k for k in kinds[1:] if k not in ("ngram", "standalone")]
+    if kinds[0] != main or extra:
+        raise ValueError(
+            f"--draft-kinds: the main draft {main!r} first, then ngram / standalone; got {kinds}"
+        )
+    return kinds
+
+
+def _draft_dirs(args: argparse.Namespace, models, kinds: tuple[str, ...]) -> dict:
+    """Checkpoint per drafting kind; the default standalone draft is made here, once."""
+    from specmesh.bench.drafts import default_draft_dir, layer_skip_draft
+
+    dirs = {models.draft_kind: models.draft}
+    if "standalone" in kinds and dirs.get("standalone") is None:
+        made = args.standalone_draft or str(
+            layer_skip_draft(models.target, default_draft_dir(models.target))
+        )
+        dirs["standalone"] = made
+    return dirs
+
+
+def _gguf_default(target: str) -> Path:
+    from specmesh.bench.drafts import target_cache_dir
+
+    return target_cache_dir(target) / "gguf"
+
+
 def _names(text: str) -> tuple[str, ...]:
     from specmesh.cmd_serve import BACKENDS
 
-    names = tuple(t.strip() for t in text.split(",") if t.strip())
+    names = _words(text)
     unknown = [n for n in names if n not in BACKENDS]
     if unknown:
         raise ValueError(f"unknown attention backend(s) {unknown}; choose from {BACKENDS}")
@@ -169,15 +249,14 @@ def run_http_mode(args: argparse.Namespace) -> int:
     from specmesh.defaults import resolve_models
     from specmesh.runtime.tokenizer import load_tokenizer
 
-    base = QUICK if args.quick else FULL
-    pick = lambda name: base[name] if getattr(args, name) is None else getattr(args, name)
+    pick = _picker(args)
     batches = _ints(pick("batch_sizes"), "--batch-sizes")
     tokenizer = load_tokenizer(resolve_models(args.target_model, None, None).target)
-    name = args.workloads.split(",")[0].strip()
+    name = _words(pick("workloads"))[0]
     num = max(max(batches), pick("min_requests"))
     workload = load_workload(name, tokenizer, num, pick("prompt_len"))
     key = os.environ.get("SPECMESH_API_KEY")
-    for temperature in (float(t) for t in args.temperatures.split(",") if t.strip()):
+    for temperature in (float(t) for t in _words(pick("temperatures"))):
         results = [
             run_http(args.http, workload.prompts[: max(b, pick("min_requests"))],
                      pick("max_new_tokens"), b, temperature, key)

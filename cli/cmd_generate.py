@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from specmesh.draft_service.runtime import DRAFT_KINDS
+from specmesh.router.policy import MODES as SPECULATION_MODES
 from specmesh.rpc.security import add_api_key_arg, add_tls_args, tls_from_args
 from specmesh.runtime.sampling import SamplingParams
 
@@ -94,6 +95,29 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="image file (PNG/JPEG) for a multimodal model; repeatable",
     )
     p.add_argument("--disable-speculation", action="store_true")
+    p.add_argument(
+        "--speculation",
+        choices=SPECULATION_MODES,
+        default="adaptive",
+        help="--in-process: adaptive (default) speculates per round only where measured costs "
+        "and acceptance say it pays, always verifies full draft trees, never skips the draft",
+    )
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="split the target over N ranks, this process being rank 0 (--in-process; the "
+        "draft stays on one device)",
+    )
+    p.add_argument(
+        "--prefill-chunk-tokens",
+        type=int,
+        default=512,
+        metavar="N",
+        help="--in-process: prompt tokens prefilled per round (0 = whole prompts; see "
+        "specmesh router --help)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds (--router)")
     add_tls_args(p)  # --router over TLS: --tls-ca-file verifies it (cert / key: a client cert)
@@ -128,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
 def generate_in_process(args: argparse.Namespace) -> dict[str, Any]:
     from specmesh.defaults import resolve_models
     from specmesh.draft_service.drafter import SpecParams
+    from specmesh.router.core import RouterConfig
     from specmesh.router.engine import Engine
 
     models = resolve_models(args.target_model, args.draft_model, args.draft_kind)
@@ -140,8 +165,11 @@ def generate_in_process(args: argparse.Namespace) -> dict[str, Any]:
         draft_model=models.draft,
         draft_kind=None if args.disable_speculation else models.draft_kind,
         spec=SpecParams(args.num_steps, args.topk, args.num_draft_tokens),
-        target_config=runtime,
-        draft_config=runtime,
+        target_config={**runtime, "tensor_parallel_size": args.tensor_parallel_size},
+        draft_config=runtime,  # the draft stays on one device
+        router_config=RouterConfig(
+            speculation=args.speculation, prefill_chunk_tokens=args.prefill_chunk_tokens
+        ),
     )
     images = [open(f, "rb").read() for f in args.image]  # noqa: SIM115
     res = engine.generate([parse_prompt(args)], sampling_from_args(args), images=[images])[0]

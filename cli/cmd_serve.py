@@ -15,6 +15,7 @@ from specmesh.cmd_generate import add_spec_args
 from specmesh.draft_service.runtime import DRAFT_KINDS, DraftConfig
 from specmesh.router.core import RouterConfig
 from specmesh.router.limits import RouterLimits
+from specmesh.router.policy import MODES as SPECULATION_MODES
 from specmesh.rpc.metrics import add_metrics_port_arg
 from specmesh.rpc.security import add_api_key_arg, add_tls_args, api_key_from_args, tls_from_args
 from specmesh.runtime.codec import GRPC_MAX_MESSAGE_BYTES
@@ -114,6 +115,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="verify tree sizes captured before ready: the drafts' --num-draft-tokens "
         "(other sizes run eagerly)",
     )
+    add_tensor_parallel_arg(p)
     _add_limit_args(p, TargetConfig, IMAGE_LIMITS)
     add_metrics_port_arg(p)
     p.set_defaults(run=run_target)
@@ -169,6 +171,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=_default(RouterConfig, "draft_deadline_floor_s"),
         help="the adaptive draft deadline (4x the p99 of recent draft steps) is never shorter",
     )
+    add_speculation_arg(p)
+    p.add_argument(
+        "--prefill-chunk-tokens",
+        type=int,
+        default=_default(RouterConfig, "prefill_chunk_tokens"),
+        metavar="N",
+        help="prompt tokens a micro-batch sends its target per round: a longer prompt is prefilled "
+        "over several rounds, the running requests' rounds between its pieces, so they wait "
+        "at most one piece between tokens (0 = every prompt in one piece)",
+    )
     p.add_argument(
         "--max-new-tokens", type=int, default=256, help="default for requests that leave it 0"
     )
@@ -186,6 +198,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft-model", metavar="DIR")
     p.add_argument("--draft-kind", choices=DRAFT_KINDS)
     p.add_argument("--num-targets", type=int, default=1)
+    add_tensor_parallel_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="router listen address")
     p.add_argument(
         "--port", type=int, default=PORTS["router"], help="router port (0: any free port)"
@@ -208,6 +221,31 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 HTTP_PORT = 8000  # `specmesh up`'s OpenAI-compatible HTTP API (a free port when it is taken)
+
+
+def add_tensor_parallel_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=_default(TargetConfig, "tensor_parallel_size"),
+        metavar="N",
+        help="split the target over N ranks (processes started by the target, one device each: "
+        "--device cuda uses cuda:0..N-1 with NCCL, cpu uses gloo); rank 0 serves. Attention "
+        "and KV heads must split over N (or N be a multiple of the KV heads); CUDA graphs run "
+        "only at 1",
+    )
+
+
+def add_speculation_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--speculation",
+        choices=SPECULATION_MODES,
+        default="adaptive",
+        help="adaptive (default): per round and micro-batch, speculate (and with how many tree "
+        "nodes) only where the measured draft and verify costs and the requests' acceptance say "
+        "it yields more tokens per second; always: verify the draft's full trees every round; "
+        "never: decode without the draft. Output is the same in every mode",
+    )
 
 
 def add_http_args(p: argparse.ArgumentParser, default_port: int | None) -> None:
@@ -289,8 +327,11 @@ def run_target(args: argparse.Namespace) -> int:
     def load() -> TargetRuntime:
         tree_sizes = {"cuda_graph_tree_sizes": args.cuda_graph_tree_sizes}
         images = {name: getattr(args, name) for name in IMAGE_LIMITS}
+        tp = {"tensor_parallel_size": args.tensor_parallel_size}
         return TargetRuntime(
-            TargetConfig(model_dir=args.model, **_runtime_kwargs(args), **tree_sizes, **images)
+            TargetConfig(
+                model_dir=args.model, **_runtime_kwargs(args), **tree_sizes, **images, **tp
+            )
         )
 
     async def main() -> None:
@@ -350,6 +391,8 @@ def run_router(args: argparse.Namespace) -> int:
             num_micro_batches=args.num_micro_batches,
             draft_timeout_s=args.draft_timeout_s,
             draft_deadline_floor_s=args.draft_deadline_floor_s,
+            speculation=args.speculation,
+            prefill_chunk_tokens=args.prefill_chunk_tokens,
         ),
         tokenizer=args.tokenizer,
         max_new_tokens=args.max_new_tokens,

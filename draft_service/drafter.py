@@ -128,9 +128,9 @@ class TreeDrafter:
         start = st.spec_base + (step - 1) * k
         mask = torch.zeros(k, start + k, dtype=torch.bool)
         mask[:, : st.spec_base] = True
-        for i in range(k):
-            mask[i, ancestors[i]] = True
-            mask[i, start + i] = True
+        rows = [i for i in range(k) for _ in range(len(ancestors[i]) + 1)]
+        cols = [c for i in range(k) for c in (*ancestors[i], start + i)]
+        mask[rows, cols] = True  # each node's forwarded ancestors and itself, in one write
         return BatchItem(rid, tokens, start, torch.full((k,), st.last_pos + step), mask)
 
     # -- propose -------------------------------------------------------------------------------
@@ -165,8 +165,13 @@ class TreeDrafter:
             self.spec.num_draft_tokens,
             impl=self.kernel_impl,
         )
-        tokens, parents = tree.tokens.cpu(), tree.parents.cpu()  # one copy each
-        return [Tree.from_parents(tokens[b], parents[b]) for b in range(bs)]
+        # One copy of each field; the kernel derived every field from the parents already.
+        fields = [
+            t.cpu() if t.dtype == torch.bool else t.to("cpu", torch.int64)
+            for t in (tree.tokens, tree.parents, tree.depths, tree.mask, tree.first_child,
+                      tree.next_sibling)
+        ]  # fmt: skip
+        return [Tree(*(f[b] for f in fields)) for b in range(bs)]
 
     def _expand(self, step, rids, states, fr, pool_tokens, pool_scores, pool_parents):
         k = self.spec.topk

@@ -4,12 +4,16 @@ counterpart of `specmesh.target_service.steps`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from specmesh.runtime.errors import SpecmeshError
 from specmesh.runtime.features import FeatureSpec
 from specmesh.runtime.tree import Tree
+
+if TYPE_CHECKING:
+    from specmesh.rpc.rows import RowBlock
 
 
 @dataclass
@@ -20,8 +24,10 @@ class ExtendInput:
     rid: str
     committed_ids: list[int]  # tokens the target just committed (prompt, or root + accepted)
     next_token: int  # the target's pending token: the root of the next tree
-    features: torch.Tensor | None = None  # [len(committed_ids), feature_dim]
-    mm_input_embeds: torch.Tensor | None = None  # [len(committed_ids), hidden], multimodal prefill
+    # Rows as the target sent them: torch tensors in process, `rpc.rows.RowBlock` bytes in the
+    # gRPC router (written into the draft's request without decoding).
+    features: torch.Tensor | RowBlock | None = None  # [len(committed_ids), feature_dim]
+    mm_input_embeds: torch.Tensor | RowBlock | None = None  # [len(committed_ids), hidden]
     is_multimodal: bool = False  # the request has images: mm_input_embeds is mandatory on its start
     new: bool = False  # first extend of the request (creates its draft state)
 

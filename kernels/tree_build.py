@@ -61,7 +61,7 @@ def build_tree_ref(
 ) -> DraftTree:
     selected = select_pool_entries(pool_scores, num_draft_tokens)  # [B, N-1]
     batch, n = root_tokens.numel(), num_draft_tokens
-    dev, rows = root_tokens.device, torch.arange(root_tokens.numel(), device=root_tokens.device)
+    dev = root_tokens.device
     tree_of_pool = torch.full_like(pool_parents, -1)  # [B, P]
     tree_of_pool.scatter_(1, selected, torch.arange(1, n, device=dev).expand(batch, -1))
     parent_pool = pool_parents.gather(1, selected)  # [B, N-1]
@@ -71,21 +71,30 @@ def build_tree_ref(
     parents = torch.cat([torch.full((batch, 1), -1, device=dev), parent_tree.where(
         parent_pool >= 0, 0)], 1)  # fmt: skip
 
-    depths = torch.zeros(batch, n, dtype=torch.int64, device=dev)
-    mask = torch.eye(n, dtype=torch.bool, device=dev).repeat(batch, 1, 1)  # [B, N, N]
-    first_child = torch.full((batch, n), -1, dtype=torch.int64, device=dev)
-    next_sibling = torch.full_like(first_child, -1)
-    last_child = torch.full_like(first_child, -1)
-    for i in range(1, n):  # parents come first, so their rows are complete
-        p = parents[:, i]
-        depths[:, i] = depths[rows, p] + 1
-        mask[:, i] |= mask[rows, p]
-        prev = last_child[rows, p]
-        first_child[rows[prev < 0], p[prev < 0]] = i
-        next_sibling[rows[prev >= 0], prev[prev >= 0]] = i
-        last_child[rows, p] = i
+    links = [_tree_links(row) for row in parents.tolist()]  # host integers: one copy
+    field = lambda f, dtype=torch.int64: torch.tensor([row[f] for row in links], dtype=dtype)
+    depths, first_child, next_sibling = (field(f).to(dev).view(batch, n) for f in range(3))
+    mask = field(3, torch.bool).to(dev).view(batch, n, n)
     tokens = torch.cat([root_tokens[:, None], pool_tokens.gather(1, selected)], 1)
     return DraftTree(tokens, parents, depths, first_child, next_sibling, mask)
+
+
+def _tree_links(parents: list[int]) -> tuple[list[int], list[int], list[int], list[bool]]:
+    """Depths, first children, next siblings and the flat ancestor mask ``[N * N]`` of one
+    tree whose parents come before their children."""
+    n = len(parents)
+    depths, first_child, next_sibling, last_child = [0] * n, [-1] * n, [-1] * n, [-1] * n
+    mask = [[j == i for j in range(n)] for i in range(n)]
+    for i in range(1, n):
+        p = parents[i]
+        depths[i] = depths[p] + 1
+        mask[i] = [a or b for a, b in zip(mask[i], mask[p], strict=True)]
+        if last_child[p] < 0:
+            first_child[p] = i
+        else:
+            next_sibling[last_child[p]] = i
+        last_child[p] = i
+    return depths, first_child, next_sibling, [x for row in mask for x in row]
 
 
 @triton.jit

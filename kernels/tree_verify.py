@@ -88,18 +88,27 @@ def verify_tree_greedy_ref(
     next_sibling: torch.Tensor,  # [B, N] int64
     target_ids: torch.Tensor,  # [B, N] int64, the target's argmax after each node
 ) -> TreeVerifyResult:
-    rows = torch.arange(draft_tokens.shape[0], device=draft_tokens.device)
-
-    def choose(node: torch.Tensor) -> torch.Tensor:
-        wanted = target_ids[rows, node]
-        chosen = torch.full_like(node, -1)
-        for child in _children(first_child, next_sibling, node):
-            hit = (child >= 0) & (chosen < 0) & (draft_tokens[rows, child.clamp(min=0)] == wanted)
-            chosen = torch.where(hit, child, chosen)
-        return chosen
-
-    path, accept_len, last = _walk(first_child, next_sibling, choose)
-    return TreeVerifyResult(path, accept_len, target_ids[rows, last])
+    """The walk on host integers (one copy of each input, three tensors out): greedy
+    verification compares token ids only, so there is nothing to round."""
+    batch, n = draft_tokens.shape
+    draft, first, sibling, wanted = (
+        t.tolist() for t in (draft_tokens, first_child, next_sibling, target_ids)
+    )
+    paths, lens, bonus = [], [], []
+    for b in range(batch):
+        path = [0]
+        while len(path) < n:
+            node, child = path[-1], first[b][path[-1]]
+            while child >= 0 and draft[b][child] != wanted[b][node]:
+                child = sibling[b][child]
+            if child < 0:
+                break
+            path.append(child)
+        paths.append(path + [-1] * (n - len(path)))
+        lens.append(len(path))
+        bonus.append(wanted[b][path[-1]])
+    as_t = lambda xs: torch.tensor(xs, dtype=torch.int64).to(draft_tokens.device)
+    return TreeVerifyResult(as_t(paths).view(batch, n), as_t(lens), as_t(bonus))
 
 
 def sequential_cumsum_fp32(x: torch.Tensor) -> torch.Tensor:

@@ -35,7 +35,10 @@ class TargetClient(Protocol):
     async def configure(self, needs: FeatureSpec) -> None:
         """The handshake: what every later step returns per token (the drafts' needs)."""
 
-    async def prefill(self, inputs: list[PrefillInput]) -> StepOutput: ...
+    async def prefill(self, inputs: list[PrefillInput]) -> StepOutput:
+        """Whole inputs, or pieces of long ones (`PrefillInput.input_start` / ``more_input``):
+        a piece before the last returns its rows and no token."""
+
     async def verify(self, inputs: list[VerifyInput]) -> StepOutput: ...
     async def release(self, rids: list[str]) -> None:
         """Free the requests' state, after every step already sent for them."""

@@ -32,6 +32,8 @@ from specmesh.router.faults import StepDeadline
 from specmesh.router.limits import check_stop_rules
 from specmesh.router.metrics import RouterMetrics
 from specmesh.router.placement import Balancer
+from specmesh.router.policy import MODES as SPECULATION_MODES
+from specmesh.router.policy import SpeculationPolicy
 from specmesh.router.request import Chunk, Phase, Request
 from specmesh.router.round import RoundRunner
 from specmesh.runtime.errors import (
@@ -63,6 +65,27 @@ class RouterConfig:
     # A request that lost its draft is replayed (one prefill of its context) to speculate again
     # once a draft has served a step successfully, if this many tokens are still to come.
     resume_min_remaining: int = 32
+    # Per round and micro-batch (`specmesh.router.policy`): "adaptive" speculates, and with how
+    # many tree nodes, only where measured costs and acceptance say it yields more tokens per
+    # second; "always" verifies the draft's full trees every round; "never" decodes without the
+    # draft. The servers' --speculation flag defaults to adaptive; this API default keeps the
+    # draft's tree shape fixed, round after round.
+    speculation: str = "always"
+    # Chunked prefill (`specmesh.router.prefill_plan`): prompt tokens a micro-batch sends its
+    # target per round, so a long prompt is prefilled over several rounds with the running
+    # requests' rounds between them; 0 = every prompt in one piece.
+    prefill_chunk_tokens: int = 512
+
+    def __post_init__(self) -> None:
+        if self.prefill_chunk_tokens < 0:
+            raise ValueError(
+                f"prefill_chunk_tokens must be >= 0 (0 = off), got {self.prefill_chunk_tokens}"
+            )
+        if self.speculation not in SPECULATION_MODES:
+            raise ValueError(
+                f"speculation must be one of {', '.join(SPECULATION_MODES)}, "
+                f"got {self.speculation!r}"
+            )
 
 
 class RouterCore:
@@ -71,10 +94,13 @@ class RouterCore:
         targets: list[TargetClient],
         drafts: list[DraftClient],
         cfg: RouterConfig = RouterConfig(),
+        policy: SpeculationPolicy | None = None,
     ) -> None:
+        """``policy``: measurements to start from (an `Engine` keeps one across its runs)."""
         if not targets:
             raise ValueError("the router needs at least one target")
         self.targets, self.drafts, self.cfg = targets, drafts, cfg
+        self.policy = policy or SpeculationPolicy(cfg.speculation)
         self.replicas = Balancer(targets, drafts, cfg.target_cooldown_s, cfg.draft_cooldown_s)
         self.deadlines = {
             d.name: StepDeadline(
@@ -100,6 +126,8 @@ class RouterCore:
     async def start(self) -> None:
         """The handshake with every target (what the drafts read), then the workers."""
         needs = draft_needs([d.info.needs for d in self.drafts])
+        if self.cfg.speculation == "never":  # no draft step ever reads the target's features
+            needs = FeatureSpec()
         await asyncio.gather(*(t.configure(needs) for t in self.targets))
         self._workers = [
             asyncio.create_task(self._worker(i)) for i in range(self.cfg.num_micro_batches)
@@ -170,6 +198,7 @@ class RouterCore:
         """Release ``req`` in its replicas (in-band, behind its steps) and unpin it; with
         ``requeue`` it then waits for admission again, to be replayed (prompt + emitted tokens)."""
         placement, req.placement, req.tree = req.placement, None, None
+        req.prefill_sent, req.prefilled = 0, False  # a replay prefills its context again
         if placement is not None:
             clients = [c for c in (placement.target, placement.draft) if c is not None]
             await asyncio.gather(*(c.release([req.rid]) for c in clients))
@@ -189,21 +218,26 @@ class RouterCore:
 
     # -- workers -------------------------------------------------------------------------------
     async def _worker(self, index: int) -> None:
-        running: list[Request] = []
+        """Rounds of one micro-batch. Each round first sends the next prefill piece of the
+        requests still prefilling (within the round's token budget), then verifies the running
+        ones: a long prompt delays them by one piece per round, not by the whole prompt."""
+        batch: list[Request] = []  # admitted requests: prefilling, then running
         while True:
-            new = self._admit(running, index)
-            if new:
-                await self._guarded(self.rounds.prefill, new, index)
-                running.extend(new)
-                running[:] = await self._retire(running, index)
+            batch += self._admit(batch, index)
+            prefilling = [r for r in batch if not r.prefilled]
+            if prefilling:
+                await self._guarded(self.rounds.prefill, prefilling, index)
+                batch[:] = await self._retire(batch, index)
+            running = [r for r in batch if r.prefilled]
             if not running:
-                req = await self.waiting.get()
-                self.waiting.put_nowait(req)  # re-queued: _admit takes it with its siblings
+                if not batch:
+                    req = await self.waiting.get()
+                    self.waiting.put_nowait(req)  # re-queued: _admit takes it with its siblings
                 continue
             await self._guarded(self.rounds.step, running, index)
-            running[:] = await self._retire(running, index)
-            await self._resume_speculation(running)
-            running[:] = await self._retire(running, index)
+            batch[:] = await self._retire(batch, index)
+            await self._resume_speculation([r for r in batch if r.prefilled])
+            batch[:] = await self._retire(batch, index)
 
     async def _retire(self, running: list[Request], index: int) -> list[Request]:
         """Requests still this worker's; the aborted ones leave their replicas."""

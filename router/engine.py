@@ -16,6 +16,7 @@ from specmesh.draft_service.runtime import DraftConfig, load_draft
 from specmesh.router.core import RouterConfig, RouterCore
 from specmesh.router.detokenizer import Detokenizer
 from specmesh.router.in_process import InProcessDraft, InProcessTarget
+from specmesh.router.policy import SpeculationPolicy
 from specmesh.router.request import Request, TokenLogprob
 from specmesh.runtime.sampling import SamplingParams
 from specmesh.runtime.tokenizer import load_tokenizer, resolve_seed
@@ -66,6 +67,8 @@ class Engine:
             )
             self.draft = load_draft(dcfg, target_model=self.target.model)
         self.router_config = router_config
+        # What the speculation policy measured, kept from one `generate` to the next.
+        self.policy = SpeculationPolicy(router_config.speculation)
 
     def generate(
         self,
@@ -87,7 +90,7 @@ class Engine:
 
     async def _generate_all(self, reqs: list[Request]) -> list[GenerationResult]:
         drafts = [InProcessDraft(self.draft)] if self.draft else []
-        core = RouterCore([InProcessTarget(self.target)], drafts, self.router_config)
+        core = RouterCore([InProcessTarget(self.target)], drafts, self.router_config, self.policy)
         await core.start()
         try:
             return list(await asyncio.gather(*(self._collect(core, r) for r in reqs)))

@@ -18,12 +18,12 @@ import contextlib
 import logging
 
 import grpc
-import torch
 
 from specmesh.draft_service.steps import DraftInfo, DraftStepResult, ExtendInput
 from specmesh.router.clients import TargetInfo
 from specmesh.router.metrics import STEP_BYTES_RECEIVED, STEP_BYTES_SENT
 from specmesh.router.step_stream import CountingChannel, StepStream
+from specmesh.rpc.rows import RowBlock, join_rows, join_state_rows, split_state_rows
 from specmesh.rpc.service_common import channel_options
 from specmesh.rpc.wire import (
     error_from_rpc,
@@ -33,11 +33,7 @@ from specmesh.rpc.wire import (
     needs_to_pb,
     sampling_to_pb,
 )
-from specmesh.runtime.codec import (
-    DEFAULT_MAX_MESSAGE_BYTES,
-    join_hidden_states,
-    split_hidden_states,
-)
+from specmesh.runtime.codec import DEFAULT_MAX_MESSAGE_BYTES
 from specmesh.runtime.errors import ServiceDownError
 from specmesh.runtime.features import FeatureSpec
 from specmesh.runtime.tree import Tree
@@ -153,9 +149,12 @@ class GrpcTargetClient(_GrpcClient):
                 target_pb2.PrefillRequest(
                     request_id=i.rid,
                     input_ids=i.input_ids,
-                    sampling=sampling_to_pb(i.params),
+                    # A later piece of an input continues with the first piece's sampling.
+                    sampling=None if i.input_start else sampling_to_pb(i.params),
                     sample_offset=i.sample_offset,
                     images=i.images,
+                    input_start=i.input_start,
+                    more_input=i.more_input,
                 )
                 for i in inputs
             ]
@@ -182,10 +181,11 @@ class GrpcTargetClient(_GrpcClient):
     async def _step(self, req: target_pb2.TargetStepRequest) -> StepOutput:
         chunks = await self._answer([req])
         head = chunks[0]
-        row_counts, tensors = join_hidden_states([c.states for c in chunks])
+        # Feature rows stay wire bytes: sliced per request and forwarded to the draft as is.
+        row_counts, blocks = join_state_rows([c.states for c in chunks])
         out = StepOutput(
-            features=tensors.get("aux_hidden", tensors.get("hidden")),
-            mm_input_embeds=tensors.get("mm_input_embeds"),
+            features=blocks.get("aux_hidden", blocks.get("hidden")),
+            mm_input_embeds=blocks.get("mm_input_embeds"),
         )
         for result, rows in zip(head.results, row_counts or [0] * len(head.results), strict=True):
             rid = result.request_id
@@ -235,8 +235,8 @@ class GrpcDraftClient(_GrpcClient):
             )
             for e in extends
         ]
-        states = split_hidden_states(
-            [len(e.committed_ids) for e in extends], self._tensors(extends), self.chunk_bytes
+        states = split_state_rows(
+            [len(e.committed_ids) for e in extends], self._rows(extends), self.chunk_bytes
         )
         first = draft_pb2.ExtendBatch(requests=requests, states=states[0], propose_after=propose)
         rest = [draft_pb2.ExtendBatch(states=s) for s in states[1:]]
@@ -252,11 +252,12 @@ class GrpcDraftClient(_GrpcClient):
                 )
         return out
 
-    def _tensors(self, extends: list[ExtendInput]) -> dict[str, torch.Tensor | None]:
+    def _rows(self, extends: list[ExtendInput]) -> dict[str, RowBlock | None]:
+        """The batch's rows, joined from the target's bytes (a window, when the batch follows
+        the target's order)."""
         field = self.info.needs.feature.wire_field
-        feats = [e.features for e in extends]
-        mm = [e.mm_input_embeds for e in extends]
+        mm = join_rows([e.mm_input_embeds for e in extends])
         return {
-            **({field: torch.cat(feats)} if field and all(f is not None for f in feats) else {}),
-            "mm_input_embeds": torch.cat(mm) if all(m is not None for m in mm) and mm else None,
+            **({field: join_rows([e.features for e in extends])} if field else {}),
+            "mm_input_embeds": mm,
         }

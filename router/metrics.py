@@ -90,6 +90,12 @@ STEP_BYTES_RECEIVED = _counter(
     "step_bytes_received", "Serialized bytes of the Step messages read from this replica",
     ("replica",),
 )  # fmt: skip
+PLANNED_ROUNDS = _counter(
+    "spec_decode_planned_rounds",
+    "Draft steps the speculation policy planned for a micro-batch, by the tree size it chose "
+    "(nodes incl. the root; 1 = no speculation: plain decoding next round)",
+    ("replica", "tree_size"),
+)
 DRAFT_FAILURES = _counter(
     "draft_failures", "Draft steps that failed or missed their deadline", ("replica",)
 )
@@ -136,18 +142,28 @@ class _LiveCores:
         breaker = GaugeMetricFamily(
             "specmesh:circuit_breaker_open", "Replica breaker: 0 closed, 1 open", labels=["replica"]
         )
+        tree_size = GaugeMetricFamily(
+            "specmesh:spec_decode_tree_size",
+            "Tree size (nodes incl. the root) the speculation policy chose last for this target "
+            "replica's micro-batches; 1 = not speculating",
+            labels=["replica"],
+        )
         phases: dict[str, int] = {}
         opened: dict[str, int] = {}
+        sizes: dict[str, int] = {}
         for core in list(self.cores):
             for req in list(core.requests.values()):
                 phases[req.phase.value] = phases.get(req.phase.value, 0) + 1
             for name, b in list(core.replicas.breakers.items()):
                 opened[name] = max(opened.get(name, 0), int(not b.allows()))
+            sizes.update(dict(core.metrics.tree_sizes))
         running.add_metric([], phases.get("running", 0))
         waiting.add_metric([], phases.get("waiting", 0))
         for name, value in sorted(opened.items()):
             breaker.add_metric([name], value)
-        return [running, waiting, breaker]
+        for name, value in sorted(sizes.items()):
+            tree_size.add_metric([name], value)
+        return [running, waiting, breaker, tree_size]
 
 
 _LIVE = _LiveCores()
@@ -180,13 +196,14 @@ class _Cursor:
 
 class RouterMetrics:
     """The recording API of one core. Hooks: `timed_target` / `timed_prefill` (wrap a target's
-    verify / prefill call), `on_round` (after a round's emit), `on_draft_step`,
+    verify / prefill call), `on_round` (after a round's emit), `on_plan`, `on_draft_step`,
     `on_draft_failure`, `on_target_down`, `on_finish` (when the request's client side ends:
     every admitted request passes there once)."""
 
     def __init__(self, core: RouterCore) -> None:
         self.core = core
         self._cursors: dict[str, _Cursor] = {}
+        self.tree_sizes: dict[str, int] = {}  # per target replica: the policy's latest choice
         _LIVE.cores.add(core)
 
     def timed_target(self, call: TargetCall) -> TargetCall:
@@ -207,6 +224,11 @@ class RouterMetrics:
                 NUM_DRAFT_TOKENS.inc(nodes - 1)
             if self.core.requests.get(r.rid) is r:  # else on_finish counted it already
                 self._advance(r, now)
+
+    def on_plan(self, target: str, tree_size: int) -> None:
+        """The speculation policy's plan for a micro-batch verified by ``target``."""
+        PLANNED_ROUNDS.labels(target, str(tree_size)).inc()
+        self.tree_sizes[target] = tree_size
 
     def on_draft_step(self, replica: str, seconds: float) -> None:
         DRAFT_STEP.labels(replica).observe(seconds)

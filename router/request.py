@@ -13,9 +13,11 @@ from enum import Enum
 from typing import TYPE_CHECKING
 
 from specmesh.router.detokenizer import Detokenizer
+from specmesh.router.policy import Acceptance
 from specmesh.runtime.sampling import SamplingParams
 
 if TYPE_CHECKING:
+    from specmesh.draft_service.steps import ExtendInput
     from specmesh.router.placement import Placement
     from specmesh.runtime.tree import Tree
 
@@ -69,6 +71,16 @@ class Request:
     tree: Tree | None = None
     replays: int = 0
     worker: int | None = None  # the micro-batch worker running it
+    # Set by the round while the request is prefilled (`specmesh.router.prefill_plan`): context
+    # tokens sent to its target so far, and whether the target has them all (then it runs
+    # rounds). Both start over when the request leaves its replicas.
+    prefill_sent: int = 0
+    prefilled: bool = False
+    # Set by the round: what its rounds accepted per tree size (the speculation policy's input),
+    # and the draft extends held back while it decodes without speculation (sent in one step,
+    # before its next proposal).
+    acceptance: Acceptance = field(default_factory=Acceptance)
+    draft_backlog: list[ExtendInput] = field(default_factory=list)
     arrival_s: float = field(default_factory=time.monotonic)
     first_token_s: float | None = None
     finish_s: float | None = None

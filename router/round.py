@@ -21,12 +21,12 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
-import torch
-
 from specmesh.draft_service.steps import ExtendInput
+from specmesh.router.draft_rows import MAX_BACKLOG_ROWS, held_back, split_rows
+from specmesh.router.policy import Plan, SpeculationPolicy, cut_tree
+from specmesh.router.prefill_plan import next_context_token, plan_pieces, prefill_piece
 from specmesh.router.request import Request, TokenLogprob
 from specmesh.runtime.errors import (
     KVCacheFullError,
@@ -34,7 +34,6 @@ from specmesh.runtime.errors import (
     SpecmeshError,
     UnknownRequestError,
 )
-from specmesh.runtime.sampling import SamplingParams
 from specmesh.runtime.tree import Tree
 from specmesh.target_service.steps import Logprob, PrefillInput, StepOutput, VerifyInput
 
@@ -51,8 +50,15 @@ class RoundRunner:
     def __init__(self, core: RouterCore) -> None:
         self.core = core
 
+    @property
+    def policy(self) -> SpeculationPolicy:
+        return self.core.policy
+
     async def prefill(self, reqs: list[Request]) -> None:
-        await asyncio.gather(*(self._prefill(group) for group in _by_target(reqs)))
+        """The next prefill piece of each request, as far as the round's budget goes."""
+        sizes = plan_pieces(reqs, self.core.cfg.prefill_chunk_tokens)
+        chosen = [r for r in reqs if r.rid in sizes]
+        await asyncio.gather(*(self._prefill(group, sizes) for group in _by_target(chosen)))
 
     async def step(self, reqs: list[Request]) -> None:
         await asyncio.gather(*(self._round(group) for group in _by_target(reqs)))
@@ -62,29 +68,71 @@ class RoundRunner:
         roots = {r.rid: r.output_ids[-1] for r in reqs}
         trees = [VerifyInput(r.rid, r.tree or Tree.chain([roots[r.rid]])) for r in reqs]
         verify = self.core.metrics.timed_target(lambda target: target.verify(trees))
+        started = time.monotonic()
         out = await self._target(reqs, verify)
         if out is not None:
+            self._observe(reqs, trees, out, time.monotonic() - started)
             live = await self._emit(reqs, out, accepted_round=True)
             self.core.metrics.on_round(reqs, trees, out)
             await self._propose(
                 live, out, lambda r: [roots[r.rid], *out.tokens[r.rid][:-1]], new=False
             )
 
-    async def _prefill(self, reqs: list[Request]) -> None:
-        inputs = [
-            PrefillInput(
-                r.rid, r.context_ids(), _prefill_params(r), r.num_generated, images=r.images
-            )
-            for r in reqs
-        ]
+    async def _prefill(self, reqs: list[Request], sizes: dict[str, int]) -> None:
+        """Send each request's next piece (`prefill_plan`). After its last piece a request
+        emits its first token and its draft extends over that piece and proposes; after an
+        earlier one its draft only extends over the piece's rows."""
+        pieces = {r.rid: prefill_piece(r, sizes[r.rid]) for r in reqs}
+        inputs = list(pieces.values())
         prefill = self.core.metrics.timed_prefill(lambda target: target.prefill(inputs))
         out = await self._target(reqs, prefill)
-        if out is not None:
-            # A multimodal prompt ran with its image placeholders expanded: the draft's rows
-            # follow the expanded ids (the request keeps its original prompt for replays).
-            committed = {r.rid: out.prompt_ids.get(r.rid) or r.context_ids() for r in reqs}
-            live = await self._emit(reqs, out, accepted_round=False)
-            await self._propose(live, out, lambda r: committed[r.rid], new=True)
+        if out is None:
+            return
+        for r in reqs:
+            r.prefill_sent += len(pieces[r.rid].input_ids) if r.rid in out.tokens else 0
+        more = [r for r in reqs if pieces[r.rid].more_input]
+        last = [r for r in reqs if not pieces[r.rid].more_input]
+        # A multimodal prompt ran with its image placeholders expanded: the draft's rows
+        # follow the expanded ids (the request keeps its original prompt for replays).
+        committed = lambda r: out.prompt_ids.get(r.rid) or pieces[r.rid].input_ids
+        live = await self._emit(last, out, accepted_round=False)
+        for r in live:
+            r.prefilled = True
+        await asyncio.gather(
+            self._extend_pieces(more, out, pieces),
+            self._propose([r for r in live if not pieces[r.rid].input_start], out, committed,
+                          new=True),
+            self._propose([r for r in live if pieces[r.rid].input_start], out, committed,
+                          new=False),
+        )  # fmt: skip
+
+    async def _extend_pieces(
+        self, reqs: list[Request], out: StepOutput, pieces: dict[str, PrefillInput]
+    ) -> None:
+        """Each request's draft extends over a piece before the last, without proposing: its
+        rows pair with the piece's ids and the next piece's first token."""
+        rows, groups = split_rows(out), defaultdict(list)
+        for r in reqs:
+            if r.rid in out.errors:
+                await self._on_target_error(r, out.errors[r.rid])
+            elif not r.finished and r.placement.draft and self.policy.mode != "never":
+                piece, (feats, mm) = pieces[r.rid], rows[r.rid]
+                first = not piece.input_start
+                extend = ExtendInput(r.rid, piece.input_ids, next_context_token(r), feats, mm,
+                                     False, new=first)  # fmt: skip
+                groups[id(r.placement.draft)].append((r, extend))
+        await asyncio.gather(*(self._draft(g, Plan(tree_size=1)) for g in groups.values()))
+
+    def _observe(
+        self, reqs: list[Request], trees: list[VerifyInput], out: StepOutput, seconds: float
+    ) -> None:
+        """What the verify cost, and what each request's tree yielded, for the policy."""
+        size = max(v.tree.num_nodes for v in trees)
+        self.policy.observe_verify(reqs[0].placement.target.name, len(reqs), size, seconds)
+        for r, v in zip(reqs, trees, strict=True):
+            draft = r.placement.draft if r.placement is not None else None
+            if draft is not None and v.tree.num_nodes > 1 and r.rid in out.tokens:
+                self.policy.observe_round(draft.name, r.acceptance, v.tree, out.tokens[r.rid])
 
     # -- target --------------------------------------------------------------------------------
     async def _target(self, reqs: list[Request], call: Callable[..., Awaitable[StepOutput]]):
@@ -142,26 +190,53 @@ class RoundRunner:
         self, live: list[Request], out: StepOutput, committed: Committed, *, new: bool
     ) -> None:
         """Extend each request's draft over what the target committed, then propose its next
-        tree; requests without a draft verify a bare root (plain decoding) next round."""
-        rows = _rows(out)
+        tree, when the policy plans to speculate; requests without a draft, or not speculating,
+        verify a bare root (plain decoding) next round."""
+        rows = split_rows(out)
         groups: dict[int, list[tuple[Request, ExtendInput]]] = defaultdict(list)
         for r in live:
             draft = r.placement.draft
-            if draft is None:
-                r.tree = None
+            if draft is not None and self.policy.mode == "never":
+                r.speculate = False  # for good: never resumed
+                await self.core.drop_draft(r, release=not new)
+            if r.placement.draft is None:
+                r.tree, r.draft_backlog = None, []
                 continue
             feats, mm = rows.get(r.rid, (None, None))
             ids, nxt = committed(r), out.tokens[r.rid][-1]
             extend = ExtendInput(r.rid, ids, nxt, feats, mm, bool(r.images), new)
             groups[id(draft)].append((r, extend))
-        await asyncio.gather(*(self._draft(group) for group in groups.values()))
+        await asyncio.gather(*(self._plan_and_draft(group, len(live)) for group in groups.values()))
 
-    async def _draft(self, group: list[tuple[Request, ExtendInput]]) -> None:
+    async def _plan_and_draft(
+        self, group: list[tuple[Request, ExtendInput]], batch_size: int
+    ) -> None:
+        """The policy's plan for one draft's requests; without speculation their extends wait
+        (`draft_rows.held_back`) and the draft is not called, unless one must go now."""
+        placement = group[0][0].placement
+        draft = placement.draft
+        plan = self.policy.plan(
+            placement.target.name, draft.name, batch_size, [r.acceptance for r, _ in group],
+            draft.info.num_draft_tokens,
+        )  # fmt: skip
+        self.core.metrics.on_plan(placement.target.name, plan.tree_size)
+        send = []
+        for r, extend in group:
+            extend = held_back(r, extend)
+            rows = len(extend.committed_ids)
+            if plan.speculate or (extend.new and extend.is_multimodal) or rows >= MAX_BACKLOG_ROWS:
+                send.append((r, extend))
+            else:
+                r.draft_backlog, r.tree = [extend], None
+        if send:
+            await self._draft(send, plan)
+
+    async def _draft(self, group: list[tuple[Request, ExtendInput]], plan: Plan) -> None:
         draft = group[0][0].placement.draft
         breaker, deadline = self.core.replicas.breakers[draft.name], self.core.deadlines[draft.name]
         started = time.monotonic()
         try:
-            step = draft.step([e for _, e in group])
+            step = draft.step([e for _, e in group], plan.speculate)
             res = await asyncio.wait_for(step, deadline.seconds)
         except Exception as e:  # any draft failure only costs speculation, never a request
             log.warning("draft %s failed (%s: %s); continuing without speculation",
@@ -171,14 +246,18 @@ class RoundRunner:
             for r, _ in group:  # undo work it may still do for them (a late answer is dropped)
                 await self.core.drop_draft(r, release=True)
             return
+        seconds = time.monotonic() - started
         breaker.record_success()
-        deadline.observe(time.monotonic() - started)
-        self.core.metrics.on_draft_step(draft.name, time.monotonic() - started)
+        deadline.observe(seconds)
+        self.core.metrics.on_draft_step(draft.name, seconds)
+        if plan.speculate:
+            self.policy.observe_draft(draft.name, len(group), seconds)
         for r, _ in group:
-            if r.rid in res.trees:
-                r.tree = res.trees[r.rid]
-            else:
+            if r.rid in res.errors or (plan.speculate and r.rid not in res.trees):
                 await self._on_draft_error(r, res.errors.get(r.rid))
+            else:
+                tree = res.trees.get(r.rid)
+                r.tree = None if tree is None else cut_tree(tree, plan.tree_size)
 
     async def _on_draft_error(self, r: Request, error: Exception | None) -> None:
         """The draft dropped this request. Lost state (the draft restarted: NOT_FOUND) is
@@ -186,14 +265,6 @@ class RoundRunner:
         if not isinstance(error, UnknownRequestError):
             r.speculate = False
         await self.core.drop_draft(r, release=False)
-
-
-def _prefill_params(r: Request) -> SamplingParams:
-    """A request's params for a prefill: prompt logprobs only until they were sent (a replay
-    after tokens were emitted, which came with them, does not ask again)."""
-    if r.params.prompt_logprobs is None or r.num_generated == 0:
-        return r.params
-    return replace(r.params, prompt_logprobs=None)
 
 
 def _logprobs(entries: list[Logprob] | None) -> list[TokenLogprob] | None:
@@ -214,14 +285,3 @@ def _by_target(reqs: list[Request]) -> list[list[Request]]:
         if not r.finished:
             groups[id(r.placement.target)].append(r)
     return list(groups.values())
-
-
-def _rows(out: StepOutput) -> dict[str, tuple[torch.Tensor | None, torch.Tensor | None]]:
-    """Cut the batch's feature rows (and multimodal embeddings) back into per-request tensors;
-    rows follow the order of ``out.row_counts`` (the batch's order)."""
-    rows, start = {}, 0
-    for rid, n in out.row_counts.items():
-        cut = lambda t: None if t is None else t[start : start + n]  # noqa: B023
-        rows[rid] = (cut(out.features), cut(out.mm_input_embeds))
-        start += n
-    return rows

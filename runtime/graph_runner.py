@@ -37,7 +37,13 @@ from specmesh.runtime.attention.base import AttentionBackend, AttentionMetadata
 from specmesh.runtime.graph_buffers import GraphBuffers
 from specmesh.runtime.graph_sizes import GraphSizes
 from specmesh.runtime.kv_cache import KVCache
-from specmesh.runtime.model_runner import BatchItem, ForwardModel, build_metadata, reserve_batch
+from specmesh.runtime.model_runner import (
+    BatchItem,
+    ForwardModel,
+    batch_positions,
+    build_metadata,
+    reserve_batch,
+)
 from specmesh.runtime.models.layers import KVPair
 from specmesh.runtime.padding import Selectable, bucket_size, unpad
 
@@ -229,7 +235,7 @@ class GraphRunner:
             buf.kv_indices[:kv_raw].copy_(real.kv_indices)
             buf.out_slots[:raw].copy_(real.out_slots)
             buf.input_ids[:raw].copy_(torch.cat([it.input_ids for it in items]))
-            buf.positions[:raw].copy_(torch.cat([_positions(it) for it in items]))
+            buf.positions[:raw].copy_(batch_positions(items))
             if buf.custom_mask is not None:
                 buf.custom_mask[:mask_raw].copy_(real.custom_mask)
                 buf.mask_indptr[: raw_bs + 1].copy_(real.mask_indptr)
@@ -252,9 +258,3 @@ class GraphRunner:
             buf.mask_indptr[raw_bs + 1 : bs + 1].copy_(buf.pad_rows[:num_pad] * q + mask_raw)
         cpu = [*kv_lens, *[q] * num_pad] if self.backend.needs_cpu_metadata else None
         return buf.metadata(bs, q, cpu)
-
-
-def _positions(it: BatchItem) -> torch.Tensor:
-    if it.positions is not None:
-        return it.positions
-    return torch.arange(it.start, it.start + it.q_len)

@@ -87,25 +87,42 @@ class KVCache:
 
     def reserve(self, rid: str, num_tokens: int) -> None:
         """Make sure ``rid`` owns slots for token indices ``[0, num_tokens)``."""
-        req = self.get(rid)
-        if num_tokens > self.max_context:
+        self.reserve_all({rid: num_tokens})
+
+    def reserve_all(self, demands: dict[str, int]) -> None:
+        """`reserve` for every request of ``demands`` (rid -> tokens): all checked first, then
+        the new slot ids written to the table in one host-to-device copy."""
+        needs = {}
+        for rid, num_tokens in demands.items():
+            self.get(rid)
+            if num_tokens > self.max_context:
+                raise KVCacheFullError(
+                    f"request {rid!r} needs {num_tokens} tokens, above max_context "
+                    f"{self.max_context}"
+                )
+            needs[rid] = self.pages_needed(rid, num_tokens)
+        if sum(needs.values()) > len(self.free_pages):
             raise KVCacheFullError(
-                f"request {rid!r} needs {num_tokens} tokens, above max_context {self.max_context}"
+                f"requests {list(needs)} need {sum(needs.values())} more KV pages of "
+                f"{self.page_size} tokens, {len(self.free_pages)} free"
             )
-        need = self.pages_needed(rid, num_tokens)
-        if need > len(self.free_pages):
-            raise KVCacheFullError(
-                f"request {rid!r} needs {need} more KV pages of {self.page_size} tokens, "
-                f"{len(self.free_pages)} free"
-            )
-        if need == 0:
+        ps, flat_index, pages = self.page_size, [], []
+        width = self.req_to_slot.shape[1]
+        for rid, need in needs.items():
+            req = self.requests[rid]
+            start = req.row * width + len(req.pages) * ps  # flat index of the first new entry
+            flat_index.extend(range(start, start + need * ps))
+            new_pages = [self.free_pages.pop() for _ in range(need)]
+            req.pages.extend(new_pages)
+            pages.extend(new_pages)
+        if not pages:
             return
-        ps = self.page_size
-        pages = [self.free_pages.pop() for _ in range(need)]
-        slots = (torch.tensor(pages)[:, None] * ps + torch.arange(ps)).flatten()
-        start = len(req.pages) * ps
-        self.req_to_slot[req.row, start : start + need * ps] = slots  # one host-to-device copy
-        req.pages.extend(pages)
+        slots = torch.tensor(pages, dtype=torch.int64)
+        if ps > 1:
+            slots = (slots[:, None] * ps + torch.arange(ps)).flatten()
+        dev = self.req_to_slot.device
+        index = torch.tensor(flat_index, dtype=torch.int64).to(dev)
+        self.req_to_slot.view(-1).index_copy_(0, index, slots.to(dev))
 
     def release(self, rid: str) -> None:
         req = self.requests.pop(rid, None)

@@ -7,6 +7,7 @@ nothing about speculation; callers commit lengths afterwards.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -43,12 +44,14 @@ def build_metadata(
     cache: KVCache, items: list[BatchItem], *, with_cpu: bool = True
 ) -> AttentionMetadata:
     """Ragged metadata for ``items``. ``with_cpu=False`` leaves the CPU-side fields ``None``, as
-    the sync-free GPU path does (invariant 3); backends that need them must cope."""
+    the sync-free GPU path does (invariant 3); backends that need them must cope. A few tensor
+    ops for the whole batch, whatever its size (the per-request arithmetic is on host ints)."""
     q_lens = [it.q_len for it in items]
     kv_lens = [it.start + it.q_len for it in items]
     dev = cache.req_to_slot.device
-    kv_indices = torch.cat([cache.slots(it.rid, 0, it.start + it.q_len) for it in items])
-    out_slots = torch.cat([cache.slots(it.rid, it.start, it.start + it.q_len) for it in items])
+    rows = [cache.get(it.rid).row for it in items]
+    kv_indices = _row_slots(cache, rows, [0] * len(items), kv_lens)
+    out_slots = _row_slots(cache, rows, [it.start for it in items], kv_lens)
     custom_mask = mask_indptr = None
     if any(it.mask is not None for it in items):
         masks = [_full_mask(it) for it in items]
@@ -68,6 +71,20 @@ def build_metadata(
     )
 
 
+def _row_slots(cache: KVCache, rows: list[int], starts: list[int], ends: list[int]) -> torch.Tensor:
+    """Slot ids of token indices ``starts[b]:ends[b]`` of table row ``rows[b]``, concatenated:
+    one gather from the flat table (a plain slice for one request)."""
+    table = cache.req_to_slot
+    if len(rows) == 1:
+        return table[rows[0], starts[0] : ends[0]]
+    lens = torch.tensor([e - s for s, e in zip(starts, ends, strict=True)])
+    # element i of segment b reads flat entry rows[b] * width + starts[b] + i
+    first = torch.tensor([r * table.shape[1] + s for r, s in zip(rows, starts, strict=True)])
+    seg_start = lens.cumsum(0) - lens
+    flat = torch.arange(int(lens.sum())) + (first - seg_start).repeat_interleave(lens)
+    return table.view(-1)[flat.to(table.device)]
+
+
 def _full_mask(it: BatchItem) -> torch.Tensor:
     if it.mask is not None:
         return it.mask.bool()
@@ -76,9 +93,21 @@ def _full_mask(it: BatchItem) -> torch.Tensor:
 
 
 def _indptr(lens: list[int], device: torch.device) -> torch.Tensor:
-    out = torch.zeros(len(lens) + 1, dtype=torch.int64)
-    out[1:] = torch.tensor(lens).cumsum(0)
-    return out.to(device)
+    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int64).to(device)
+
+
+def batch_positions(items: list[BatchItem]) -> torch.Tensor:
+    """Every item's positions (default ``start + arange(q_len)``), concatenated."""
+    if all(it.positions is None and it.q_len == 1 for it in items):  # decode: one tensor
+        return torch.tensor([it.start for it in items], dtype=torch.int64)
+    return torch.cat(
+        [
+            it.positions
+            if it.positions is not None
+            else torch.arange(it.start, it.start + it.q_len)
+            for it in items
+        ]
+    )
 
 
 def reserve_batch(cache: KVCache, items: list[BatchItem]) -> None:
@@ -88,8 +117,7 @@ def reserve_batch(cache: KVCache, items: list[BatchItem]) -> None:
     if not cache.can_allocate(demands):
         need = sum(cache.pages_needed(r, n) for r, n in demands.items()) * cache.page_size
         raise KVCacheFullError(f"batch needs {need} more KV slots, {cache.num_free_slots} free")
-    for rid, n in demands.items():
-        cache.reserve(rid, n)
+    cache.reserve_all(demands)
 
 
 @torch.inference_mode()
@@ -104,14 +132,7 @@ def run_batch(
     reserve_batch(cache, items)
     dev = cache.req_to_slot.device
     backend.prepare(build_metadata(cache, items, with_cpu=backend.needs_cpu_metadata))
-    positions = torch.cat(
-        [
-            it.positions
-            if it.positions is not None
-            else torch.arange(it.start, it.start + it.q_len)
-            for it in items
-        ]
-    ).to(dev)
+    positions = batch_positions(items).to(dev)
     input_ids = torch.cat([it.input_ids for it in items]).to(dev)
     embeds = None
     if any(it.input_embeds is not None for it in items):

@@ -55,7 +55,8 @@ def extend_chunked(
     chunk: int,
 ) -> ModelOutput:
     """Extend in chunks of ``chunk`` tokens per request; each chunk sits on top of the prefix
-    the earlier chunks cached. Outputs are re-assembled in request order."""
+    the earlier chunks (and, for a piece of a longer input, the earlier pieces) cached. Outputs
+    are re-assembled in request order."""
     per_req: dict[str, list[ModelOutput]] = {i.rid: [] for i in inputs}
     longest = max(len(i.input_ids) for i in inputs)
     for start in range(0, longest, chunk):
@@ -63,7 +64,7 @@ def extend_chunked(
             BatchItem(
                 i.rid,
                 torch.tensor(i.input_ids[start : start + chunk]),
-                start,
+                i.input_start + start,  # a later piece of an input sits on the earlier ones
                 input_embeds=None
                 if i.input_embeds is None
                 else i.input_embeds[start : start + chunk],

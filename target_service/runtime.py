@@ -13,6 +13,7 @@ before any state changes, and a batch whose forward raises is run again request 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 from dataclasses import dataclass, replace
@@ -44,7 +45,7 @@ from specmesh.runtime.sampling import (
 )
 from specmesh.runtime.tree import Tree
 from specmesh.target_service.acceptance import accept_trees, padded_row_index
-from specmesh.target_service.batching import extend_chunked, prompt_logprobs, run_isolated
+from specmesh.target_service.batching import extend_chunked, run_isolated
 from specmesh.target_service.graphs import TargetGraphs
 from specmesh.target_service.llava import ImageEncoder, is_llava_checkpoint, load_llava
 from specmesh.target_service.multimodal import (
@@ -54,7 +55,9 @@ from specmesh.target_service.multimodal import (
     ImageLimits,
     merge_images,
 )
+from specmesh.target_service.prefill_pieces import PartialPrefills
 from specmesh.target_service.steps import PrefillInput, StepOutput, VerifyInput, pick_logprobs
+from specmesh.target_service.tp_model import start_tensor_parallel
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +83,9 @@ class TargetConfig:
     max_images_per_request: int = MAX_IMAGES_PER_REQUEST
     max_image_bytes: int = MAX_IMAGE_BYTES  # encoded
     max_image_pixels: int = MAX_IMAGE_PIXELS  # width x height, read from the header
+    # Ranks (processes, one device each) the model is split over (`runtime.parallel`); rank 0
+    # is this process and owns all request state. CUDA graphs run only at 1.
+    tensor_parallel_size: int = 1
 
 
 @dataclass
@@ -110,6 +116,8 @@ class TargetRuntime:
         self.cfg = cfg
         dtype = None if cfg.dtype is None else parse_dtype(cfg.dtype)
         self.mm: ImageEncoder | None = None  # vision tower + projector of a LLaVA target
+        if model is None and cfg.tensor_parallel_size != 1:
+            model = start_tensor_parallel(cfg, dtype)
         if model is None and is_llava_checkpoint(cfg.model_dir):
             model, self.mm = load_llava(cfg.model_dir, dtype=dtype, device=cfg.device)
         self.model = model or load_causal_lm(cfg.model_dir, dtype=dtype, device=cfg.device)
@@ -124,7 +132,7 @@ class TargetRuntime:
         self.cache = KVCache(
             num_layers=mc.num_layers,
             num_slots=cfg.num_kv_slots,
-            num_kv_heads=mc.num_kv_heads,
+            num_kv_heads=self.model.num_local_kv_heads,  # this rank's heads under TP
             head_dim=mc.head_dim,
             dtype=mc.dtype,
             device=cfg.device,
@@ -136,10 +144,15 @@ class TargetRuntime:
         self.kernel_impl = kernel_impl(cfg.attention_backend)
         self.graphs = self._capture_graphs()
         self.requests: dict[str, TargetRequest] = {}
+        self.partial = PartialPrefills()  # requests whose input is still arriving in pieces
 
     def _capture_graphs(self) -> TargetGraphs | None:
         cfg = self.cfg
         if not graphs_enabled(cfg.cuda_graph, cfg.device, cfg.attention_backend):
+            return None
+        if cfg.tensor_parallel_size > 1:  # workers would have to replay their own graphs
+            log.warning("CUDA graphs are off at tensor_parallel_size %d: decode and verify run "
+                        "eagerly", cfg.tensor_parallel_size)  # fmt: skip
             return None
         return TargetGraphs(
             self.model, self.cache, self.backend, mode="cuda-graph",
@@ -166,7 +179,12 @@ class TargetRuntime:
             self.graphs = self._capture_graphs()
 
     def holds(self, rid: str) -> bool:
-        return rid in self.requests
+        return rid in self.requests or rid in self.partial
+
+    @property
+    def num_requests(self) -> int:
+        """Requests held: running, and prefilled in part (`prefill_pieces`)."""
+        return len(self.requests) + len(self.partial)
 
     # -- validation ----------------------------------------------------------------------------
     def check_ids(self, rid: str, ids: list[int], *, what: str) -> None:
@@ -181,19 +199,24 @@ class TargetRuntime:
 
     # -- prefill -------------------------------------------------------------------------------
     def prefill(self, inputs: list[PrefillInput], feature: Feature = Feature.NONE) -> StepOutput:
-        """Start requests: run each whole input, sample its first token. Rows of the output's
-        ``feature`` (and of ``mm_input_embeds`` when a request has images) follow the ids run."""
+        """Start requests: run each input (or its next piece, `prefill_pieces`), sample the
+        first token after the whole input ran. Rows of the output's ``feature`` (and of
+        ``mm_input_embeds`` when a request has images) follow the ids run."""
         cfg = self.cfg
         limits = ImageLimits(cfg.max_images_per_request, cfg.max_image_bytes, cfg.max_image_pixels)
-        merged = merge_images(inputs, self.mm, self.model.embed, cfg.model_dir, limits)
-        errors: dict[str, SpecmeshError] = dict(merged.errors)
+        errors: dict[str, SpecmeshError] = self.partial.refuse_pieced_images(inputs)
+        whole = [i for i in inputs if i.rid not in errors]
+        merged = merge_images(whole, self.mm, self.model.embed, cfg.model_dir, limits)
+        errors.update(merged.errors)
         ok: list[PrefillInput] = []
         for inp in merged.inputs:
             try:
-                self._admit(inp, {i.rid: len(i.input_ids) for i in ok})
-                ok.append(inp)
+                ok.append(self._admit(inp, {i.rid: i.input_start + len(i.input_ids) for i in ok}))
             except SpecmeshError as e:
                 errors[inp.rid] = e
+        for inp in inputs:  # a request refused in the middle of its input is dropped
+            if inp.input_start and inp.rid in errors:
+                self.release(inp.rid)
         out = run_isolated(ok, lambda b: self._prefill_batch(b, feature), self.release)
         out.errors.update(errors)
         for inp in ok:
@@ -202,65 +225,93 @@ class TargetRuntime:
         return out
 
     def _prefill_batch(self, ok: list[PrefillInput], feature: Feature) -> StepOutput:
+        """Extend over every input (piece); sample where an input ends. State changes only
+        after every computation, so `run_isolated` may run a failed batch again."""
         chunk = self.cfg.max_prefill_tokens
         outputs = extend_chunked(self.model, self.cache, self.backend, ok, chunk)
-        last_rows = torch.tensor(list(itertools.accumulate([len(i.input_ids) for i in ok]))) - 1
-        logits = self.model.compute_logits(outputs.hidden[last_rows])
-        params, offsets = [i.params for i in ok], [i.sample_offset for i in ok]
-        histories = [self._history(i) for i in ok]
-        first = sample_tokens(logits, params, offsets, histories).tolist()
+        ends = list(itertools.accumulate([len(i.input_ids) for i in ok]))
+        last = [(inp, end) for inp, end in zip(ok, ends, strict=True) if not inp.more_input]
+        final = [inp for inp, _ in last]
+        histories = [self._history(i, self.partial.whole_ids(i)) for i in final]
         out = StepOutput(features=self._features(outputs, feature))
         out.mm_input_embeds = outputs.mm_input_embeds
-        prompt_logprobs(self.model, ok, outputs.hidden, out)
-        asked = [b for b, p in enumerate(params) if p.logprobs is not None]
-        if asked:
-            lp = processed_logprobs(logits[asked], [params[b] for b in asked],
-                                    [histories[b] for b in asked], [offsets[b] for b in asked])  # fmt: skip
-            for row, b in enumerate(asked):
-                out.logprobs[ok[b].rid] = pick_logprobs(
-                    lp[row : row + 1], [first[b]], params[b].logprobs
-                )
-        for inp, tok, history in zip(ok, first, histories, strict=True):
-            self.cache.commit(inp.rid, len(inp.input_ids))
+        first = self._sample_first(final, outputs.hidden[[e - 1 for _, e in last]], histories, out)
+        entries = self.partial.prompt_logprobs(self.model, ok, outputs.hidden)
+        for inp, end in zip(ok, ends, strict=True):  # rows in batch order
+            self.cache.commit(inp.rid, inp.input_start + len(inp.input_ids))
+            out.tokens[inp.rid], out.row_counts[inp.rid] = [], len(inp.input_ids)
+            whole = self.partial.advance(inp, outputs.hidden[end - 1 : end], entries.get(inp.rid))
+            if whole is not None:
+                out.prompt_logprobs[inp.rid] = whole
+        for inp, tok, history in zip(final, first, histories, strict=True):
             self.requests[inp.rid] = TargetRequest(inp.params, inp.sample_offset, tok, history)
             self._advance(inp.rid, [tok], out)
             out.row_counts[inp.rid] = len(inp.input_ids)
         return out
 
-    def _history(self, inp: PrefillInput) -> TokenHistory | None:
-        """What the request's logit processors read: prompt and output so far (a replay's
-        input ends with its ``sample_offset`` emitted tokens); None when they read nothing."""
+    def _sample_first(
+        self,
+        final: list[PrefillInput],
+        hidden: torch.Tensor,  # [len(final), hidden]: each input's last row
+        histories: list[TokenHistory | None],
+        out: StepOutput,
+    ) -> list[int]:
+        """The first token of each input that ended, with its logprobs when asked."""
+        if not final:
+            return []
+        logits = self.model.compute_logits(hidden)
+        params, offsets = [i.params for i in final], [i.sample_offset for i in final]
+        first = sample_tokens(logits, params, offsets, histories).tolist()
+        asked = [b for b, p in enumerate(params) if p.logprobs is not None]
+        if asked:
+            lp = processed_logprobs(logits[asked], [params[b] for b in asked],
+                                    [histories[b] for b in asked], [offsets[b] for b in asked])  # fmt: skip
+            for row, b in enumerate(asked):
+                out.logprobs[final[b].rid] = pick_logprobs(
+                    lp[row : row + 1], [first[b]], params[b].logprobs
+                )
+        return first
+
+    def _history(self, inp: PrefillInput, ids: list[int]) -> TokenHistory | None:
+        """What the request's logit processors read: prompt and output so far, from its whole
+        input ``ids`` (a replay's ends with its ``sample_offset`` emitted tokens); None when
+        they read nothing."""
         if not inp.params.uses_history:
             return None
-        cut = len(inp.input_ids) - inp.sample_offset
+        cut = len(ids) - inp.sample_offset
         eos = self.model_config.eos_token_ids
-        return TokenHistory.start(inp.input_ids[:cut], inp.input_ids[cut:], inp.params, eos)
+        return TokenHistory.start(ids[:cut], ids[cut:], inp.params, eos)
 
-    def _admit(self, inp: PrefillInput, admitted: dict[str, int]) -> None:
-        """Validate one request and reserve its row, if its whole prompt fits in the KV cache
-        beside the requests ``admitted`` before it in this batch (ask first, then act)."""
+    def _admit(self, inp: PrefillInput, admitted: dict[str, int]) -> PrefillInput:
+        """Validate one request (or a later piece of its input, with its sampling state filled
+        in) and reserve its row, if its input so far fits in the KV cache beside the requests
+        ``admitted`` before it in this batch (ask first, then act)."""
         self.check_ids(inp.rid, inp.input_ids, what="prompt")
+        if inp.input_start:
+            inp = self.partial.resolve(inp, self.cache)
         inp.params.validate(self.model_config.vocab_size)
-        limit = self.cfg.max_context - 1
-        if len(inp.input_ids) > limit:
+        end, limit = inp.input_start + len(inp.input_ids), self.cfg.max_context - 1
+        if end > limit:
             raise InvalidRequestError(
-                f"request {inp.rid!r}: prompt of {len(inp.input_ids)} tokens exceeds the limit of {limit}"
+                f"request {inp.rid!r}: prompt of {end} tokens exceeds the limit of {limit}"
             )
-        if inp.rid in self.cache.requests:
+        if not inp.input_start and inp.rid in self.cache.requests:
             raise DuplicateRequestError(f"request {inp.rid!r} already has KV state")
-        if not self.cache.can_allocate({**admitted, inp.rid: len(inp.input_ids) + 1}):
+        if not self.cache.can_allocate({**admitted, inp.rid: end + 1}):
             raise KVCacheFullError(
-                f"request {inp.rid!r}: prompt of {len(inp.input_ids)} tokens does not fit; "
+                f"request {inp.rid!r}: prompt of {end} tokens does not fit; "
                 f"{self.cache.num_free_slots} KV slots free"
             )
-        self.cache.add(inp.rid)
+        if not inp.input_start:
+            self.cache.add(inp.rid)
+        return inp
 
     # -- decode / verify ------------------------------------------------------------------------
     def decode(self, rids: list[str], feature: Feature = Feature.NONE) -> StepOutput:
         """Plain decoding: one token per request."""
         known = [rid for rid in rids if rid in self.requests]
         out = self.verify(
-            [VerifyInput(r, Tree.chain([self.requests[r].pending])) for r in known], feature
+            [VerifyInput(r, _one_node_tree(self.requests[r].pending)) for r in known], feature
         )
         for rid in set(rids) - set(known):
             out.errors[rid] = UnknownRequestError(f"unknown request id {rid!r}")
@@ -289,12 +340,12 @@ class TargetRuntime:
 
     def _verify_row(self, inp: VerifyInput) -> _Verify:
         req = self._get(inp.rid)
-        root = int(inp.tree.tokens[0])
-        if root != req.pending:
+        tokens = inp.tree.tokens.tolist()
+        if tokens[0] != req.pending:
             raise InvalidRequestError(
-                f"request {inp.rid!r}: tree root {root} is not the pending token {req.pending}"
+                f"request {inp.rid!r}: tree root {tokens[0]} is not the pending token {req.pending}"
             )
-        self.check_ids(inp.rid, inp.tree.tokens.tolist(), what="draft tree")
+        self.check_ids(inp.rid, tokens, what="draft tree")
         return _Verify(inp.rid, inp.tree, req.params, req.next_offset, req.history)
 
     def _verify_item(self, row: _Verify, demand: dict[str, int]) -> BatchItem:
@@ -304,9 +355,9 @@ class TargetRuntime:
             raise KVCacheFullError(
                 f"request {row.rid!r}: a {n}-node tree does not fit; {self.cache.num_free_slots} KV slots free"
             )
+        if n == 1:  # plain decode sees its whole prefix: causal, the decode graph's mode
+            return BatchItem(row.rid, row.tree.tokens, base)
         mask = torch.cat([torch.ones(n, base, dtype=torch.bool), row.tree.mask], dim=1)
-        # A one-node tree (plain decode) sees its whole prefix: causal, the decode graph's mode.
-        mask = mask if n > 1 else None
         return BatchItem(row.rid, row.tree.tokens, base, base + row.tree.depths, mask)
 
     def _verify_batch(self, rows: list[_Verify], feature: Feature) -> StepOutput:
@@ -370,6 +421,8 @@ class TargetRuntime:
 
     def _get(self, rid: str) -> TargetRequest:
         req = self.requests.get(rid)
+        if req is None and rid in self.partial:
+            raise InvalidRequestError(f"request {rid!r}: its input is still being prefilled")
         if req is None:
             raise UnknownRequestError(f"unknown request id {rid!r}")
         return req
@@ -377,10 +430,18 @@ class TargetRuntime:
     def release(self, rid: str) -> bool:
         """Free ``rid``'s KV and state; False (a no-op) when the target holds none."""
         self.requests.pop(rid, None)
+        self.partial.pop(rid)
         if rid not in self.cache.requests:
             return False
         self.cache.release(rid)
         return True
+
+
+@functools.lru_cache(maxsize=4096)
+def _one_node_tree(token: int) -> Tree:
+    """The tree plain decoding verifies: the pending token alone. Shared between requests and
+    steps (a `Tree` is never written to), so a decode step builds no tensors per request."""
+    return Tree.chain([token])
 
 
 def _plain_greedy(params: SamplingParams) -> bool:

@@ -68,9 +68,8 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServicer):
         feature = self.needs.get(stream.id, FeatureSpec()).feature
         errors, run = {}, []
         for r in requests:
-            error = self.owners.check(
-                stream, r.request_id, new=work == "prefill", release=runtime.release
-            )
+            new = work == "prefill" and not r.input_start  # a later piece continues its request
+            error = self.owners.check(stream, r.request_id, new=new, release=runtime.release)
             if error is None:
                 run.append(r)
             else:
@@ -144,9 +143,10 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServicer):
             max_message_bytes=self.host.max_message_bytes,
             chunk_bytes=self.chunk_bytes,
             version=__version__,
+            tensor_parallel_size=cfg.tensor_parallel_size,
             occupancy=self.occupancy(
                 runtime,
-                len(runtime.requests),
+                runtime.num_requests,
                 (runtime.cache.num_used_slots, runtime.cache.num_free_slots),
             ),
         )
@@ -160,11 +160,11 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServicer):
             except SpecmeshError as e:
                 errors[r.request_id] = e
                 continue
-            inputs.append(
-                PrefillInput(
-                    r.request_id, list(r.input_ids), params, r.sample_offset, images=list(r.images)
-                )
+            inp = PrefillInput(
+                r.request_id, list(r.input_ids), params, r.sample_offset, images=list(r.images)
             )
+            inp.input_start, inp.more_input = r.input_start, r.more_input  # a piece of an input
+            inputs.append(inp)
         out = runtime.prefill(inputs, feature)
         out.errors.update(errors)
         return out

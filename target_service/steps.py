@@ -1,15 +1,20 @@
 """What one target step takes and returns, in process and on either side of the wire: the
-inputs of prefill and verify per request, and a step's per-request output."""
+inputs of prefill (whole, or one piece of a long input) and verify per request, and a step's
+per-request output."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from specmesh.runtime.errors import SpecmeshError
 from specmesh.runtime.sampling import SamplingParams
 from specmesh.runtime.tree import Tree
+
+if TYPE_CHECKING:
+    from specmesh.rpc.rows import RowBlock
 
 
 @dataclass
@@ -20,6 +25,11 @@ class PrefillInput:
     sample_offset: int = 0  # tokens already generated (a replay after failover)
     input_embeds: torch.Tensor | None = None  # [len(input_ids), hidden], merged multimodal embeds
     images: list[bytes] = field(default_factory=list)  # encoded images, for a multimodal target
+    # Prefill in pieces (`specmesh.target_service.prefill_pieces`): where input_ids start in the
+    # request's whole input (0: the first or only piece), and whether more pieces follow (then
+    # the target extends its KV over them and samples nothing).
+    input_start: int = 0
+    more_input: bool = False
 
 
 @dataclass
@@ -57,16 +67,19 @@ def pick_logprobs(logprobs: torch.Tensor, tokens: list[int], num_top: int) -> li
 class StepOutput:
     """Per-request tokens plus per-row features, rows grouped request by request."""
 
-    tokens: dict[str, list[int]] = field(default_factory=dict)
-    features: torch.Tensor | None = None  # [sum row_counts, feature_dim]
-    mm_input_embeds: torch.Tensor | None = None  # [sum row_counts, hidden], prefill only
+    tokens: dict[str, list[int]] = field(default_factory=dict)  # [] for a piece before the last
+    # Rows: torch tensors in process; in the gRPC router the target's bytes (`rpc.rows.RowBlock`),
+    # never decoded there. Both slice as rows[start:stop].
+    features: torch.Tensor | RowBlock | None = None  # [sum row_counts, feature_dim]
+    mm_input_embeds: torch.Tensor | RowBlock | None = None  # [sum row_counts, hidden], prefill
     # Prefill of a multimodal request: the ids actually run (image placeholders expanded), set
     # only where expansion changed them. Row counts and the draft's committed ids follow these.
     prompt_ids: dict[str, list[int]] = field(default_factory=dict)
     row_counts: dict[str, int] = field(default_factory=dict)
     # Requests that asked (SamplingParams.logprobs): one per entry of ``tokens``.
     logprobs: dict[str, list[Logprob]] = field(default_factory=dict)
-    # Prefill of requests that asked (prompt_logprobs): one per prompt token after the first.
+    # Prefill of requests that asked (prompt_logprobs): one per prompt token after the first
+    # (with the last piece of an input prefilled in pieces, for every piece).
     prompt_logprobs: dict[str, list[Logprob]] = field(default_factory=dict)
     errors: dict[str, SpecmeshError] = field(default_factory=dict)
 

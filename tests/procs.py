@@ -112,11 +112,15 @@ class Services:
         return {n: str(o).replace("\n", " ") for n, o in occupancies.items() if not is_empty(o)}
 
 
-def occupancy(address: str, kind: str) -> common_pb2.Occupancy:
-    """What a target or draft service holds now (``kind`` is "target" or "draft")."""
+def info(address: str, kind: str):
+    """A target's or draft's GetInfo answer (``kind`` is "target" or "draft")."""
     with grpc.insecure_channel(address) as channel:
-        stub = INFO_STUBS[kind](channel)
-        return stub.GetInfo(generation_pb2.InfoRequest(), timeout=10).occupancy
+        return INFO_STUBS[kind](channel).GetInfo(generation_pb2.InfoRequest(), timeout=10)
+
+
+def occupancy(address: str, kind: str) -> common_pb2.Occupancy:
+    """What a target or draft service holds now."""
+    return info(address, kind).occupancy
 
 
 def is_empty(o: common_pb2.Occupancy) -> bool:
@@ -127,7 +131,9 @@ def start_cluster(
     log_dir: Path, tiny_dir: Path, num_targets: int = 1, router_flags: Sequence[str] = ()
 ) -> tuple[Services, str]:
     """Targets ("target0", ...), an EAGLE-3 "draft" and a "router" on the tiny checkpoints, one
-    torch thread each; returns once all are ready (stopping them if one is not)."""
+    torch thread each; returns once all are ready (stopping them if one is not). The router
+    speculates every round (``--speculation always``, which ``router_flags`` may override), so
+    the fault tests always have draft steps in flight."""
     services = Services(log_dir)
     target_dir, draft_dir = str(tiny_dir / "target"), str(tiny_dir / "draft")
     threads = ("--threads", "1")
@@ -140,7 +146,15 @@ def start_cluster(
         "--num-steps", "3", "--topk", "2", "--num-draft-tokens", "6", *threads,
     )  # fmt: skip
     router = services.start(
-        "router", "router", "--target", ",".join(targets), "--draft", draft, *router_flags
+        "router",
+        "router",
+        "--target",
+        ",".join(targets),
+        "--draft",
+        draft,
+        "--speculation",
+        "always",
+        *router_flags,
     )
     try:
         for name in services.running:

@@ -2,7 +2,8 @@
 
 Layout of one batch (ragged, FlashInfer-style; request b owns rows
 ``qo_indptr[b]:qo_indptr[b+1]`` of the flat query tensor and slots
-``kv_indices[kv_indptr[b]:kv_indptr[b+1]]`` of the KV pool, the new tokens last):
+``kv_indices[kv_indptr[b]:kv_indptr[b+1]]`` of the KV pool, the new tokens last; every indptr
+starts at 0 and its segments follow each other, so equal-length requests form a grid):
 
     request b:  kv = [ prefix (already cached) ............ | new tokens (q rows) ]
                       kv_len_b - q_len_b                      q_len_b
@@ -85,6 +86,8 @@ def store_kv(
     v_pool: torch.Tensor,
     slots: torch.Tensor,
 ) -> None:
-    """Write the new tokens' K/V into their slots (every backend does this the same way)."""
-    k_pool[slots] = k.to(k_pool.dtype)
-    v_pool[slots] = v.to(v_pool.dtype)
+    """Write the new tokens' K/V into their slots (every backend does this the same way): one
+    ``index_copy_`` per pool. Slots are distinct except the graph runner's padding slot, which
+    only padding rows write and read."""
+    k_pool.index_copy_(0, slots, k if k.dtype == k_pool.dtype else k.to(k_pool.dtype))
+    v_pool.index_copy_(0, slots, v if v.dtype == v_pool.dtype else v.to(v_pool.dtype))

@@ -18,8 +18,49 @@ class TorchBackend(AttentionBackend):
         self.meta = meta
         q_lens = meta.q_lens_cpu or (meta.qo_indptr[1:] - meta.qo_indptr[:-1]).tolist()
         kv_lens = meta.kv_lens_cpu or (meta.kv_indptr[1:] - meta.kv_indptr[:-1]).tolist()
-        dev = meta.qo_indptr.device
         bs, max_q, max_kv = len(q_lens), max(q_lens), max(kv_lens)
+        self.bs, self.max_q = bs, max_q
+        if min(kv_lens) == max_kv:  # equal rows: the slot ids are already a [bs, max_kv] grid
+            self.kv_slots = meta.kv_indices[: bs * max_kv].view(bs, max_kv)
+        else:
+            self.kv_slots = self._padded_slots(meta, kv_lens, max_kv)  # [bs, max_kv]
+        uniform = min(q_lens) == max_q and min(kv_lens) == max_kv
+        self.q_valid = None  # [bs, max_q] real query rows; None when every row is real
+        if not uniform:
+            self._prepare_mask(meta, q_lens, kv_lens, max_q, max_kv)
+        elif meta.custom_mask is not None:  # equal shapes: the flat masks are a [bs, q, kv] grid
+            grid = meta.custom_mask[: bs * max_q * max_kv].view(bs, 1, max_q, max_kv)
+            self.mask = grid.to(torch.bool)
+        elif max_q == 1:
+            # Decode of equal-length rows: each query sees its whole row, no mask needed (SDPA
+            # without a mask gives the same numbers as with an all-true one).
+            self.mask = None
+        else:
+            dev = meta.qo_indptr.device
+            q_pos, kv_pos = torch.arange(max_q, device=dev), torch.arange(max_kv, device=dev)
+            causal = kv_pos[None, :] <= q_pos[:, None] + (max_kv - max_q)  # [max_q, max_kv]
+            self.mask = causal[None, None].expand(bs, 1, max_q, max_kv)
+
+    @staticmethod
+    def _padded_slots(meta: AttentionMetadata, kv_lens: list[int], max_kv: int) -> torch.Tensor:
+        dev = meta.kv_indptr.device
+        kv_pos = torch.arange(max_kv, device=dev)
+        kv_valid = kv_pos[None, :] < torch.tensor(kv_lens, device=dev)[:, None]  # [bs, max_kv]
+        kv_flat = (meta.kv_indptr[:-1, None] + kv_pos[None, :]).clamp(
+            max=max(meta.kv_indices.numel() - 1, 0)
+        )
+        return torch.where(kv_valid, meta.kv_indices[kv_flat], 0)
+
+    def _prepare_mask(
+        self,
+        meta: AttentionMetadata,
+        q_lens: list[int],
+        kv_lens: list[int],
+        max_q: int,
+        max_kv: int,
+    ) -> None:
+        dev = meta.qo_indptr.device
+        bs = len(q_lens)
         q_len_t = torch.tensor(q_lens, device=dev)
         kv_len_t = torch.tensor(kv_lens, device=dev)
         q_pos = torch.arange(max_q, device=dev)
@@ -27,10 +68,6 @@ class TorchBackend(AttentionBackend):
         q_valid = q_pos[None, :] < q_len_t[:, None]  # [bs, max_q]
         kv_valid = kv_pos[None, :] < kv_len_t[:, None]  # [bs, max_kv]
         self.q_valid = q_valid
-        kv_flat = (meta.kv_indptr[:-1, None] + kv_pos[None, :]).clamp(
-            max=max(meta.kv_indices.numel() - 1, 0)
-        )
-        self.kv_slots = torch.where(kv_valid, meta.kv_indices[kv_flat], 0)  # [bs, max_kv]
         if meta.custom_mask is None:
             offset = (kv_len_t - q_len_t)[:, None, None]
             mask = kv_pos[None, None, :] <= q_pos[None, :, None] + offset
@@ -54,27 +91,34 @@ class TorchBackend(AttentionBackend):
         v_pool: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
-        bs, max_q = self.q_valid.shape
+        bs, max_q = self.bs, self.max_q
         num_heads, head_dim = q.shape[1], q.shape[2]
         if max_q == 1:  # decode: one query per request, nothing to pad
-            q_pad = q.view(bs, 1, num_heads, head_dim)
+            q_heads = q.unsqueeze(2)  # [bs, heads, 1, head_dim]
+        elif self.q_valid is None:  # every request has max_q rows
+            q_heads = q.view(bs, max_q, num_heads, head_dim).transpose(1, 2)
         else:
             q_pad = q.new_zeros(bs, max_q, num_heads, head_dim)
             q_pad[self.q_valid] = q
+            q_heads = q_pad.transpose(1, 2)  # [bs, heads, max_q, head_dim]
         flat = self.kv_slots.flatten()
         shape = (*self.kv_slots.shape, *k_pool.shape[1:])
-        keys = k_pool.index_select(0, flat).view(shape).to(q.dtype)  # [bs, max_kv, kv_heads, dim]
-        values = v_pool.index_select(0, flat).view(shape).to(q.dtype)
+        keys = k_pool.index_select(0, flat).view(shape)  # [bs, max_kv, kv_heads, dim]
+        values = v_pool.index_select(0, flat).view(shape)
+        if keys.dtype != q.dtype:
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
         out = F.scaled_dot_product_attention(
-            q_pad.transpose(1, 2),
+            q_heads,
             keys.transpose(1, 2),
             values.transpose(1, 2),
             attn_mask=self.mask,
             scale=scale,
             enable_gqa=num_heads != keys.shape[2],  # grouped-query heads without copying K/V
-        )
+        )  # [bs, heads, max_q, head_dim]
+        if max_q == 1:
+            return out.reshape(bs, num_heads, head_dim)
         out = out.transpose(1, 2)  # [bs, max_q, heads, head_dim]
-        return out.reshape(bs, num_heads, head_dim) if max_q == 1 else out[self.q_valid]
+        return out.reshape(-1, num_heads, head_dim) if self.q_valid is None else out[self.q_valid]
 
 
 def make_backend(name: str) -> AttentionBackend:

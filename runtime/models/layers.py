@@ -16,6 +16,7 @@ from torch import nn
 
 from specmesh.runtime.attention.base import AttentionBackend, store_kv
 from specmesh.runtime.config import ModelConfig, RopeConfig
+from specmesh.runtime.parallel import SINGLE, TensorParallel, kv_head_range, vocab_range
 
 
 class RMSNorm(nn.Module):
@@ -25,10 +26,17 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # weight * (x * rsqrt(mean(x^2) + eps)), normalized in fp32 and cast back before the
+        # weight (the Hugging Face order). On CPU `F.rms_norm` runs that same sequence of ops in
+        # one call; elsewhere the ops are spelled out, as a fused kernel may round differently.
         dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        if not x.is_cpu:
+            x = x.float()
+            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+            return self.weight * x.to(dtype)
+        if dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(dtype)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -52,24 +60,47 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
 
 
 class Rotary(nn.Module):
-    """Rotary embedding in the rotate-half layout; the draft builds its own from its own config."""
+    """Rotary embedding in the rotate-half layout; the draft builds its own from its own config.
+
+    cos / sin depend on the positions only, so they are computed once per forward: every layer
+    of a forward passes the same ``positions`` tensor, and the first call keeps its cos / sin for
+    the calls that follow with that very tensor (the cache holds the tensor, so its identity
+    cannot be reused; positions are never written in place between the layers of a forward).
+    """
 
     def __init__(self, rope: RopeConfig, head_dim: int) -> None:
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(rope, head_dim), persistent=False)
+        self._cached: tuple[object, ...] = ()  # (positions, inv_freq, dtype, cos, signed_sin)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, signed_sin = self.cos_sin(positions, q.dtype)
+        return _apply_rope(q, cos, signed_sin), _apply_rope(k, cos, signed_sin)
+
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos`` and ``signed_sin`` ``[num_tokens, 1, head_dim]`` for ``positions``: signed_sin
+        is sin with its first half negated, so that rotate_half(x) * sin ==
+        roll(x, head_dim / 2) * signed_sin exactly (a negation is exact)."""
+        c = self._cached
+        if c and c[0] is positions and c[1] is self.inv_freq and c[2] == dtype:
+            return c[3], c[4]  # type: ignore[return-value]
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [num_tokens, head_dim / 2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [num_tokens, 1, head_dim]
-        cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        half = sin.shape[-1] // 2
+        signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        self._cached = (positions, self.inv_freq, dtype, cos, signed_sin)
+        return cos, signed_sin
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` with rotate_half(x) = cat(-x2, x1) spelled as
+    roll(x) * signed_sin: the same products and sum, in one op fewer than three."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
 @dataclass(frozen=True)
@@ -101,15 +132,20 @@ class KVPair:
 
 
 class Attention(nn.Module):
-    def __init__(self, shape: AttentionShape) -> None:
+    """Self-attention over this rank's heads (all of them at world size 1): column-parallel
+    q/k/v, row-parallel ``o_proj`` and one all-reduce (`parallel` module docstring)."""
+
+    def __init__(self, shape: AttentionShape, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         s = shape
         in_size = s.input_size or s.hidden_size
-        self.num_heads, self.num_kv_heads, self.head_dim = s.num_heads, s.num_kv_heads, s.head_dim
-        self.q_proj = nn.Linear(in_size, s.num_heads * s.head_dim, bias=s.qkv_bias)
-        self.k_proj = nn.Linear(in_size, s.num_kv_heads * s.head_dim, bias=s.qkv_bias)
-        self.v_proj = nn.Linear(in_size, s.num_kv_heads * s.head_dim, bias=s.qkv_bias)
-        self.o_proj = nn.Linear(s.num_heads * s.head_dim, s.hidden_size, bias=False)
+        self.tp, self.head_dim = tp, s.head_dim
+        self.num_heads = s.num_heads // tp.world_size
+        self.num_kv_heads = kv_head_range(s.num_kv_heads, tp)[1]
+        self.q_proj = nn.Linear(in_size, self.num_heads * s.head_dim, bias=s.qkv_bias)
+        self.k_proj = nn.Linear(in_size, self.num_kv_heads * s.head_dim, bias=s.qkv_bias)
+        self.v_proj = nn.Linear(in_size, self.num_kv_heads * s.head_dim, bias=s.qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * s.head_dim, s.hidden_size, bias=False)
         if s.qk_norm:
             self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps)
             self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps)
@@ -133,32 +169,60 @@ class Attention(nn.Module):
         q, k = rotary(q, k, positions)
         store_kv(k, v, kv.k, kv.v, backend.meta.out_slots)
         out = backend.forward(q, k, v, kv.k, kv.v, self.scale)  # [num_tokens, heads, head_dim]
-        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+        return self.tp.all_reduce(self.o_proj(out.reshape(n, self.num_heads * self.head_dim)))
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    """SwiGLU; column-parallel gate/up, row-parallel down and one all-reduce."""
+
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, tp: TensorParallel = SINGLE
+    ) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.tp = tp
+        local = intermediate_size // tp.world_size
+        self.gate_proj = nn.Linear(hidden_size, local, bias=False)
+        self.up_proj = nn.Linear(hidden_size, local, bias=False)
+        self.down_proj = nn.Linear(local, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.tp.all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """This rank's rows ``[start, start + rows)`` of the token embedding (`vocab_range`); ids
+    outside them embed to zero here and the all-reduce adds the owning rank's row."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel) -> None:
+        super().__init__()
+        self.tp = tp
+        self.start, self.rows = vocab_range(vocab_size, tp)
+        self.weight = nn.Parameter(torch.empty(self.rows, hidden_size))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.rows)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)  # [num_tokens, hidden]
+        return self.tp.all_reduce(out.masked_fill_(outside[:, None], 0))
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm Llama block. ``input_layernorm`` is optional (EAGLE-1 layer 0 has none)."""
 
     def __init__(
-        self, shape: AttentionShape, intermediate_size: int, *, input_norm: bool = True
+        self,
+        shape: AttentionShape,
+        intermediate_size: int,
+        *,
+        input_norm: bool = True,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
         eps = shape.rms_norm_eps
         self.input_layernorm = RMSNorm(shape.hidden_size, eps) if input_norm else nn.Identity()
-        self.self_attn = Attention(shape)
+        self.self_attn = Attention(shape, tp)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, eps)
-        self.mlp = MLP(shape.hidden_size, intermediate_size)
+        self.mlp = MLP(shape.hidden_size, intermediate_size, tp)
 
     def forward(
         self,

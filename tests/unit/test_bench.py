@@ -1,16 +1,31 @@
-"""``specmesh bench --quick``: every field of results.json is present and sane."""
+"""``specmesh bench``: the plan runs every (configuration, repeat) in a process of its own,
+interleaved; the repeat statistics and ratios; ``--quick`` end to end on tiny models (every field
+of results.json present and sane; no speed is asserted)."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
 
 from specmesh.bench import schema
-from specmesh.bench.metrics import RequestTrace, accept_per_position, percentile, summarize
+from specmesh.bench.metrics import (
+    RequestTrace,
+    accept_per_position,
+    aggregate,
+    percentile,
+    ratio_spread,
+    spread,
+    summarize,
+)
 from specmesh.bench.probes import CallLog
+from specmesh.bench.runners import RunSpec
+from specmesh.bench.suite import BenchSettings, Side, comparisons, interleave, plan
+from specmesh.defaults import ModelChoice
+from specmesh.draft_service.drafter import SpecParams
 from specmesh.main import main
 
 
@@ -38,48 +53,120 @@ def test_busy_time_is_the_union_of_overlapping_calls() -> None:
     assert log.busy_s() == 4.0 and log.total_s("target") == 3.0
 
 
+def test_repeats_are_interleaved_whole_plan_after_whole_plan() -> None:
+    a, b, c = (RunSpec(n, "code", 1, 0.0, None, 4, 1) for n in ("inprocess", "transformers", "llamacpp"))  # fmt: skip
+    order = interleave([a, b, c], 3)
+    assert [(r, run.backend) for r, run in order] == [
+        (r, name) for r in range(3) for name in ("inprocess", "transformers", "llamacpp")
+    ]
+
+
+def test_spread_and_ratios_pair_repeat_i_with_repeat_i() -> None:
+    assert spread([3.0, 1.0, 2.0]) == {"min": 1.0, "median": 2.0, "max": 3.0}
+    assert spread([4.0, 1.0]) == {"min": 1.0, "median": 2.5, "max": 4.0}
+    got = ratio_spread([10.0, 30.0, 20.0], [5.0, 10.0, 20.0])
+    assert got["ratio"] == 2.0  # median 20 / median 10
+    assert got["ratio_runs"] == [2.0, 3.0, 1.0]  # per repeat, not the sorted values
+    assert (got["ratio_min"], got["ratio_max"]) == (1.0, 3.0)
+
+
+def test_aggregate_keeps_the_median_run_and_every_repeat() -> None:
+    runs = [{"tokens_per_s": v, "pid": 100 + i, "ttft_s_mean": v / 10} for i, v in enumerate([5.0, 1.0, 3.0, 9.0])]  # fmt: skip
+    got = aggregate(runs)
+    assert got["tokens_per_s"] == 4.0 and (got["tokens_per_s_min"], got["tokens_per_s_max"]) == (1.0, 9.0)  # fmt: skip
+    assert got["tokens_per_s_runs"] == [5.0, 1.0, 3.0, 9.0] and got["pids"] == [100, 101, 102, 103]
+    assert got["ttft_s_mean"] == 0.3 and got["repeats"] == 4  # the lower middle run's fields
+
+
+def test_run_spec_names_and_json_round_trip() -> None:
+    spec = SpecParams(5, 4, 8)
+    run = RunSpec("transformers", "code", 1, 0.0, spec, 16, 2, "bf16", "ngram")
+    assert run.name == "transformers/bf16/code/b1/t0/lookup-7"
+    assert RunSpec.from_json(run.to_json()) == run
+    assert RunSpec("inprocess", "code", 8, 0.0, spec, 16, 8, "fp32", "eagle3").mode == "eagle3-5-4-8"  # fmt: skip
+    with pytest.raises(ValueError, match="draft kind"):
+        RunSpec("inprocess", "code", 1, 0.0, None, 16, 1, "fp32", "eagle3")
+
+
+def test_plan_runs_both_sides_of_each_comparison_back_to_back_per_dtype() -> None:
+    s = BenchSettings(
+        ModelChoice("t", "d", "eagle3"), SpecParams(5, 4, 8), dtypes=("fp32", "bf16"),
+        compare_batch_sizes=(1, 8), sweep=(), workloads=("code",), temperatures=(0.0,),
+        batch_sizes=(1,),
+    )  # fmt: skip
+    s.validate()
+    names = [r.name for r in plan(s)]
+    assert len(names) == len(set(names))
+    for dtype in s.dtypes:
+        i = names.index(f"inprocess/{dtype}/code/b8/t0/plain")
+        assert names[i + 1] == f"transformers/{dtype}/code/b8/t0/plain"
+        i = names.index(f"inprocess/{dtype}/code/b1/t0/ngram-5-4-8")
+        assert names[i + 1] == f"transformers/{dtype}/code/b1/t0/lookup-7"
+    got = {(c.name, c.denominator) for c in comparisons(s)}
+    assert ("standalone_vs_transformers_assisted", Side("transformers", "standalone")) in got
+    assert ("eagle3_vs_transformers", Side("transformers")) in got
+    assert ("llamacpp_vs_plain", Side("inprocess")) in got
+
+
 def _check(results: dict, backends: set[str]) -> None:
     assert schema.check(results) == []
     assert {c["backend"] for c in results["configs"]} == backends
     for c in results["configs"]:
-        assert (
-            c["tokens_per_s"] > 0
-            and c["generated_tokens"] == c["num_requests"] * c["max_new_tokens"]
-        )
-        assert 1.0 <= c["mean_accept_len"] <= c["num_steps"] + 1, c["name"]
-        assert len(c["accept_per_position"]) == c["num_steps"]
+        assert c["tokens_per_s_min"] <= c["tokens_per_s"] <= c["tokens_per_s_max"]
+        assert c["generated_tokens"] == c["num_requests"] * c["max_new_tokens"]
+        assert c["mean_accept_len"] >= 1.0, c["name"]
         assert all(0.0 <= a <= 1.0 for a in c["accept_per_position"])
         assert c["ttft_s_mean"] > 0 and 0 <= c["itl_s_p50"] <= c["itl_s_p99"]
-        assert (c["bytes_per_token"] > 0) == (c["backend"] in ("grpc", "cluster"))
+        assert (c["bytes_per_token"] > 0) == (c["backend"] == "cluster")
+        assert len(c["pids"]) == c["repeats"] and c["threads"] >= 1
+    pids = [p for c in results["configs"] for p in c["pids"]]
+    assert len(set(pids)) == len(pids) and os.getpid() not in pids  # a process per run
     for comp in results["comparisons"]:
-        assert math.isfinite(comp["ratio"]) and comp["ratio"] > 0
-    assert results["comparisons"] and results["goals"]
+        assert math.isfinite(comp["ratio"]) and comp["ratio_min"] <= comp["ratio_max"]
+    assert results["comparisons"]
 
 
-def test_quick_bench_in_process_and_transformers(tmp_path: Path) -> None:
-    assert main(["bench", "--quick", "--no-grpc", "--out", str(tmp_path)]) == 0
+def _tiny_args(tiny_dir: Path, out: Path) -> list[str]:
+    return [
+        "bench", "--quick", "--target-model", str(tiny_dir / "target"),
+        "--draft-model", str(tiny_dir / "draft"), "--draft-kind", "eagle3",
+        "--max-new-tokens", "4", "--prompt-len", "8", "--out", str(out),
+    ]  # fmt: skip
+
+
+def test_quick_bench_every_side_in_its_own_process(
+    tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SPECMESH_CACHE", str(tmp_path / "cache"))  # the standalone draft
+    argv = [*_tiny_args(tiny_dir, tmp_path), "--no-cluster", "--repeats", "2"]
+    assert main(argv) == 0
     results = json.loads((tmp_path / "results.json").read_text())
     _check(results, {"inprocess", "transformers"})
-    names = {c["name"] for c in results["comparisons"]}
-    assert names == {"speculative_vs_plain", "plain_vs_transformers"}
-    assert {g["name"] for g in results["goals"]} >= {"mean_accept_len_code_5_4_8"}
-    sweep = [c for c in results["configs"] if c["speculative"] and c["batch_size"] == 1 and c["workload"] == "code" and c["temperature"] == 0]  # fmt: skip
-    assert len(sweep) == 5  # the main spec (3, 4, 8) is also a sweep point
-    pytest.importorskip("matplotlib")
-    assert (tmp_path / "throughput_vs_batch.png").stat().st_size > 0
-    assert (tmp_path / "accept_per_position.png").stat().st_size > 0
+    modes = {(c["backend"], c["draft_kind"]) for c in results["configs"]}
+    assert modes == {
+        ("inprocess", None), ("inprocess", "eagle3"), ("inprocess", "ngram"),
+        ("inprocess", "standalone"), ("transformers", None), ("transformers", "ngram"),
+        ("transformers", "standalone"),
+    }  # fmt: skip
+    assert all(c["repeats"] == 2 for c in results["configs"])
+    assert {c["name"] for c in results["comparisons"]} == {
+        "plain_vs_transformers", "eagle3_vs_transformers", "eagle3_vs_plain",
+        "ngram_vs_transformers_lookup", "ngram_vs_plain", "standalone_vs_transformers_assisted",
+        "standalone_vs_plain",
+    }  # fmt: skip
+    assert "llamacpp/fp32" in results["meta"]["skipped"]  # this interpreter has no llama_cpp
+    assert results["meta"]["threads"]["per_process"] >= 1
 
 
 @pytest.mark.slow
-def test_quick_bench_over_grpc(tmp_path: Path) -> None:
-    """Target, draft and router as real processes; bytes on the wire are counted."""
-    argv = ["bench", "--quick", "--no-transformers", "--no-sweep", "--workloads", "code",
-            "--temperatures", "0", "--batch-sizes", "1,2", "--compare-batch-sizes", "1,2",
-            "--out", str(tmp_path / "r.json")]  # fmt: skip
+def test_quick_bench_cluster_side(tiny_dir: Path, tmp_path: Path) -> None:
+    """Target, draft and router as real processes, started by the cluster side's worker."""
+    argv = [*_tiny_args(tiny_dir, tmp_path), "--draft-kinds", "eagle3", "--no-transformers",
+            "--no-llamacpp"]  # fmt: skip
     assert main(argv) == 0
-    results = json.loads((tmp_path / "r.json").read_text())
-    _check(results, {"inprocess", "grpc", "cluster"})
-    assert {c["name"] for c in results["comparisons"]} >= {"grpc_cluster_vs_inprocess"}
+    results = json.loads((tmp_path / "results.json").read_text())
+    _check(results, {"inprocess", "cluster"})
+    assert {c["name"] for c in results["comparisons"]} == {"eagle3_vs_plain", "cluster_vs_inprocess"}  # fmt: skip
 
 
 def test_engine_variants_add_graphs_only_where_they_run() -> None:
@@ -92,31 +179,14 @@ def test_engine_variants_add_graphs_only_where_they_run() -> None:
 
 
 def test_attention_backend_comparison(tiny_dir: Path, tmp_path: Path) -> None:
-    """torch vs triton (interpreted on CPU) engines over one copy of the weights, plain and
-    speculative, each divided by torch at the same batch size."""
-    argv = ["bench", "--quick", "--no-grpc", "--no-transformers", "--no-sweep",
-            "--target-model", str(tiny_dir / "target"), "--draft-model", str(tiny_dir / "draft"),
-            "--draft-kind", "eagle3", "--dtype", "fp32", "--workloads", "code",
-            "--temperatures", "0", "--batch-sizes", "1", "--compare-batch-sizes", "1",
-            "--compare-attention-backends", "triton", "--engine-batch-sizes", "1,2",
-            "--max-new-tokens", "3", "--min-requests", "1", "--prompt-len", "8",
-            "--out", str(tmp_path)]  # fmt: skip
+    """torch vs triton (interpreted on CPU) engines, plain and speculative, each divided by torch."""
+    argv = [*_tiny_args(tiny_dir, tmp_path), "--draft-kinds", "eagle3", "--no-transformers",
+            "--no-cluster", "--no-llamacpp", "--compare-attention-backends", "triton",
+            "--engine-batch-sizes", "1"]  # fmt: skip
     assert main(argv) == 0
     results = json.loads((tmp_path / "results.json").read_text())
     _check(results, {"inprocess", "engine:torch", "engine:triton"})
     engines = [c for c in results["configs"] if c["backend"].startswith("engine:")]
-    assert len(engines) == 2 * 2 * 2  # 2 variants x plain / speculative x batch 1, 2
-    got = {(c["name"], c["batch_size"]) for c in results["comparisons"]}
-    assert got >= {(f"triton_vs_torch_{m}", b) for m in ("plain", "speculative") for b in (1, 2)}
-    shared = {id(s.targets[0].runtime.model) for s in _engine_stacks(tiny_dir)}
-    assert len(shared) == 1
-
-
-def _engine_stacks(tiny_dir: Path) -> list:
-    from specmesh.bench.stacks import engine_backends
-    from specmesh.defaults import ModelChoice
-    from specmesh.draft_service.drafter import SpecParams
-
-    models = ModelChoice(str(tiny_dir / "target"), str(tiny_dir / "draft"), "eagle3")
-    runtime = {"dtype": "fp32", "device": "cpu"}
-    return list(engine_backends(models, runtime, ("torch", "triton"), SpecParams()).values())
+    assert len(engines) == 2 * 2  # 2 variants x plain / speculative at batch 1
+    got = {c["name"] for c in results["comparisons"]}
+    assert got >= {"triton_vs_torch_plain", "triton_vs_torch_eagle3"}

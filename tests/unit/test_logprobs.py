@@ -111,11 +111,11 @@ def test_sampled_logprobs_are_the_samplers_distribution(tiny_dir: Path, speculat
 def test_a_replay_does_not_ask_for_prompt_logprobs_again() -> None:
     """Prompt logprobs come with the first emitted tokens: a replay after any token was emitted
     (failover, speculation resumed) prefills without them; one before still asks."""
+    from specmesh.router.prefill_plan import prefill_params
     from specmesh.router.request import Request
-    from specmesh.router.round import _prefill_params
 
     req = Request("r", PROMPT, SamplingParams(prompt_logprobs=2, seed=1))
-    assert _prefill_params(req).prompt_logprobs == 2
+    assert prefill_params(req).prompt_logprobs == 2
     req.emit([3])
-    assert _prefill_params(req).prompt_logprobs is None
-    assert _prefill_params(req).seed == 1
+    assert prefill_params(req).prompt_logprobs is None
+    assert prefill_params(req).seed == 1

@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TargetInfo(_message.Message):
-    __slots__ = ("model_path", "architecture", "dtype", "vocab_size", "hidden_size", "num_layers", "aux_layer_ids", "max_context_len", "max_batch_size", "max_tokens_per_batch", "max_draft_tokens", "eos_token_ids", "supports_images", "image_token_id", "attention_backend", "device", "max_message_bytes", "chunk_bytes", "version", "occupancy")
+    __slots__ = ("model_path", "architecture", "dtype", "vocab_size", "hidden_size", "num_layers", "aux_layer_ids", "max_context_len", "max_batch_size", "max_tokens_per_batch", "max_draft_tokens", "eos_token_ids", "supports_images", "image_token_id", "attention_backend", "device", "max_message_bytes", "chunk_bytes", "version", "occupancy", "tensor_parallel_size")
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,7 @@ class TargetInfo(_message.Message):
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     OCCUPANCY_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     model_path: str
     architecture: str
     dtype: str
@@ -50,7 +51,8 @@ class TargetInfo(_message.Message):
     chunk_bytes: int
     version: str
     occupancy: _common_pb2.Occupancy
-    def __init__(self, model_path: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., aux_layer_ids: _Optional[_Iterable[int]] = ..., max_context_len: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_tokens_per_batch: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., supports_images: _Optional[bool] = ..., image_token_id: _Optional[int] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., version: _Optional[str] = ..., occupancy: _Optional[_Union[_common_pb2.Occupancy, _Mapping]] = ...) -> None: ...
+    tensor_parallel_size: int
+    def __init__(self, model_path: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., aux_layer_ids: _Optional[_Iterable[int]] = ..., max_context_len: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_tokens_per_batch: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., supports_images: _Optional[bool] = ..., image_token_id: _Optional[int] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., version: _Optional[str] = ..., occupancy: _Optional[_Union[_common_pb2.Occupancy, _Mapping]] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class StreamOpen(_message.Message):
     __slots__ = ("feature", "aux_layer_ids", "aux_numbering")
@@ -91,18 +93,22 @@ class PrefillBatch(_message.Message):
     def __init__(self, requests: _Optional[_Iterable[_Union[PrefillRequest, _Mapping]]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "input_ids", "sampling", "sample_offset", "images")
+    __slots__ = ("request_id", "input_ids", "sampling", "sample_offset", "images", "input_start", "more_input")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_OFFSET_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
+    INPUT_START_FIELD_NUMBER: _ClassVar[int]
+    MORE_INPUT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     input_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _generation_pb2.SamplingParams
     sample_offset: int
     images: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, request_id: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., sample_offset: _Optional[int] = ..., images: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    input_start: int
+    more_input: bool
+    def __init__(self, request_id: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., sample_offset: _Optional[int] = ..., images: _Optional[_Iterable[bytes]] = ..., input_start: _Optional[int] = ..., more_input: _Optional[bool] = ...) -> None: ...
 
 class DecodeBatch(_message.Message):
     __slots__ = ("requests",)

@@ -1,0 +1,96 @@
+"""One benchmark configuration in a fresh process of its own:
+
+    python -m specmesh.bench.worker --json-config JOB.json
+
+loads one side (the specmesh engine in process, a local gRPC cluster, or a transformers
+baseline), sets its torch threads, warms up, runs the configuration and prints its result as
+one JSON line on stdout (the fields of `runners.result`, plus ``pid`` and ``threads``).
+
+Nothing else ever ran in the process, so no side inherits another's threads, caches or
+allocator state (an engine's event-loop executor threads, for one, would otherwise compete with
+transformers' OpenMP team for the same cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from specmesh.bench.runners import RunSpec
+
+
+@dataclass(frozen=True)
+class Job:
+    run: RunSpec
+    target: str
+    draft: str | None  # the checkpoint of run.draft_kind (None: plain, n-gram)
+    runtime: dict[str, Any]  # attention_backend, device (the dtype is the run's)
+    threads: int  # torch threads of this process
+    prompts: list[list[int]]
+    pad_token_id: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "run": self.run.to_json()}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Job:
+        return cls(**{**data, "run": RunSpec.from_json(data["run"])})
+
+
+def run_job(job: Job) -> dict[str, Any]:
+    run = job.run
+    if run.backend == "transformers":
+        from specmesh.bench.hf import TransformersBackend
+        from specmesh.runtime.config import parse_dtype
+
+        draft = job.draft if run.draft_kind == "standalone" else None
+        hf = TransformersBackend(job.target, parse_dtype(run.dtype), job.pad_token_id, draft)
+        return hf.run(run, job.prompts)
+    return asyncio.run(_run_router_side(job))
+
+
+async def _run_router_side(job: Job) -> dict[str, Any]:
+    from specmesh.bench.stacks import engine_runtime, inprocess_backend, local_deployment
+    from specmesh.defaults import ModelChoice
+
+    run = job.run
+    models = ModelChoice(job.target, job.draft, run.draft_kind)
+    runtime = {**job.runtime, "dtype": run.dtype}
+    if run.backend == "cluster":
+        if run.spec is None:
+            raise ValueError("the cluster side runs with its draft")
+        flags = [f"--{k.replace('_', '-')}={v}" for k, v in runtime.items() if v is not None]
+        async with local_deployment(models, run.spec, flags) as cluster:
+            return await cluster.run(run, job.prompts)
+    if run.backend.startswith("engine:"):
+        runtime = engine_runtime(runtime, run.backend.removeprefix("engine:"))
+    elif run.backend != "inprocess":
+        raise ValueError(f"the worker runs no {run.backend!r} side")
+    specs = (run.spec,) if run.spec else ()
+    return await inprocess_backend(models, runtime, specs, name=run.backend).run(run, job.prompts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m specmesh.bench.worker", description=__doc__)
+    parser.add_argument("--json-config", required=True, metavar="FILE", help="the Job, as JSON")
+    args = parser.parse_args(argv)
+    job = Job.from_json(json.loads(Path(args.json_config).read_text()))
+    import torch
+
+    torch.set_num_threads(job.threads)
+    out = run_job(job)
+    out |= {"pid": os.getpid(), "threads": torch.get_num_threads()}
+    sys.stdout.write(json.dumps(out) + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

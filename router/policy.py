@@ -1,0 +1,222 @@
+"""Whether a micro-batch speculates next round, and how many tree nodes it verifies: the choice
+that maximizes expected tokens per second on costs measured at run time.
+
+For a micro-batch of ``b`` requests, a round whose trees are cut to ``k`` nodes (root included)
+yields ``sum_r E_r[k]`` tokens in ``draft(b) + verify(b, k)`` seconds, where ``E_r[k]`` is what a
+round of request r yields (accepted draft tokens plus the bonus token). A plain round (``k = 1``:
+the target verifies a bare root, which is plain decoding) yields ``b`` tokens in
+``verify(b, 1)`` seconds and costs the draft nothing (the round keeps the committed tokens and
+their features and extends the draft over them, in one step, when speculation resumes).
+
+Cutting. The draft lists a tree's nodes parents first (depth by depth, best-ranked parents and
+children first), so the first ``k`` nodes form a valid tree: `cut_tree`. The target verifies
+whatever tree it is given and samples along it, so output is lossless for every ``k``.
+
+Estimates, all deterministic given the measurements (tests inject them):
+- costs: an exponential moving average per (target, batch-size bucket, k) for verify and per
+  (draft, bucket) for a draft step (extend + propose); a ``k`` between two measured sizes is
+  interpolated; a cost never measured counts as free, so it is tried (full trees first, then
+  plain) before the estimates decide;
+- acceptance: per request and per draft replica, a decayed record of what each cut would have
+  yielded (`Acceptance`); a request leans on its draft's record until it has its own, and the
+  draft's record starts optimistic (every draft token accepted);
+- exploring: a bucket's plan now and then tries the other side (plain when speculating, the
+  full tree when not), so neither estimate goes stale: after ``probe_every`` plans, then twice
+  as many after each probe, up to ``MAX_PROBE_INTERVAL`` (a short run explores little, a long
+  one keeps checking).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from specmesh.runtime.tree import Tree
+
+MODES = ("adaptive", "always", "never")
+COST_SMOOTHING = 0.2  # weight of a new cost measurement in its moving average
+MAX_PROBE_INTERVAL = 256  # plans between two probes of a bucket whose best choice holds
+REQUEST_PRIOR_WEIGHT = 2.0  # rounds of the draft's record a request's own record starts from
+DRAFT_PRIOR_WEIGHT = 1.0  # rounds of "every draft token accepted" the draft's record starts from
+
+
+@dataclass(frozen=True)
+class Plan:
+    tree_size: int  # nodes each request's tree is cut to, root included; 1 = plain decoding
+
+    @property
+    def speculate(self) -> bool:
+        return self.tree_size > 1
+
+
+def cut_tree(tree: Tree, k: int) -> Tree:
+    """The first ``k`` nodes of ``tree`` (parents come before their children, so they are a
+    tree with the same root)."""
+    if k >= tree.num_nodes:
+        return tree
+    return Tree.from_parents(tree.tokens[:k], tree.parents[:k])
+
+
+def accepted_path(tree: Tree, tokens: Sequence[int]) -> list[int]:
+    """Tree indices of the draft nodes a round accepted: ``tokens`` (the round's output, the
+    last one the bonus token) followed down from the root, child by child."""
+    parents, ids = tree.parents.tolist(), tree.tokens.tolist()
+    path, node = [], 0
+    for tok in tokens[:-1]:
+        node = next(
+            (i for i in range(node + 1, len(ids)) if parents[i] == node and ids[i] == tok), -1
+        )
+        if node < 0:
+            break
+        path.append(node)
+    return path
+
+
+@dataclass
+class Acceptance:
+    """Decayed record of the tokens rounds yield when trees are cut to k nodes (entry k - 1).
+    A round that verified n nodes tells what every cut k <= n would have yielded: its accepted
+    path up to the first node with index >= k (indices grow along a path)."""
+
+    decay: float = 0.9
+    sums: list[float] = field(default_factory=list)
+    counts: list[float] = field(default_factory=list)
+
+    def observe(self, path: Sequence[int], verified_nodes: int) -> None:
+        grow = verified_nodes - len(self.sums)
+        self.sums += [0.0] * grow
+        self.counts += [0.0] * grow
+        for k in range(1, verified_nodes + 1):
+            yielded = 1 + sum(1 for i in path if i < k)
+            self.sums[k - 1] = self.sums[k - 1] * self.decay + yielded
+            self.counts[k - 1] = self.counts[k - 1] * self.decay + 1.0
+
+    def expected(self, k: int, prior: float, prior_weight: float) -> float:
+        """Tokens per round with trees cut to ``k``, the record shrunk toward ``prior``."""
+        s, n = (self.sums[k - 1], self.counts[k - 1]) if k <= len(self.sums) else (0.0, 0.0)
+        return (s + prior_weight * prior) / (n + prior_weight)
+
+
+def interpolate_costs(measured: dict[int, float], max_nodes: int) -> list[float | None]:
+    """Cost of each tree size 1..max_nodes: measured, or linear between the nearest measured
+    sizes below and above; None (unknown) otherwise."""
+    costs: list[float | None] = []
+    for k in range(1, max_nodes + 1):
+        below = max((m for m in measured if m <= k), default=None)
+        above = min((m for m in measured if m >= k), default=None)
+        if below is None or above is None:
+            costs.append(None)
+        elif below == above:
+            costs.append(measured[k])
+        else:
+            w = (k - below) / (above - below)
+            costs.append(measured[below] * (1 - w) + measured[above] * w)
+    return costs
+
+
+def best_tree_size(
+    gains: Sequence[float], verify: Sequence[float | None], draft: float | None
+) -> int:
+    """The ``k`` maximizing ``gains[k-1] / (verify[k-1] + draft)`` (no draft cost for k = 1).
+    An unknown verify cost is taken as free, so it wins and gets measured; candidates are
+    tried full tree first, then plain, then the sizes in between (ties keep the earlier)."""
+    n = len(gains)
+    order = [n, 1, *range(n - 1, 1, -1)] if n > 1 else [1]
+    best, best_rate = order[0], -1.0
+    for k in order:
+        cost = verify[k - 1]
+        seconds = None if cost is None else cost + (draft or 0.0) * (k > 1)
+        rate = math.inf if not seconds else gains[k - 1] / seconds
+        if rate > best_rate:
+            best, best_rate = k, rate
+    return best
+
+
+def bucket(batch_size: int) -> int:
+    """Batch sizes share cost estimates by power of two (1, 2, 4, 8, ...)."""
+    return 1 << max(batch_size - 1, 0).bit_length()
+
+
+class SpeculationPolicy:
+    """The router's plans (one per micro-batch and draft replica, before the draft step) and
+    the measurements they rest on. ``mode``: ``adaptive`` plans as above, ``always`` verifies
+    the draft's full trees, ``never`` decodes without the draft."""
+
+    def __init__(self, mode: str = "adaptive", probe_every: int = 16) -> None:
+        if mode not in MODES:
+            raise ValueError(f"speculation mode must be one of {', '.join(MODES)}, got {mode!r}")
+        self.mode, self.probe_every = mode, probe_every
+        self.verify_costs: dict[tuple[str, int], dict[int, float]] = {}
+        self.draft_costs: dict[tuple[str, int], float] = {}
+        self.drafts: dict[str, Acceptance] = {}  # per draft replica: the requests' prior
+        self.probes: dict[tuple[str, int], _Probe] = {}  # per (target, bucket)
+
+    # -- measurements --------------------------------------------------------------------------
+    def observe_verify(self, target: str, batch_size: int, tree_size: int, seconds: float) -> None:
+        costs = self.verify_costs.setdefault((target, bucket(batch_size)), {})
+        costs[tree_size] = _smooth(costs.get(tree_size), seconds)
+
+    def observe_draft(self, draft: str, batch_size: int, seconds: float) -> None:
+        key = (draft, bucket(batch_size))
+        self.draft_costs[key] = _smooth(self.draft_costs.get(key), seconds)
+
+    def observe_round(self, draft: str, request: Acceptance, tree: Tree, tokens: list[int]) -> None:
+        """A verified tree and the tokens its round yielded, for the request and its draft."""
+        path = accepted_path(tree, tokens)
+        request.observe(path, tree.num_nodes)
+        self.drafts.setdefault(draft, Acceptance()).observe(path, tree.num_nodes)
+
+    # -- plans ---------------------------------------------------------------------------------
+    def plan(
+        self, target: str, draft: str, batch_size: int, requests: Sequence[Acceptance],
+        max_nodes: int,
+    ) -> Plan:  # fmt: skip
+        """The plan for ``requests`` (those of ``draft`` among the ``batch_size`` requests the
+        target verifies together) whose draft proposes trees of ``max_nodes`` nodes."""
+        if self.mode == "never" or max_nodes < 2:
+            return Plan(1)
+        if self.mode == "always":
+            return Plan(max_nodes)
+        key = (target, bucket(batch_size))
+        gains = self.expected_tokens(draft, requests, max_nodes, batch_size)
+        verify = interpolate_costs(self.verify_costs.get(key, {}), max_nodes)
+        best = best_tree_size(gains, verify, self.draft_costs.get((draft, key[1])))
+        probe = self.probes.setdefault(key, _Probe(self.probe_every, self.probe_every))
+        if probe.due() and None not in verify:
+            best = 1 if best > 1 else max_nodes
+        return Plan(best)
+
+    def expected_tokens(
+        self, draft: str, requests: Sequence[Acceptance], max_nodes: int, batch_size: int
+    ) -> list[float]:
+        """Per tree size k: the tokens a round of the whole batch is expected to yield (the
+        requests of other drafts, or of none, yield one each)."""
+        prior = self.drafts.get(draft, Acceptance())
+        others = max(batch_size - len(requests), 0)
+        gains = []
+        for k in range(1, max_nodes + 1):
+            draft_mean = prior.expected(k, float(k), DRAFT_PRIOR_WEIGHT)
+            own = sum(r.expected(k, draft_mean, REQUEST_PRIOR_WEIGHT) for r in requests)
+            gains.append(own + others)
+        return gains
+
+
+@dataclass
+class _Probe:
+    """When a bucket next tries the side its estimates do not choose."""
+
+    interval: int
+    countdown: int
+
+    def due(self) -> bool:
+        self.countdown -= 1
+        if self.countdown > 0:
+            return False
+        self.interval = min(2 * self.interval, MAX_PROBE_INTERVAL)
+        self.countdown = self.interval
+        return True
+
+
+def _smooth(old: float | None, new: float) -> float:
+    return new if old is None else old + COST_SMOOTHING * (new - old)

@@ -1,0 +1,193 @@
+"""Feature rows as the wire carries them, passed from the target's answer to the draft's request
+without decoding: a `RowBlock` is the payload of a ``[rows, width]`` Tensor message (dtype name,
+row width, bytes), sliced and joined by byte offsets. No torch here: the router moves the
+target's features (aux hidden states, ``mm_input_embeds``) as bytes, and only the draft service
+decodes them (`specmesh.runtime.codec`).
+
+Copies. Reading a message's ``data`` yields a fresh ``bytes`` (protobuf's copy); a block's rows
+are a window on it, so slicing copies nothing, and joining windows that lie back to back on one
+buffer (a micro-batch forwarded whole, in order) copies nothing either. Anything else is joined
+with one copy. Writing a block into a message copies its window once (protobuf takes ``bytes``
+only) unless the window is the whole buffer.
+
+The in-process path keeps torch tensors; both kinds slice with ``rows[start:stop]`` and join with
+`join_rows`, so the round is written once for both.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from specmesh.v1 import common_pb2, tensor_pb2
+
+# Bytes per element of each wire dtype (tensor.proto).
+ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4, "int32": 4, "int64": 8, "bool": 1}
+# HiddenStates fields that hold per-token rows, in field order (common.proto).
+ROW_FIELDS = ("aux_hidden", "hidden", "mm_input_embeds")
+
+
+class RowError(ValueError):
+    """A rows message that does not describe ``[rows, width]`` of a known dtype."""
+
+
+@dataclass(frozen=True, eq=False)
+class RowBlock:
+    """Rows ``[start, stop)`` (in bytes) of ``buffer``, each ``width`` elements of ``dtype``."""
+
+    dtype: str
+    width: int
+    buffer: bytes
+    start: int = 0
+    stop: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            object.__setattr__(self, "stop", len(self.buffer))
+
+    @property
+    def row_bytes(self) -> int:
+        return self.width * ITEMSIZE[self.dtype]
+
+    @property
+    def num_rows(self) -> int:
+        return (self.stop - self.start) // self.row_bytes if self.row_bytes else 0
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.num_rows, self.width)
+
+    def __len__(self) -> int:
+        return self.num_rows
+
+    def __getitem__(self, rows: slice) -> RowBlock:
+        """Rows ``rows.start:rows.stop`` (a step-1 slice), without copying."""
+        if not isinstance(rows, slice) or rows.step not in (None, 1):
+            raise TypeError(f"a RowBlock is sliced by rows (start:stop), got {rows!r}")
+        first, last, _ = rows.indices(self.num_rows)
+        last = max(first, last)
+        at = lambda r: self.start + r * self.row_bytes
+        return RowBlock(self.dtype, self.width, self.buffer, at(first), at(last))
+
+    def tobytes(self) -> bytes:
+        """The rows' payload: the buffer itself when the block spans it, else one copy."""
+        if self.start == 0 and self.stop == len(self.buffer):
+            return self.buffer
+        return self.buffer[self.start : self.stop]
+
+    def write_to(self, msg: tensor_pb2.Tensor) -> None:
+        """Fill a (message field's) Tensor with these rows: the payload is copied once, there."""
+        msg.dtype, msg.data = self.dtype, self.tobytes()
+        msg.shape[:] = self.shape
+
+    @staticmethod
+    def from_pb(msg: tensor_pb2.Tensor, *, name: str = "rows") -> RowBlock:
+        """A ``[rows, width]`` Tensor message's payload, its size checked against its shape."""
+        if msg.dtype not in ITEMSIZE:
+            raise RowError(
+                f"tensor '{name}': unknown dtype '{msg.dtype}' (one of {list(ITEMSIZE)})"
+            )
+        shape = list(msg.shape)
+        if len(shape) != 2 or min(shape) < 0:
+            raise RowError(f"tensor '{name}': shape {shape}, expected [rows, width]")
+        if msg.WhichOneof("payload") == "shm":
+            raise RowError(f"tensor '{name}': shared-memory payloads are not supported yet")
+        data = msg.data
+        needed = shape[0] * shape[1] * ITEMSIZE[msg.dtype]
+        if len(data) != needed:
+            raise RowError(
+                f"tensor '{name}': {len(data)} bytes but shape {shape} of {msg.dtype} needs {needed}"
+            )
+        return RowBlock(msg.dtype, shape[1], data)
+
+    @staticmethod
+    def join(blocks: Sequence[RowBlock], *, name: str = "rows") -> RowBlock:
+        """Rows of ``blocks`` in order: a window when they lie back to back on one buffer, else
+        one copy. Every block must share dtype and width."""
+        first = blocks[0]
+        for b in blocks[1:]:
+            if (b.dtype, b.width) != (first.dtype, first.width):
+                raise RowError(
+                    f"tensor '{name}': cannot join rows of {b.dtype} x {b.width} to rows of "
+                    f"{first.dtype} x {first.width}"
+                )
+        adjacent = all(
+            b.buffer is a.buffer and b.start == a.stop for a, b in itertools.pairwise(blocks)
+        )
+        if adjacent:
+            return RowBlock(first.dtype, first.width, first.buffer, first.start, blocks[-1].stop)
+        data = b"".join(memoryview(b.buffer)[b.start : b.stop] for b in blocks)
+        return RowBlock(first.dtype, first.width, data)
+
+
+def join_rows(parts: Sequence[Any]) -> Any:
+    """Concatenate rows: `RowBlock`s by bytes (`RowBlock.join`), torch tensors (the in-process
+    path) with ``torch.cat``; ``None`` when any part is missing."""
+    if not parts or any(p is None for p in parts):
+        return None
+    if len(parts) == 1:
+        return parts[0]
+    if isinstance(parts[0], RowBlock):
+        return RowBlock.join(parts)
+    import torch  # the in-process path only: its parts are tensors, torch is loaded already
+
+    return torch.cat(list(parts))
+
+
+# -- HiddenStates ------------------------------------------------------------------------------
+def join_state_rows(
+    chunks: Sequence[common_pb2.HiddenStates],
+) -> tuple[list[int], dict[str, RowBlock]]:
+    """A HiddenStates batch's chunks as ``(row_counts, {field: RowBlock})`` (fields present only),
+    each field's rows checked to total ``sum(row_counts)``. Nothing is decoded."""
+    if not chunks:
+        raise RowError("hidden states: no chunks to join")
+    row_counts = list(chunks[0].row_counts)
+    if any(c.row_counts for c in chunks[1:]):
+        raise RowError("hidden states: row_counts set after chunk 0")
+    blocks = {}
+    for key in ROW_FIELDS:
+        parts = [
+            RowBlock.from_pb(getattr(c, key), name=f"{key}[part {i}]")
+            for i, c in enumerate(chunks)
+            if c.HasField(key)
+        ]
+        if parts:
+            blocks[key] = RowBlock.join(parts, name=key)
+            if blocks[key].num_rows != sum(row_counts):
+                raise RowError(
+                    f"tensor '{key}': {blocks[key].num_rows} rows but row_counts {row_counts} "
+                    f"sum to {sum(row_counts)}"
+                )
+    return row_counts, blocks
+
+
+def split_state_rows(
+    row_counts: Sequence[int], blocks: Mapping[str, RowBlock | None], max_bytes: int
+) -> list[common_pb2.HiddenStates]:
+    """HiddenStates chunks of at most ``max_bytes`` of payload each, every chunk holding the same
+    row range of every block; ``row_counts`` in the first chunk only."""
+    present = {k: b for k, b in blocks.items() if b is not None}
+    num_rows = sum(row_counts)
+    for key, b in present.items():
+        if key not in ROW_FIELDS or b.num_rows != num_rows:
+            raise RowError(
+                f"tensor '{key}': {b.num_rows} rows for row_counts summing to {num_rows} "
+                f"(fields: {ROW_FIELDS})"
+            )
+    row_bytes = sum(b.row_bytes for b in present.values())
+    if row_bytes > max_bytes:
+        raise RowError(
+            f"hidden states: one row of {sorted(present)} is {row_bytes} bytes, over the message "
+            f"budget of {max_bytes} bytes"
+        )
+    per_chunk = max(1, max_bytes // row_bytes) if row_bytes else max(1, num_rows)
+    chunks = []
+    for start in range(0, max(num_rows, 1), per_chunk):
+        msg = common_pb2.HiddenStates(row_counts=row_counts if start == 0 else ())
+        for key, b in present.items():
+            b[start : start + per_chunk].write_to(getattr(msg, key))
+        chunks.append(msg)
+    return chunks

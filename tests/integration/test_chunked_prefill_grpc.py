@@ -1,0 +1,132 @@
+"""Chunked prefill over real gRPC services: the router sends long prompts in pieces of 7 tokens;
+output and prompt logprobs equal transformers', and a client that cancels in the middle of a
+prompt's pieces leaves nothing in the target or the draft (asked through GetInfo)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import grpc
+import pytest
+import torch
+from grpc_harness import (
+    SPEC,
+    LoopThread,
+    collect,
+    greedy,
+    serve_draft,
+    serve_router,
+    serve_target,
+    wait_until,
+)
+from procs import is_empty, occupancy
+
+from specmesh.client import GenerationClient
+from specmesh.draft_service.runtime import DraftConfig, load_draft
+from specmesh.runtime.sampling import SamplingParams
+from specmesh.target_service.runtime import TargetConfig, TargetRuntime
+
+LONG = list(range(10, 50))
+PROMPTS = [LONG, [11, 12, 13], list(range(100, 120)), [7] * 9]
+
+
+@pytest.fixture(scope="module")
+def chunked(tiny_dir: Path, oracle):
+    """Target, EAGLE-3 draft and a router with a prefill budget of 7 tokens per round."""
+    target_dir, draft_dir = str(tiny_dir / "target"), str(tiny_dir / "draft")
+    loop = LoopThread()
+    target = loop.run(serve_target(TargetRuntime(TargetConfig(target_dir))))
+    draft = loop.run(serve_draft(load_draft(DraftConfig("eagle3", draft_dir, target_dir, SPEC))))
+    router = loop.run(serve_router(target, draft, prefill_chunk_tokens=7, max_batch_size=3))
+    client = GenerationClient(f"127.0.0.1:{router.port}")
+    yield SimpleNamespace(
+        loop=loop, target=target, draft=draft, router=router, client=client,
+        expected=lambda prompt, n: oracle(target_dir, prompt, n), target_dir=target_dir,
+    )  # fmt: skip
+    client.close()
+    loop.run(router.stop(0.5))
+    for servicer in (target, draft):
+        loop.run(servicer.host.shutdown(0.5))
+    loop.close()
+
+
+def _address(servicer) -> str:
+    return f"127.0.0.1:{servicer.host.port}"
+
+
+def test_concurrent_requests_equal_transformers_greedy(chunked) -> None:
+    results: dict[int, list[int]] = {}
+
+    def run(k: int) -> None:
+        call = chunked.client.generate(prompt_token_ids=PROMPTS[k], sampling=greedy(10), timeout=60)
+        results[k] = collect(call)[0]
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for k, prompt in enumerate(PROMPTS):
+        assert results[k] == chunked.expected(prompt, 10)
+
+
+def test_prompt_logprobs_cover_every_piece(chunked) -> None:
+    from transformers import AutoModelForCausalLM
+
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True, prompt_logprobs=2)
+    responses = list(chunked.client.generate(prompt_token_ids=LONG, sampling=params, timeout=60))
+    ids, _, _ = collect(responses)
+    assert ids == chunked.expected(LONG, 4)
+    hf = AutoModelForCausalLM.from_pretrained(chunked.target_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        raw = torch.log_softmax(hf(torch.tensor([LONG])).logits[0].float(), -1)
+    entries = responses[0].prompt_logprobs
+    assert [e.token_id for e in entries] == LONG[1:]
+    for t, e in enumerate(entries, start=1):
+        assert e.logprob == pytest.approx(raw[t - 1, LONG[t]].item(), abs=1e-4)
+        assert [x.token_id for x in e.top] == raw[t - 1].topk(2).indices.tolist()
+
+
+def test_cancel_in_the_middle_of_the_pieces_frees_both_services(chunked) -> None:
+    """The router's target client is wrapped to hold the prompt's third piece until the client
+    has cancelled; then both services are asked what they hold."""
+    core = chunked.router.core
+    target = core.targets[0]
+    inner, reached, cancelled = target.prefill, threading.Event(), threading.Event()
+
+    async def prefill(inputs):
+        out = await inner(inputs)
+        if any(i.input_start == 14 for i in inputs):
+            reached.set()
+            while not cancelled.is_set():  # the request is mid-prefill: pieces 1-3 are held
+                await asyncio.sleep(0.01)
+        return out
+
+    target.prefill = prefill
+    try:
+        call = chunked.client.generate(prompt_token_ids=LONG, sampling=greedy(50), timeout=60)
+        consumer = threading.Thread(target=lambda: _drain(call))
+        consumer.start()
+        assert reached.wait(30)
+        assert occupancy(_address(chunked.target), "target").num_requests == 1
+        call.cancel()
+        consumer.join(30)
+        assert wait_until(lambda: not core.requests, 20)  # the router saw the cancel
+    finally:
+        cancelled.set()
+        target.prefill = inner
+    for servicer, kind in ((chunked.target, "target"), (chunked.draft, "draft")):
+        assert wait_until(lambda s=servicer, k=kind: is_empty(occupancy(_address(s), k)), 20)
+    after = collect(chunked.client.generate(prompt_token_ids=[8, 9], sampling=greedy(4)))[0]
+    assert after == chunked.expected([8, 9], 4)
+
+
+def _drain(call) -> None:
+    try:
+        for _ in call:
+            pass
+    except grpc.RpcError as e:
+        assert e.code() == grpc.StatusCode.CANCELLED

@@ -1,0 +1,237 @@
+"""The speculation policy as pure functions on injected costs and acceptance: it speculates where
+that yields more tokens per second, decodes plainly where it does not, trades tree size against
+verify cost, and explores deterministically."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from conftest import make_small_vocab_pair
+
+from specmesh.draft_service.drafter import SpecParams
+from specmesh.router.core import RouterConfig
+from specmesh.router.engine import Engine
+from specmesh.router.policy import (
+    Acceptance,
+    Plan,
+    SpeculationPolicy,
+    accepted_path,
+    best_tree_size,
+    bucket,
+    cut_tree,
+    interpolate_costs,
+)
+from specmesh.runtime.sampling import SamplingParams
+from specmesh.runtime.tree import Tree
+
+N = 8  # the draft's tree size
+
+
+def _records(policy: SpeculationPolicy, accepted: int, batch: int = 1) -> list[Acceptance]:
+    """Requests whose chain trees always had their first ``accepted`` draft nodes accepted, as
+    the round reports them (the draft's record grows with them)."""
+    chain = Tree.chain(list(range(N)))
+    records = [Acceptance() for _ in range(batch)]
+    for _ in range(30):
+        for record in records:
+            policy.observe_round("d", record, chain, [*range(1, accepted + 1), 999])
+    return records
+
+
+def _policy(verify: dict[int, float], draft: float, batch: int = 1) -> SpeculationPolicy:
+    policy = SpeculationPolicy("adaptive", probe_every=1000)
+    for k, seconds in verify.items():
+        policy.observe_verify("t", batch, k, seconds)
+    policy.observe_draft("d", batch, draft)
+    return policy
+
+
+def test_tree_is_cut_to_its_first_nodes_and_stays_valid() -> None:
+    tree = Tree.from_parents([9, 1, 2, 3, 4, 5], [-1, 0, 0, 1, 1, 3])
+    cut = cut_tree(tree, 4)
+    assert cut.tokens.tolist() == [9, 1, 2, 3] and cut.parents.tolist() == [-1, 0, 0, 1]
+    assert cut_tree(tree, 1).num_nodes == 1 and cut_tree(tree, 99) is tree
+
+
+def test_accepted_path_follows_the_output_tokens_down_the_tree() -> None:
+    tree = Tree.from_parents([9, 1, 2, 3, 4, 5], [-1, 0, 0, 1, 1, 3])
+    assert accepted_path(tree, [1, 4, 7]) == [1, 4]  # node 4 (token 4) under node 1, bonus 7
+    assert accepted_path(tree, [1, 3, 5, 8]) == [1, 3, 5]
+    assert accepted_path(tree, [2, 6]) == [2] and accepted_path(tree, [7]) == []
+
+
+def test_acceptance_counts_what_each_cut_would_have_yielded() -> None:
+    record = Acceptance(decay=1.0)
+    record.observe([1, 3, 5], 6)  # path nodes 1, 3, 5 of a 6-node tree: 4 tokens in all
+    assert [record.expected(k, 0.0, 0.0) for k in range(1, 7)] == [1, 2, 2, 3, 3, 4]
+    assert record.expected(7, 5.0, 1.0) == 5.0  # never verified that big: the prior alone
+
+
+def test_verify_costs_between_measured_sizes_are_interpolated() -> None:
+    assert interpolate_costs({1: 1.0, 5: 3.0}, 6) == [1.0, 1.5, 2.0, 2.5, 3.0, None]
+    assert interpolate_costs({}, 2) == [None, None]
+
+
+def test_unmeasured_options_are_tried_full_tree_first_then_plain() -> None:
+    gains = [1.0, 1.5, 2.0, 2.5]
+    assert best_tree_size(gains, [None] * 4, None) == 4
+    assert best_tree_size(gains, [None, None, None, 1.0], 0.5) == 1
+    assert best_tree_size(gains, [1.0, 1.2, 1.4, 10.0], 0.1) == 3  # the sizes between, measured
+
+
+def test_speculates_at_small_batch_with_high_acceptance() -> None:
+    policy = _policy({1: 0.010, N: 0.012}, draft=0.008)
+    plan = policy.plan("t", "d", 1, _records(policy, accepted=5), N)
+    assert plan.speculate and plan.tree_size == 6  # root + the 5 nodes that get accepted
+
+
+def test_plain_when_acceptance_is_low() -> None:
+    policy = _policy({1: 0.010, N: 0.012}, draft=0.008)
+    assert not policy.plan("t", "d", 1, _records(policy, accepted=0), N).speculate
+
+
+def test_plain_at_big_batch_when_verify_is_expensive() -> None:
+    """The same acceptance: worth it at batch 1, not where a tree costs 8x a decode."""
+    batch = 32
+    policy = _policy({1: 0.050, N: 0.400}, draft=0.060, batch=batch)
+    records = _records(policy, accepted=3, batch=batch)
+    assert policy.plan("t", "d", batch, records, N).tree_size == 1
+    small = _policy({1: 0.010, N: 0.012}, draft=0.008)
+    assert small.plan("t", "d", 1, _records(small, accepted=3), N).speculate
+
+
+def test_tree_size_trades_acceptance_for_verify_cost() -> None:
+    """Acceptance stops at depth 2: nodes past 3 cost verify time and yield nothing."""
+    batch = 16
+    policy = _policy({1: 0.020, N: 0.090}, draft=0.005, batch=batch)
+    records = _records(policy, accepted=2, batch=batch)
+    assert policy.plan("t", "d", batch, records, N).tree_size == 3
+
+
+def test_new_requests_lean_on_their_drafts_record() -> None:
+    policy = _policy({1: 0.010, N: 0.012}, draft=0.008)
+    for _ in range(50):
+        policy.observe_round("d", Acceptance(), Tree.chain(list(range(N))), [0, 9])
+    assert not policy.plan("t", "d", 1, [Acceptance()], N).speculate  # the draft never hits
+
+
+def test_probes_the_other_side_periodically_and_deterministically() -> None:
+    def plans() -> list[int]:
+        policy = SpeculationPolicy("adaptive", probe_every=4)
+        for k, seconds in {1: 0.010, N: 0.012}.items():
+            policy.observe_verify("t", 1, k, seconds)
+        policy.observe_draft("d", 1, 0.008)
+        records = _records(policy, accepted=5)
+        return [policy.plan("t", "d", 1, records, N).tree_size for _ in range(13)]
+
+    assert plans() == [6, 6, 6, 1, *[6] * 7, 1, 6] == plans()  # then every 8, 16, ...
+
+
+def test_modes_always_and_never_ignore_the_measurements() -> None:
+    always, never = SpeculationPolicy("always"), SpeculationPolicy("never")
+    assert always.plan("t", "d", 64, _records(always, accepted=0), N).tree_size == N
+    assert never.plan("t", "d", 1, _records(never, accepted=7), N).tree_size == 1
+    with pytest.raises(ValueError, match="adaptive, always, never"):
+        SpeculationPolicy("sometimes")
+
+
+def test_batch_sizes_share_costs_by_power_of_two() -> None:
+    assert [bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 32, 33)] == [1, 2, 4, 4, 8, 8, 16, 32, 64]
+
+
+# -- through the in-process engine --------------------------------------------------------------
+PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [40, 41, 42, 43, 44, 45, 46, 47, 48], [90]]
+MAX_NEW = [14, 6, 11, 20]
+
+
+class ScriptedPolicy(SpeculationPolicy):
+    """Plans from a fixed cycle of tree sizes (1: plain, with held-back draft extends; cut
+    trees; full trees), whatever was measured: every path of the round runs."""
+
+    SIZES = (8, 1, 1, 3, 1, 5, 8, 2)
+
+    def __init__(self, mode: str) -> None:
+        super().__init__(mode)
+        self.count = 0
+
+    def plan(self, target, draft, batch_size, requests, max_nodes):
+        self.count += 1
+        return Plan(min(self.SIZES[self.count % len(self.SIZES)], max_nodes))
+
+
+def _engine(target: Path, draft: Path, mode: str, batch: int) -> Engine:
+    return Engine(
+        target, draft_model=draft, draft_kind="eagle3", spec=SpecParams(3, 4, 8),
+        router_config=RouterConfig(max_batch_size=batch, speculation=mode),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("scripted", [False, True], ids=["measured", "scripted"])
+def test_adaptive_engine_equals_transformers_greedy(tiny_dir: Path, oracle, scripted: bool) -> None:
+    """Output equals transformers; the draft sees every committed token once, in order, with
+    its feature row, whether its extends were sent each round or held back over plain ones."""
+    engine = _engine(tiny_dir / "target", tiny_dir / "draft", "adaptive", batch=2)
+    if scripted:
+        engine.policy = ScriptedPolicy("adaptive")
+    seen: dict[str, list[int]] = {}
+    step = engine.draft.step
+
+    def record(extends, propose=True):
+        for e in extends:
+            assert e.features.shape[0] == len(e.committed_ids)
+            seen[e.rid] = [*([] if e.new else seen[e.rid]), *e.committed_ids]
+        return step(extends, propose)
+
+    engine.draft.step = record
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in MAX_NEW]
+    for prompt, n, res in zip(PROMPTS, MAX_NEW, engine.generate(PROMPTS, params), strict=True):
+        assert res.token_ids == oracle(tiny_dir / "target", prompt, n)
+        assert len(res.accept_lens) >= 1 and sum(res.accept_lens) == n - 1
+        context = prompt + res.token_ids
+        assert seen[res.request_id] == context[: len(seen[res.request_id])]
+
+
+def test_never_runs_no_draft_step(tiny_dir: Path, oracle) -> None:
+    engine = _engine(tiny_dir / "target", tiny_dir / "draft", "never", batch=4)
+    calls = []
+    step = engine.draft.step
+    engine.draft.step = lambda *a: calls.append(a) or step(*a)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in MAX_NEW]
+    for prompt, n, res in zip(PROMPTS, MAX_NEW, engine.generate(PROMPTS, params), strict=True):
+        assert res.token_ids == oracle(tiny_dir / "target", prompt, n)
+        assert res.accept_lens == [1] * (n - 1)
+    assert calls == []
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_small_vocab_pair(tmp_path_factory.mktemp("vocab8"), 8, num_layers=6, seed=3)
+
+
+@pytest.mark.slow
+def test_cut_trees_and_plain_rounds_sample_the_targets_distribution(small_vocab: Path) -> None:
+    """Tokens 2 and 3 under scripted plans (cut trees, plain rounds, full trees, per micro-batch)
+    are distributed as direct sampling from the target: chi-square at significance 0.001."""
+    from unit.test_engine import CHI2_CRIT_001, _chi_square, _target_probs
+
+    target, n, temp, prompt = small_vocab / "target", 2000, 0.8, [1, 2, 3]
+    engine = _engine(target, small_vocab / "draft", "adaptive", batch=64)
+    engine.policy = ScriptedPolicy("adaptive")
+    params = [
+        SamplingParams(max_new_tokens=3, temperature=temp, seed=s, ignore_eos=True)
+        for s in range(n)
+    ]
+    results = engine.generate([prompt] * n, params)
+    outs = [r.token_ids for r in results]
+    prefix: list[int] = []
+    for position in (1, 2):  # condition on the most frequent prefix so far
+        group = [o for o in outs if o[: len(prefix)] == prefix]
+        prefix = [*prefix, Counter(o[len(prefix)] for o in group).most_common(1)[0][0]]
+        group = [o for o in outs if o[:position] == prefix]
+        counts = Counter(o[position] for o in group)
+        stat, dof = _chi_square(counts, _target_probs(target, prompt + prefix, temp), len(group))
+        assert dof >= 1 and stat < CHI2_CRIT_001[dof], (position, stat, dof, counts)
+    accepted = sum(1 for r in results if r.accept_lens and r.accept_lens[0] > 1)
+    assert accepted > n // 10, f"only {accepted} of {n} first rounds accepted a draft token"
