@@ -55,12 +55,23 @@ def format_table(results: dict[str, Any]) -> str:
             else f"  goal >= {c['goal']:.2f}: {'met' if c['met'] else 'MISSED'}"
         )
         lines.append(f"  {c['name']} {c['dtype']} @ batch {c['batch_size']}: {_ratio(c)}{goal}")
+    lines += ["", "adaptive speculation, rounds planned per tree size (1 = plain decoding):"]
+    lines += [f"  {name}: {plans}" for name, plans in _plans(results)]
     lines += ["", "goals:"]
     for g in results["goals"]:
         lines.append(
             f"  {g['name']}: {g['value']:.2f} (target {g['target']:.2f}) {'met' if g['met'] else 'MISSED'}"
         )
     return "\n".join(lines)
+
+
+def _plans(results: dict[str, Any]) -> list[tuple[str, str]]:
+    """What the adaptive policy chose in each adaptive configuration (its median run)."""
+    return [
+        (c["name"], ", ".join(f"{k}: {n}" for k, n in c["planned_tree_sizes"].items()))
+        for c in results["configs"]
+        if c.get("speculation") == "adaptive" and c.get("planned_tree_sizes")
+    ]
 
 
 def _ratio(c: dict[str, Any]) -> str:
@@ -137,4 +148,6 @@ def format_markdown(results: dict[str, Any]) -> str:
             "-" if c["goal"] is None else f">= {c['goal']:.2f} ({'met' if c['met'] else 'missed'})"
         )
         lines.append(f"| {c['name']} | {c['dtype']} | {c['batch_size']} | {_ratio(c)} | {goal} |")
+    lines += ["", "| adaptive configuration | rounds per tree size (1 = plain) |", "|---|---|"]
+    lines += [f"| {name} | {plans} |" for name, plans in _plans(results)]
     return "\n".join(lines)

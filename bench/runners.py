@@ -18,8 +18,9 @@ import asyncio
 import dataclasses
 import time
 import uuid
+from collections import Counter
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from specmesh.bench.metrics import RequestTrace, summarize
@@ -45,6 +46,9 @@ class RunSpec:
     num_requests: int
     dtype: str = "bf16"  # weights and activations, both sides of a comparison alike
     draft_kind: str | None = None  # eagle3, ngram, standalone...; None exactly when plain
+    # The router's --speculation mode of a drafting side: "always" verifies every full tree,
+    # "adaptive" lets the policy pick plain rounds and tree sizes (`router.policy`).
+    speculation: str = "always"
 
     def __post_init__(self) -> None:
         if (self.spec is None) != (self.draft_kind is None):
@@ -58,7 +62,8 @@ class RunSpec:
         if self.backend == "transformers":  # what transformers calls its drafting
             labels = {"ngram": f"lookup-{s.num_draft_tokens - 1}", "standalone": f"assisted-{s.num_steps}"}  # fmt: skip
             return labels.get(kind or "", f"{kind}-unsupported")
-        return f"{kind}-{s.num_steps}-{s.topk}-{s.num_draft_tokens}"
+        suffix = "-adaptive" if self.speculation == "adaptive" else ""
+        return f"{kind}-{s.num_steps}-{s.topk}-{s.num_draft_tokens}{suffix}"
 
     @property
     def name(self) -> str:
@@ -93,6 +98,7 @@ class RunSpec:
             "speculative": s is not None,
             "dtype": self.dtype,
             "draft_kind": self.draft_kind,
+            "speculation": self.speculation if s else "never",
             "num_steps": s.num_steps if s else 0,
             "topk": s.topk if s else 0,
             "num_draft_tokens": s.num_draft_tokens if s else 0,
@@ -149,13 +155,17 @@ class RouterBackend:
         log = CallLog()
         targets = [TimedTarget(t, log) for t in self.targets]
         drafts = [TimedDraft(d, log) for d in self.drafts_by_spec(spec.spec)] if spec.spec else []
-        core = RouterCore(targets, drafts, self.router_config)
+        core = RouterCore(
+            targets, drafts, replace(self.router_config, speculation=spec.speculation)
+        )
+        plans = count_plans(core)
         await core.start()
         try:
             await self._stream(
                 core, prompts[0], replace_tokens(spec, WARMUP_TOKENS), RequestTrace(0)
             )
             log.intervals.clear()
+            plans.clear()
 
             async def run_one(i: int, trace: RequestTrace) -> None:
                 await self._stream(core, prompts[i % len(prompts)], spec.sampling(i), trace)
@@ -163,7 +173,8 @@ class RouterBackend:
             traces, wall_s = await drive(run_one, spec.num_requests, spec.batch_size)
         finally:
             await core.stop()
-        return result(spec, traces, wall_s, time_split(log, wall_s), 0, "none")
+        out = result(spec, traces, wall_s, time_split(log, wall_s), 0, "none")
+        return out | {"planned_tree_sizes": dict(sorted(plans.items()))}
 
     async def _stream(
         self, core: RouterCore, ids: list[int], params: SamplingParams, trace: RequestTrace
@@ -179,6 +190,21 @@ class RouterBackend:
         async for chunk in core.generate(req):
             trace.add_chunk(time.perf_counter(), len(chunk.token_ids))
         trace.accept_lens = list(req.accept_lens)
+
+
+def count_plans(core: RouterCore) -> Counter:
+    """Tree size -> rounds the router's policy planned with it (1 = plain decoding), counted
+    from the next plan on (so warm-up rounds can be left out by clearing it)."""
+    plans: Counter = Counter()
+    plan = core.policy.plan
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        chosen = plan(*args, **kwargs)
+        plans[chosen.tree_size] += 1
+        return chosen
+
+    core.policy.plan = counted
+    return plans
 
 
 def replace_tokens(spec: RunSpec, max_new_tokens: int) -> SamplingParams:

@@ -59,7 +59,7 @@ def engine_runtime(runtime: dict[str, Any], variant: str) -> dict[str, Any]:
 
 @contextlib.asynccontextmanager
 async def local_deployment(
-    models: ModelChoice, spec: SpecParams, service_args: list[str]
+    models: ModelChoice, spec: SpecParams, service_args: list[str], speculation: str = "always"
 ) -> AsyncIterator[ClusterBackend]:
     """Start target, draft and router processes on loopback ports; yield the router's public
     address as a backend. Each model service gets half the cores, the router one thread."""
@@ -81,7 +81,8 @@ async def local_deployment(
             "--num-draft-tokens", str(spec.num_draft_tokens), *threads, *service_args,
         ]  # fmt: skip
         draft_addr = spawn_service(children, "draft", draft_flags)
-        router_flags = ["--target", target_addr, "--draft", draft_addr, "--threads", "1"]
+        router_flags = ["--target", target_addr, "--draft", draft_addr, "--threads", "1",
+                        "--speculation", speculation]  # fmt: skip
         router_addr = spawn_service(children, "router", router_flags)
         wait_ready(children, READY_TIMEOUT_S)
         yield ClusterBackend(router_addr, spec)

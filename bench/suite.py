@@ -35,6 +35,7 @@ TRANSFORMERS_LABEL = {"ngram": "transformers_lookup", "standalone": "transformer
 class Side:
     backend: str  # inprocess, engine:<variant>, cluster, transformers, llamacpp
     draft_kind: str | None = None  # None = plain decoding
+    speculation: str = "always"  # the router's policy when drafting (`RunSpec.speculation`)
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,11 @@ def comparisons(s: BenchSettings) -> list[Comparison]:
         else:
             out.append(Comparison(f"{kind}_vs_transformers", drafting, hf_plain, (1,)))
         out.append(Comparison(f"{kind}_vs_plain", drafting, plain, (1,), {1: 1.5} if kind == main else {}))  # fmt: skip
+    # Speculation that never loses: the adaptive policy against plain at every batch size.
+    adaptive = Side("inprocess", main, "adaptive")
+    out.append(Comparison(f"{main}_adaptive_vs_transformers", adaptive, hf_plain, (1,), {1: 1.5}))  # fmt: skip
+    out.append(Comparison(f"{main}_adaptive_vs_plain", adaptive, plain, s.compare_batch_sizes,
+                          dict.fromkeys(s.compare_batch_sizes, 1.0)))  # fmt: skip
     out.append(Comparison("llamacpp_vs_plain", Side("llamacpp"), plain, (1,)))
     cluster, local = Side("cluster", main), Side("inprocess", main)
     out.append(Comparison("cluster_vs_inprocess", cluster, local, s.cluster_batch_sizes, {1: 0.9, 8: 1.0}))  # fmt: skip
@@ -143,7 +149,7 @@ def plan(s: BenchSettings) -> list[RunSpec]:
     def add(side: Side, dtype: str, workload: str, b: int, temp: float, spec: SpecParams) -> None:
         drafting = spec if side.draft_kind else None
         n = max(b, s.min_requests)
-        run = RunSpec(side.backend, workload, b, temp, drafting, s.max_new_tokens, n, dtype, side.draft_kind)  # fmt: skip
+        run = RunSpec(side.backend, workload, b, temp, drafting, s.max_new_tokens, n, dtype, side.draft_kind, side.speculation)  # fmt: skip
         runs.setdefault(run.name, run)
 
     for dtype in s.dtypes:
@@ -169,7 +175,13 @@ def interleave(runs: list[RunSpec], repeats: int) -> list[tuple[int, RunSpec]]:
 def compare(s: BenchSettings, configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Every comparison whose two sides ran, per dtype and batch size (code, greedy, main spec)."""
     by_key = {
-        (c["backend"], c["draft_kind"], c["dtype"], c["batch_size"]): c
+        (
+            c["backend"],
+            c["draft_kind"],
+            c.get("speculation", "always"),
+            c["dtype"],
+            c["batch_size"],
+        ): c
         for c in configs
         if c["workload"] == "code" and c["temperature"] == 0.0 and _is_main(s, c)
     }
@@ -177,11 +189,15 @@ def compare(s: BenchSettings, configs: list[dict[str, Any]]) -> list[dict[str, A
     for dtype in s.dtypes:
         for c in comparisons(s):
             for b in c.batch_sizes:
-                num = by_key.get((c.numerator.backend, c.numerator.draft_kind, dtype, b))
-                den = by_key.get((c.denominator.backend, c.denominator.draft_kind, dtype, b))
+                num = by_key.get((*_key(c.numerator), dtype, b))
+                den = by_key.get((*_key(c.denominator), dtype, b))
                 if num is not None and den is not None:
                     out.append(_comparison(c, dtype, b, num, den))
     return out
+
+
+def _key(side: Side) -> tuple[str, str | None, str]:
+    return side.backend, side.draft_kind, side.speculation if side.draft_kind else "never"
 
 
 def _comparison(c: Comparison, dtype: str, b: int, num: dict, den: dict) -> dict[str, Any]:
@@ -214,6 +230,7 @@ def goals(comparisons: list[dict[str, Any]], configs: list[dict[str, Any]]) -> l
         if (
             c["backend"] == "inprocess" and c["workload"] == "code" and c["batch_size"] == 1
             and c["temperature"] == 0.0 and c["draft_kind"] == "eagle3"
+            and c.get("speculation", "always") == "always"
             and (c["num_steps"], c["topk"], c["num_draft_tokens"]) == (g.num_steps, g.topk, g.num_draft_tokens)
         ):  # fmt: skip
             name = f"mean_accept_len_code_{g.num_steps}_{g.topk}_{g.num_draft_tokens}@{c['dtype']}"

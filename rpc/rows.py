@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from specmesh.runtime.row_chunks import chunk_rows
 from specmesh.v1 import common_pb2, tensor_pb2
 
 # Bytes per element of each wire dtype (tensor.proto).
@@ -178,16 +179,5 @@ def split_state_rows(
                 f"(fields: {ROW_FIELDS})"
             )
     row_bytes = sum(b.row_bytes for b in present.values())
-    if row_bytes > max_bytes:
-        raise RowError(
-            f"hidden states: one row of {sorted(present)} is {row_bytes} bytes, over the message "
-            f"budget of {max_bytes} bytes"
-        )
-    per_chunk = max(1, max_bytes // row_bytes) if row_bytes else max(1, num_rows)
-    chunks = []
-    for start in range(0, max(num_rows, 1), per_chunk):
-        msg = common_pb2.HiddenStates(row_counts=row_counts if start == 0 else ())
-        for key, b in present.items():
-            b[start : start + per_chunk].write_to(getattr(msg, key))
-        chunks.append(msg)
-    return chunks
+    write = lambda field, _key, rows: rows.write_to(field)
+    return chunk_rows(row_counts, present, row_bytes, max_bytes, write, RowError)

@@ -36,6 +36,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from specmesh.runtime.row_chunks import chunk_rows
 from specmesh.v1 import common_pb2, tensor_pb2
 
 # Payload budget per stream message; above it a batch is split into chunks.
@@ -207,19 +208,8 @@ def split_hidden_states(
                 f"tensor '{key}': shape {list(t.shape)} but row_counts sum to {num_rows} rows"
             )
     bytes_per_row = sum(_row_bytes(t) for t in present.values())
-    if bytes_per_row > max_bytes:
-        raise TensorError(
-            f"hidden states: one row of {sorted(present)} is {bytes_per_row} bytes, over the "
-            f"message budget of {max_bytes} bytes"
-        )
-    rows_per_chunk = max(1, max_bytes // bytes_per_row) if bytes_per_row else max(1, num_rows)
-    chunks = []
-    for start in range(0, max(num_rows, 1), rows_per_chunk):
-        msg = common_pb2.HiddenStates(row_counts=row_counts if start == 0 else ())
-        for key, t in present.items():
-            getattr(msg, key).CopyFrom(encode_tensor(t[start : start + rows_per_chunk], name=key))
-        chunks.append(msg)
-    return chunks
+    write = lambda field, key, rows: field.CopyFrom(encode_tensor(rows, name=key))
+    return chunk_rows(row_counts, present, bytes_per_row, max_bytes, write, TensorError)
 
 
 def join_hidden_states(

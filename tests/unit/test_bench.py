@@ -152,8 +152,10 @@ def test_quick_bench_every_side_in_its_own_process(
     assert {c["name"] for c in results["comparisons"]} == {
         "plain_vs_transformers", "eagle3_vs_transformers", "eagle3_vs_plain",
         "ngram_vs_transformers_lookup", "ngram_vs_plain", "standalone_vs_transformers_assisted",
-        "standalone_vs_plain",
+        "standalone_vs_plain", "eagle3_adaptive_vs_transformers", "eagle3_adaptive_vs_plain",
     }  # fmt: skip
+    (adaptive,) = [c for c in results["configs"] if c["speculation"] == "adaptive"]
+    assert sum(adaptive["planned_tree_sizes"].values()) >= 1  # the policy's choices, counted
     assert "llamacpp/fp32" in results["meta"]["skipped"]  # this interpreter has no llama_cpp
     assert results["meta"]["threads"]["per_process"] >= 1
 
@@ -166,7 +168,8 @@ def test_quick_bench_cluster_side(tiny_dir: Path, tmp_path: Path) -> None:
     assert main(argv) == 0
     results = json.loads((tmp_path / "results.json").read_text())
     _check(results, {"inprocess", "cluster"})
-    assert {c["name"] for c in results["comparisons"]} == {"eagle3_vs_plain", "cluster_vs_inprocess"}  # fmt: skip
+    names = {c["name"] for c in results["comparisons"]}
+    assert names == {"eagle3_vs_plain", "eagle3_adaptive_vs_plain", "cluster_vs_inprocess"}
 
 
 def test_engine_variants_add_graphs_only_where_they_run() -> None:

@@ -123,6 +123,22 @@ def _chi_square(counts: Counter, probs: torch.Tensor, n: int) -> tuple[float, in
     return stat, dof
 
 
+def assert_follows_target(
+    outs: list[list[int]], target: Path, prompt: list[int], temperature: float
+) -> None:
+    """Tokens 2 and 3 of ``outs`` (each conditioned on the most frequent prefix so far) pass a
+    chi-square goodness-of-fit test against the target's own distribution at 0.001."""
+    prefix: list[int] = []
+    for position in (1, 2):
+        group = [o for o in outs if o[: len(prefix)] == prefix]
+        prefix = [*prefix, Counter(o[len(prefix)] for o in group).most_common(1)[0][0]]
+        group = [o for o in outs if o[:position] == prefix]
+        counts = Counter(o[position] for o in group)
+        probs = _target_probs(target, prompt + prefix, temperature)
+        stat, dof = _chi_square(counts, probs, len(group))
+        assert dof >= 1 and stat < CHI2_CRIT_001[dof], (position, stat, dof, counts)
+
+
 # Upper 0.1% points of the chi-square distribution (significance level 0.001).
 CHI2_CRIT_001 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32}
 
@@ -143,15 +159,7 @@ def test_speculative_sampling_matches_target_distribution(small_vocab_pair: Path
         for s in range(n)
     ]
     results = engine.generate([prompt] * n, params)
-    outs = [r.token_ids for r in results]
-    prefix: list[int] = []
-    for position in (1, 2):  # condition on the most frequent prefix so far
-        group = [o for o in outs if o[: len(prefix)] == prefix]
-        prefix = [*prefix, Counter(o[len(prefix)] for o in group).most_common(1)[0][0]]
-        group = [o for o in outs if o[:position] == prefix]
-        counts = Counter(o[position] for o in group)
-        stat, dof = _chi_square(counts, _target_probs(target, prompt + prefix, temp), len(group))
-        assert dof >= 1 and stat < CHI2_CRIT_001[dof], (position, stat, dof, counts)
+    assert_follows_target([r.token_ids for r in results], target, prompt, temp)
     # The test means something only if drafts were accepted: count rounds that took >= 1 node.
     accepted = sum(1 for r in results if r.accept_lens and r.accept_lens[0] > 1)
     assert accepted > n // 3, f"only {accepted} of {n} speculative rounds accepted a draft token"
