@@ -18,6 +18,11 @@ from specmesh.runtime.tokenizer import load_tokenizer
 from specmesh.target_service.runtime import TargetConfig, TargetRuntime
 
 READY_TIMEOUT_S = 600.0
+TARGET_ONLY = ("tensor_parallel_size",)  # runtime settings the draft does not take
+
+
+def draft_runtime(runtime: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in runtime.items() if k not in TARGET_ONLY}
 
 
 def inprocess_backend(
@@ -38,7 +43,9 @@ def inprocess_backend(
             raise ValueError("speculative configurations need a draft (--draft-kind)")
         if spec not in loaded:
             loaded.clear()  # keep one draft (and its KV cache) at a time
-            cfg = DraftConfig(models.draft_kind, models.draft, models.target, spec, **runtime)
+            cfg = DraftConfig(
+                models.draft_kind, models.draft, models.target, spec, **draft_runtime(runtime)
+            )
             loaded[spec] = [InProcessDraft(load_draft(cfg, target_model=target.model))]
         return loaded[spec]
 
@@ -59,7 +66,10 @@ def engine_runtime(runtime: dict[str, Any], variant: str) -> dict[str, Any]:
 
 @contextlib.asynccontextmanager
 async def local_deployment(
-    models: ModelChoice, spec: SpecParams, service_args: list[str], speculation: str = "always"
+    models: ModelChoice,
+    spec: SpecParams,
+    runtime: dict[str, Any],
+    speculation: str = "always",
 ) -> AsyncIterator[ClusterBackend]:
     """Start target, draft and router processes on loopback ports; yield the router's public
     address as a backend. Each model service gets half the cores, the router one thread."""
@@ -69,10 +79,12 @@ async def local_deployment(
         raise ValueError("the gRPC benchmark needs a draft (--draft-kind)")
     children: list = []
     threads = ["--threads", str(model_threads(2))]
+    flags = lambda settings: [f"--{k.replace('_', '-')}={v}" for k, v in settings.items() if v is not None]  # fmt: skip
+    target_args, service_args = flags(runtime), flags(draft_runtime(runtime))
     try:
         tree_sizes = ["--cuda-graph-tree-sizes", str(spec.num_draft_tokens)]
         target_addr = spawn_service(
-            children, "target", ["--model", models.target, *tree_sizes, *threads, *service_args]
+            children, "target", ["--model", models.target, *tree_sizes, *threads, *target_args]
         )
         draft_flags = [
             "--kind", models.draft_kind, "--target-model", models.target,

@@ -66,8 +66,7 @@ async def _run_router_side(job: Job) -> dict[str, Any]:
     if run.backend == "cluster":
         if run.spec is None:
             raise ValueError("the cluster side runs with its draft")
-        flags = [f"--{k.replace('_', '-')}={v}" for k, v in runtime.items() if v is not None]
-        async with local_deployment(models, run.spec, flags, run.speculation) as cluster:
+        async with local_deployment(models, run.spec, runtime, run.speculation) as cluster:
             return await cluster.run(run, job.prompts)
     if run.backend.startswith("engine:"):
         runtime = engine_runtime(runtime, run.backend.removeprefix("engine:"))

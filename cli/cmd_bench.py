@@ -37,6 +37,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     d = lambda name: f"(default {FULL[name]}; --quick {QUICK[name]})"
     p.add_argument("--dtypes", metavar="fp32,bf16", help=f"weights and activations {d('dtypes')}")
     p.add_argument(
+        "--tensor-parallel-size", type=int, default=1, metavar="N",
+        help="split the target of every specmesh side over N ranks (the draft stays on one "
+        "device); transformers and llama.cpp run unsharded",
+    )  # fmt: skip
+    p.add_argument(
         "--draft-kinds",
         metavar="eagle3,ngram,standalone",
         help="drafting sides: the main draft (--draft-kind) first, then ngram and standalone "
@@ -171,7 +176,11 @@ def settings_from_args(args: argparse.Namespace):  # -> BenchSettings
         llamacpp_python=args.llamacpp_python,
         gguf_dir=args.gguf_dir or str(_gguf_default(models.target)),
         sweep=() if args.no_sweep or args.quick else SWEEP,
-        runtime={"attention_backend": args.attention_backend, "device": args.device},
+        runtime={
+            "attention_backend": args.attention_backend,
+            "device": args.device,
+            "tensor_parallel_size": args.tensor_parallel_size,
+        },
         threads=args.threads or available_cores(),
         engines=engine_variants(_names(args.compare_attention_backends), args.device)
         if args.compare_attention_backends

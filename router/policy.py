@@ -14,7 +14,11 @@ whatever tree it is given and samples along it, so output is lossless for every 
 
 Estimates, all deterministic given the measurements (tests inject them):
 - costs: an exponential moving average per (target, batch-size bucket, k) for verify and per
-  (draft, bucket) for a draft step (extend + propose); a ``k`` between two measured sizes is
+  (draft, bucket) for a steady draft step (extend over one round's tokens + propose: a step
+  that also extends over a prompt or over rounds held back is not typical and not counted).
+  Each is the replica's own time for the call (`service_time`: with two micro-batches in
+  flight, a call that queued behind the other's is not charged the wait); a ``k`` between two
+  measured sizes is
   interpolated; a cost never measured counts as free, so it is tried (full trees first, then
   plain) before the estimates decide;
 - acceptance: per request and per draft replica, a decayed record of what each cut would have
@@ -151,6 +155,15 @@ class SpeculationPolicy:
         self.draft_costs: dict[tuple[str, int], float] = {}
         self.drafts: dict[str, Acceptance] = {}  # per draft replica: the requests' prior
         self.probes: dict[tuple[str, int], _Probe] = {}  # per (target, bucket)
+        self.busy_until: dict[str, float] = {}  # per replica: when its last call ended
+
+    def service_time(self, replica: str, started: float, ended: float) -> float:
+        """What one call cost ``replica`` itself. A service runs its calls one at a time, in
+        order, so a call sent while another was running began when that one ended: the other
+        micro-batch's work (a prefill, a bigger verify) is not charged to this call."""
+        begin = max(started, self.busy_until.get(replica, started))
+        self.busy_until[replica] = max(ended, self.busy_until.get(replica, ended))
+        return max(ended - begin, 0.0)
 
     # -- measurements --------------------------------------------------------------------------
     def observe_verify(self, target: str, batch_size: int, tree_size: int, seconds: float) -> None:

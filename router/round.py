@@ -68,10 +68,11 @@ class RoundRunner:
         roots = {r.rid: r.output_ids[-1] for r in reqs}
         trees = [VerifyInput(r.rid, r.tree or Tree.chain([roots[r.rid]])) for r in reqs]
         verify = self.core.metrics.timed_target(lambda target: target.verify(trees))
-        started = time.monotonic()
+        target, started = reqs[0].placement.target, time.monotonic()
         out = await self._target(reqs, verify)
         if out is not None:
-            self._observe(reqs, trees, out, time.monotonic() - started)
+            seconds = self.policy.service_time(target.name, started, time.monotonic())
+            self._observe(reqs, trees, out, seconds)
             live = await self._emit(reqs, out, accepted_round=True)
             self.core.metrics.on_round(reqs, trees, out)
             await self._propose(
@@ -85,7 +86,9 @@ class RoundRunner:
         pieces = {r.rid: prefill_piece(r, sizes[r.rid]) for r in reqs}
         inputs = list(pieces.values())
         prefill = self.core.metrics.timed_prefill(lambda target: target.prefill(inputs))
+        started = time.monotonic()
         out = await self._target(reqs, prefill)
+        self.policy.service_time(reqs[0].placement.target.name, started, time.monotonic())
         if out is None:
             return
         for r in reqs:
@@ -247,11 +250,12 @@ class RoundRunner:
                 await self.core.drop_draft(r, release=True)
             return
         seconds = time.monotonic() - started
+        busy = self.policy.service_time(draft.name, started, started + seconds)
         breaker.record_success()
         deadline.observe(seconds)
         self.core.metrics.on_draft_step(draft.name, seconds)
-        if plan.speculate:
-            self.policy.observe_draft(draft.name, len(group), seconds)
+        if plan.speculate and _steady([e for _, e in group], draft.info.num_draft_tokens):
+            self.policy.observe_draft(draft.name, len(group), busy)
         for r, _ in group:
             if r.rid in res.errors or (plan.speculate and r.rid not in res.trees):
                 await self._on_draft_error(r, res.errors.get(r.rid))
@@ -265,6 +269,12 @@ class RoundRunner:
         if not isinstance(error, UnknownRequestError):
             r.speculate = False
         await self.core.drop_draft(r, release=False)
+
+
+def _steady(extends: list[ExtendInput], num_draft_tokens: int) -> bool:
+    """A draft step the policy's cost estimate stands for: each request extends over at most
+    one round's tokens (no prompt, no rounds held back)."""
+    return all(not e.new and len(e.committed_ids) <= num_draft_tokens for e in extends)
 
 
 def _logprobs(entries: list[Logprob] | None) -> list[TokenLogprob] | None:

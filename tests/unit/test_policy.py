@@ -136,6 +136,16 @@ def test_modes_always_and_never_ignore_the_measurements() -> None:
         SpeculationPolicy("sometimes")
 
 
+def test_a_call_queued_behind_another_is_charged_only_its_own_time() -> None:
+    """Two micro-batches share one target: the second verify, sent while the first ran, began
+    when the first ended; replicas are tracked apart."""
+    p = SpeculationPolicy()
+    assert p.service_time("t0", started=0.0, ended=1.0) == 1.0
+    assert p.service_time("t0", started=0.5, ended=1.25) == 0.25  # waited 0.5 s behind it
+    assert p.service_time("t0", started=2.0, ended=2.5) == 0.5  # idle in between: all its own
+    assert p.service_time("t1", started=2.0, ended=3.0) == 1.0
+
+
 def test_batch_sizes_share_costs_by_power_of_two() -> None:
     assert [bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 32, 33)] == [1, 2, 4, 4, 8, 8, 16, 32, 64]
 
