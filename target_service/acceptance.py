@@ -20,7 +20,7 @@ from specmesh.runtime.sampling import (
 )
 
 if TYPE_CHECKING:
-    from specmesh.target_service.runtime import _Verify
+    from specmesh.target_service.verify import VerifyRow
 
 
 @dataclass
@@ -32,7 +32,7 @@ class Acceptance:
 
 
 def accept_trees(
-    inputs: list[_Verify], logits: torch.Tensor, n_max: int, impl: str = "torch"
+    inputs: list[VerifyRow], logits: torch.Tensor, n_max: int, impl: str = "torch"
 ) -> Acceptance:
     """Accept a path of every request's tree: greedy when every request is greedy, else by
     lossless tree sampling with each request's own uniforms (seed, generation offset). ``impl``
@@ -74,7 +74,7 @@ def accept_trees(
 
 
 def node_histories(
-    inputs: list[_Verify], n_max: int
+    inputs: list[VerifyRow], n_max: int
 ) -> tuple[list[TokenHistory | None] | None, list[int]]:
     """Per padded node: the request's history extended by the path to it, and the tokens
     generated before the one it predicts. (None, ...) when no request keeps a history."""

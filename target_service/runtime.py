@@ -13,16 +13,14 @@ before any state changes, and a batch whose forward raises is run again request 
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from specmesh.kernels.common import kernel_impl
-from specmesh.kernels.compaction import compact_accepted
 from specmesh.runtime.attention.torch_backend import make_backend
 from specmesh.runtime.config import parse_dtype, resolve_max_context
 from specmesh.runtime.errors import (
@@ -35,80 +33,26 @@ from specmesh.runtime.errors import (
 from specmesh.runtime.features import AuxLayers, Feature, FeatureSpec
 from specmesh.runtime.graph_runner import graphs_enabled
 from specmesh.runtime.kv_cache import KVCache
-from specmesh.runtime.model_runner import BatchItem, run_batch
 from specmesh.runtime.models.causal_lm import CausalLM, ModelOutput, load_causal_lm
 from specmesh.runtime.sampling import (
-    SamplingParams,
     TokenHistory,
     processed_logprobs,
     sample_tokens,
 )
-from specmesh.runtime.tree import Tree
-from specmesh.target_service.acceptance import accept_trees, padded_row_index
 from specmesh.target_service.batching import extend_chunked, run_isolated
 from specmesh.target_service.graphs import TargetGraphs
 from specmesh.target_service.llava import ImageEncoder, is_llava_checkpoint, load_llava
 from specmesh.target_service.multimodal import (
-    MAX_IMAGE_BYTES,
-    MAX_IMAGE_PIXELS,
-    MAX_IMAGES_PER_REQUEST,
     ImageLimits,
     merge_images,
 )
 from specmesh.target_service.prefill_pieces import PartialPrefills
+from specmesh.target_service.state import TargetConfig, TargetRequest
 from specmesh.target_service.steps import PrefillInput, StepOutput, VerifyInput, pick_logprobs
 from specmesh.target_service.tp_model import start_tensor_parallel
+from specmesh.target_service.verify import one_node_tree, verify_trees
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class TargetConfig:
-    model_dir: str
-    dtype: str | None = None  # None = the checkpoint's dtype
-    device: str = "cpu"
-    attention_backend: str = "torch"
-    num_kv_slots: int = 65536
-    page_size: int = 1
-    max_requests: int = 256
-    max_context: int | None = None  # None = the model's max_position_embeddings
-    max_prefill_tokens: int = 8192  # chunk size of one extend
-    aux_layer_ids: tuple[int, ...] | None = None  # None = [2, L//2, L-3]
-    aux_convention: str = "input"
-    cuda_graph: bool = True  # decode / verify in CUDA graphs (CUDA + triton/flashinfer only)
-    cuda_graph_max_bs: int = 32  # largest captured batch; bigger batches run eagerly
-    # Verify trees captured before ready (the drafts' num_draft_tokens); other sizes run eagerly.
-    cuda_graph_tree_sizes: tuple[int, ...] = (8,)
-    # Image limits, checked per request before any image is decoded (`multimodal.ImageLimits`).
-    max_images_per_request: int = MAX_IMAGES_PER_REQUEST
-    max_image_bytes: int = MAX_IMAGE_BYTES  # encoded
-    max_image_pixels: int = MAX_IMAGE_PIXELS  # width x height, read from the header
-    # Ranks (processes, one device each) the model is split over (`runtime.parallel`); rank 0
-    # is this process and owns all request state. CUDA graphs run only at 1.
-    tensor_parallel_size: int = 1
-
-
-@dataclass
-class TargetRequest:
-    """What the target keeps per request between steps."""
-
-    params: SamplingParams
-    next_offset: int  # output index of the next sampled token (seeded sampling)
-    pending: int  # the last sampled token, not yet in the KV cache
-    # Tokens so far (pending included), kept only when the params' processors read them.
-    history: TokenHistory | None = None
-
-
-@dataclass
-class _Verify:
-    """One tree with its request's sampling state (`accept_trees` reads these fields)."""
-
-    rid: str
-    tree: Tree
-    params: SamplingParams
-    sample_offset: int
-    history: TokenHistory | None = None
-    item: BatchItem | None = None  # the forward's row (set once the tree fits the KV cache)
 
 
 class TargetRuntime:
@@ -233,7 +177,7 @@ class TargetRuntime:
         last = [(inp, end) for inp, end in zip(ok, ends, strict=True) if not inp.more_input]
         final = [inp for inp, _ in last]
         histories = [self._history(i, self.partial.whole_ids(i)) for i in final]
-        out = StepOutput(features=self._features(outputs, feature))
+        out = StepOutput(features=self.select_feature(outputs, feature))
         out.mm_input_embeds = outputs.mm_input_embeds
         first = self._sample_first(final, outputs.hidden[[e - 1 for _, e in last]], histories, out)
         entries = self.partial.prompt_logprobs(self.model, ok, outputs.hidden)
@@ -245,7 +189,7 @@ class TargetRuntime:
                 out.prompt_logprobs[inp.rid] = whole
         for inp, tok, history in zip(final, first, histories, strict=True):
             self.requests[inp.rid] = TargetRequest(inp.params, inp.sample_offset, tok, history)
-            self._advance(inp.rid, [tok], out)
+            self.advance(inp.rid, [tok], out)
             out.row_counts[inp.rid] = len(inp.input_ids)
         return out
 
@@ -311,98 +255,17 @@ class TargetRuntime:
         """Plain decoding: one token per request."""
         known = [rid for rid in rids if rid in self.requests]
         out = self.verify(
-            [VerifyInput(r, _one_node_tree(self.requests[r].pending)) for r in known], feature
+            [VerifyInput(r, one_node_tree(self.requests[r].pending)) for r in known], feature
         )
         for rid in set(rids) - set(known):
             out.errors[rid] = UnknownRequestError(f"unknown request id {rid!r}")
         return out
 
     def verify(self, inputs: list[VerifyInput], feature: Feature = Feature.NONE) -> StepOutput:
-        """Forward every tree (prefix + ancestors + self mask, positions ``committed + depth``),
-        accept a path greedily or by lossless tree sampling, keep the path's KV by length.
-        A request that is invalid or whose tree does not fit in the KV cache fails alone and
-        is dropped."""
-        errors: dict[str, SpecmeshError] = {}
-        rows, demand = [], {}
-        for inp in inputs:
-            try:
-                row = self._verify_row(inp)
-                row.item = self._verify_item(row, demand)
-            except SpecmeshError as e:
-                errors[inp.rid] = e
-                self.release(inp.rid)
-                continue
-            demand[inp.rid] = row.item.start + row.item.q_len
-            rows.append(row)
-        out = run_isolated(rows, lambda b: self._verify_batch(b, feature), self.release)
-        out.errors.update(errors)
-        return out
+        """Forward every tree, accept a path of each and keep its KV (`verify.verify_trees`)."""
+        return verify_trees(self, inputs, feature)
 
-    def _verify_row(self, inp: VerifyInput) -> _Verify:
-        req = self._get(inp.rid)
-        tokens = inp.tree.tokens.tolist()
-        if tokens[0] != req.pending:
-            raise InvalidRequestError(
-                f"request {inp.rid!r}: tree root {tokens[0]} is not the pending token {req.pending}"
-            )
-        self.check_ids(inp.rid, tokens, what="draft tree")
-        return _Verify(inp.rid, inp.tree, req.params, req.next_offset, req.history)
-
-    def _verify_item(self, row: _Verify, demand: dict[str, int]) -> BatchItem:
-        base = self.cache.get(row.rid).committed_len
-        n = row.tree.num_nodes
-        if not self.cache.can_allocate({**demand, row.rid: base + n}):
-            raise KVCacheFullError(
-                f"request {row.rid!r}: a {n}-node tree does not fit; {self.cache.num_free_slots} KV slots free"
-            )
-        if n == 1:  # plain decode sees its whole prefix: causal, the decode graph's mode
-            return BatchItem(row.rid, row.tree.tokens, base)
-        mask = torch.cat([torch.ones(n, base, dtype=torch.bool), row.tree.mask], dim=1)
-        return BatchItem(row.rid, row.tree.tokens, base, base + row.tree.depths, mask)
-
-    def _verify_batch(self, rows: list[_Verify], feature: Feature) -> StepOutput:
-        items = [r.item for r in rows]
-        runner = self.graphs.runner_for(items) if self.graphs is not None else None
-        if runner is not None:  # a CUDA graph of this batch's shape
-            res = runner.run(items)
-        else:
-            res = run_batch(self.model, self.cache, self.backend, items)
-        logits = self.model.compute_logits(res.hidden)
-        if all(r.tree.num_nodes == 1 and _plain_greedy(r.params) for r in rows):
-            return self._greedy_decode(rows, res, logits, feature)
-        n_max = max(r.tree.num_nodes for r in rows)
-        acceptance = accept_trees(rows, logits, n_max, self.kernel_impl)
-        result = acceptance.result
-        flat, _ = compact_accepted(result.accept_path, result.accept_len, self.kernel_impl)
-        row_of = padded_row_index([r.tree.num_nodes for r in rows], n_max).to(flat.device)
-        out = StepOutput(features=self._features(res.select(row_of[flat]), feature))
-        # One device-to-host copy per field; the per-request bookkeeping below is host-side.
-        paths, lens = result.accept_path.tolist(), result.accept_len.tolist()
-        for b, (row, full_path, n, bonus) in enumerate(
-            zip(rows, paths, lens, result.bonus.tolist(), strict=True)
-        ):
-            path = full_path[:n]
-            self.cache.accept_path(row.rid, path, row.tree.num_nodes)
-            tokens = [*row.tree.tokens[path[1:]].tolist(), bonus]
-            if row.params.logprobs is not None:  # node path[k]'s row drew tokens[k]
-                lp = acceptance.logprobs[b, torch.tensor(path, device=acceptance.logprobs.device)]
-                out.logprobs[row.rid] = pick_logprobs(lp, tokens, row.params.logprobs)
-            self._advance(row.rid, tokens, out)
-        return out
-
-    def _greedy_decode(
-        self, rows: list[_Verify], res: ModelOutput, logits: torch.Tensor, feature: Feature
-    ) -> StepOutput:
-        """Plain greedy decoding (every tree is its root alone): the tree verifier would pick
-        the argmax and keep the one row, so do just that."""
-        feats = self._features(res, feature)  # a copy: a graph replay's outputs are overwritten
-        out = StepOutput(features=None if feats is None else feats.clone())
-        for row, tok in zip(rows, logits.argmax(-1).tolist(), strict=True):
-            self.cache.commit(row.rid, self.cache.get(row.rid).committed_len + 1)
-            self._advance(row.rid, [tok], out)
-        return out
-
-    def _advance(self, rid: str, tokens: list[int], out: StepOutput) -> None:
+    def advance(self, rid: str, tokens: list[int], out: StepOutput) -> None:
         """Record a step's new tokens: the last is the new pending token."""
         req = self.requests[rid]
         req.pending = tokens[-1]
@@ -412,7 +275,7 @@ class TargetRuntime:
         out.tokens[rid], out.row_counts[rid] = tokens, len(tokens)
 
     @staticmethod
-    def _features(res: ModelOutput, feature: Feature) -> torch.Tensor | None:
+    def select_feature(res: ModelOutput, feature: Feature) -> torch.Tensor | None:
         return {
             Feature.AUX_HIDDEN: res.aux_hidden,
             Feature.HIDDEN: res.hidden,
@@ -435,15 +298,3 @@ class TargetRuntime:
             return False
         self.cache.release(rid)
         return True
-
-
-@functools.lru_cache(maxsize=4096)
-def _one_node_tree(token: int) -> Tree:
-    """The tree plain decoding verifies: the pending token alone. Shared between requests and
-    steps (a `Tree` is never written to), so a decode step builds no tensors per request."""
-    return Tree.chain([token])
-
-
-def _plain_greedy(params: SamplingParams) -> bool:
-    """Greedy on the raw logits with nothing else to compute: the fast decode path."""
-    return params.greedy and not params.uses_history and params.logprobs is None

@@ -14,7 +14,7 @@ from specmesh.draft_service.steps import ExtendInput
 from specmesh.runtime.sampling import SamplingParams
 from specmesh.runtime.tree import Tree
 from specmesh.target_service import batching
-from specmesh.target_service import runtime as target_runtime
+from specmesh.target_service import verify as target_verify
 from specmesh.target_service.runtime import TargetConfig, TargetRuntime
 from specmesh.target_service.steps import PrefillInput, VerifyInput
 
@@ -62,7 +62,7 @@ def target(tiny_dir: Path) -> TargetRuntime:
 
 def _break_row(monkeypatch: pytest.MonkeyPatch, rid: str) -> None:
     """Every target forward that includes ``rid`` raises from now on."""
-    for module in (target_runtime, batching):  # verify, prefill
+    for module in (target_verify, batching):  # verify, prefill
         monkeypatch.setattr(module, "run_batch", _raise_for(rid, module.run_batch))
 
 

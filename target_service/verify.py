@@ -1,0 +1,147 @@
+"""Tree verification on the target: every request's tree forwarded in one batch (prefix +
+ancestors + self mask, positions ``committed + depth``), a path of each accepted greedily or by
+lossless tree sampling (`acceptance`), and the path's KV kept by length (rollback is the KV
+cache's `accept_path`). Plain decoding is the one-node tree. The runtime owns every request's
+state; these functions only read and advance it through the runtime."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from specmesh.kernels.compaction import compact_accepted
+from specmesh.runtime.errors import InvalidRequestError, KVCacheFullError, SpecmeshError
+from specmesh.runtime.features import Feature
+from specmesh.runtime.model_runner import BatchItem, run_batch
+from specmesh.runtime.models.causal_lm import ModelOutput
+from specmesh.runtime.sampling import SamplingParams, TokenHistory
+from specmesh.runtime.tree import Tree
+from specmesh.target_service.acceptance import accept_trees, padded_row_index
+from specmesh.target_service.batching import run_isolated
+from specmesh.target_service.steps import StepOutput, VerifyInput, pick_logprobs
+
+if TYPE_CHECKING:
+    from specmesh.target_service.runtime import TargetRuntime
+
+
+@dataclass
+class VerifyRow:
+    """One tree with its request's sampling state (`accept_trees` reads these fields)."""
+
+    rid: str
+    tree: Tree
+    params: SamplingParams
+    sample_offset: int
+    history: TokenHistory | None = None
+    item: BatchItem | None = None  # the forward's row (set once the tree fits the KV cache)
+
+
+def verify_trees(
+    rt: TargetRuntime, inputs: list[VerifyInput], feature: Feature = Feature.NONE
+) -> StepOutput:
+    """Forward every tree (prefix + ancestors + self mask, positions ``committed + depth``),
+    accept a path greedily or by lossless tree sampling, keep the path's KV by length.
+    A request that is invalid or whose tree does not fit in the KV cache fails alone and
+    is dropped."""
+    errors: dict[str, SpecmeshError] = {}
+    rows, demand = [], {}
+    for inp in inputs:
+        try:
+            row = _verify_row(rt, inp)
+            row.item = _verify_item(rt, row, demand)
+        except SpecmeshError as e:
+            errors[inp.rid] = e
+            rt.release(inp.rid)
+            continue
+        demand[inp.rid] = row.item.start + row.item.q_len
+        rows.append(row)
+    out = run_isolated(rows, lambda b: _verify_batch(rt, b, feature), rt.release)
+    out.errors.update(errors)
+    return out
+
+
+def _verify_row(rt: TargetRuntime, inp: VerifyInput) -> VerifyRow:
+    req = rt._get(inp.rid)
+    tokens = inp.tree.tokens.tolist()
+    if tokens[0] != req.pending:
+        raise InvalidRequestError(
+            f"request {inp.rid!r}: tree root {tokens[0]} is not the pending token {req.pending}"
+        )
+    rt.check_ids(inp.rid, tokens, what="draft tree")
+    return VerifyRow(inp.rid, inp.tree, req.params, req.next_offset, req.history)
+
+
+def _verify_item(rt: TargetRuntime, row: VerifyRow, demand: dict[str, int]) -> BatchItem:
+    base = rt.cache.get(row.rid).committed_len
+    n = row.tree.num_nodes
+    if not rt.cache.can_allocate({**demand, row.rid: base + n}):
+        raise KVCacheFullError(
+            f"request {row.rid!r}: a {n}-node tree does not fit; {rt.cache.num_free_slots} KV slots free"
+        )
+    if n == 1:  # plain decode sees its whole prefix: causal, the decode graph's mode
+        return BatchItem(row.rid, row.tree.tokens, base)
+    mask = torch.cat([torch.ones(n, base, dtype=torch.bool), row.tree.mask], dim=1)
+    return BatchItem(row.rid, row.tree.tokens, base, base + row.tree.depths, mask)
+
+
+def _verify_batch(rt: TargetRuntime, rows: list[VerifyRow], feature: Feature) -> StepOutput:
+    items = [r.item for r in rows]
+    runner = rt.graphs.runner_for(items) if rt.graphs is not None else None
+    if runner is not None:  # a CUDA graph of this batch's shape
+        res = runner.run(items)
+    else:
+        res = run_batch(rt.model, rt.cache, rt.backend, items)
+    logits = rt.model.compute_logits(res.hidden)
+    if all(r.tree.num_nodes == 1 and _plain_greedy(r.params) for r in rows):
+        return _greedy_decode(rt, rows, res, logits, feature)
+    n_max = max(r.tree.num_nodes for r in rows)
+    acceptance = accept_trees(rows, logits, n_max, rt.kernel_impl)
+    result = acceptance.result
+    flat, _ = compact_accepted(result.accept_path, result.accept_len, rt.kernel_impl)
+    row_of = padded_row_index([r.tree.num_nodes for r in rows], n_max).to(flat.device)
+    out = StepOutput(features=rt.select_feature(res.select(row_of[flat]), feature))
+    # One device-to-host copy per field; the per-request bookkeeping below is host-side.
+    paths, lens = result.accept_path.tolist(), result.accept_len.tolist()
+    for b, (row, full_path, n, bonus) in enumerate(
+        zip(rows, paths, lens, result.bonus.tolist(), strict=True)
+    ):
+        path = full_path[:n]
+        rt.cache.accept_path(row.rid, path, row.tree.num_nodes)
+        tokens = [*row.tree.tokens[path[1:]].tolist(), bonus]
+        if row.params.logprobs is not None:  # node path[k]'s row drew tokens[k]
+            lp = acceptance.logprobs[b, torch.tensor(path, device=acceptance.logprobs.device)]
+            out.logprobs[row.rid] = pick_logprobs(lp, tokens, row.params.logprobs)
+        rt.advance(row.rid, tokens, out)
+    return out
+
+
+def _greedy_decode(
+    rt: TargetRuntime,
+    rows: list[VerifyRow],
+    res: ModelOutput,
+    logits: torch.Tensor,
+    feature: Feature,
+) -> StepOutput:
+    """Plain greedy decoding (every tree is its root alone): the tree verifier would pick
+    the argmax and keep the one row, so do just that."""
+    feats = rt.select_feature(res, feature)  # a copy: a graph replay's outputs are overwritten
+    out = StepOutput(features=None if feats is None else feats.clone())
+    for row, tok in zip(rows, logits.argmax(-1).tolist(), strict=True):
+        rt.cache.commit(row.rid, rt.cache.get(row.rid).committed_len + 1)
+        rt.advance(row.rid, [tok], out)
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def one_node_tree(token: int) -> Tree:
+    """The tree plain decoding verifies: the pending token alone. Shared between requests and
+    steps (a `Tree` is never written to), so a decode step builds no tensors per request."""
+    return Tree.chain([token])
+
+
+def _plain_greedy(params: SamplingParams) -> bool:
+    """Greedy on the raw logits with nothing else to compute: the fast decode path."""
+    return params.greedy and not params.uses_history and params.logprobs is None
