@@ -220,7 +220,7 @@ def _gguf_default(target: str) -> Path:
 
 
 def _names(text: str) -> tuple[str, ...]:
-    from specmesh.cmd_serve import BACKENDS
+    from specmesh.serve_args import BACKENDS
 
     names = _words(text)
     unknown = [n for n in names if n not in BACKENDS]

@@ -9,97 +9,29 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 
 from specmesh.cmd_generate import add_spec_args
 from specmesh.draft_service.runtime import DRAFT_KINDS, DraftConfig
 from specmesh.router.core import RouterConfig
 from specmesh.router.limits import RouterLimits
-from specmesh.router.policy import MODES as SPECULATION_MODES
 from specmesh.rpc.metrics import add_metrics_port_arg
 from specmesh.rpc.security import add_api_key_arg, add_tls_args, api_key_from_args, tls_from_args
-from specmesh.runtime.codec import GRPC_MAX_MESSAGE_BYTES
+from specmesh.serve_args import (
+    HTTP_PORT,
+    IMAGE_LIMITS,
+    PORTS,
+    ROUTER_LIMITS,
+    add_http_args,
+    add_limit_args,
+    add_listen_args,
+    add_runtime_args,
+    add_speculation_arg,
+    add_tensor_parallel_arg,
+    apply_threads,
+    config_default,
+    int_list,
+)
 from specmesh.target_service.runtime import TargetConfig
-
-BACKENDS = ("torch", "triton", "flashinfer")
-PORTS = {"router": 50051, "target": 50052, "draft": 50053}
-
-
-def _default(cls: type, name: str):
-    return next(f.default for f in dataclasses.fields(cls) if f.name == name)
-
-
-def add_listen_args(p: argparse.ArgumentParser, port: int) -> None:
-    p.add_argument(
-        "--host",
-        default="127.0.0.1",
-        help="address to listen on (default: loopback only; 0.0.0.0 = every interface)",
-    )
-    p.add_argument("--port", type=int, default=port)
-    add_tls_args(p)
-    p.add_argument(
-        "--max-message-mb",
-        type=int,
-        default=GRPC_MAX_MESSAGE_BYTES >> 20,
-        help="gRPC max send/receive message size",
-    )
-    p.add_argument(
-        "--grace", type=float, default=10.0, help="seconds to drain in-flight work on SIGTERM"
-    )
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=0,
-        help="torch CPU threads for this process (0 = torch's default)",
-    )
-
-
-def apply_threads(args: argparse.Namespace) -> None:
-    """Several services on one CPU must not each start a thread per core."""
-    if args.threads > 0:
-        import torch
-
-        torch.set_num_threads(args.threads)
-
-
-def add_runtime_args(p: argparse.ArgumentParser, cls: type) -> None:
-    p.add_argument(
-        "--attention-backend", choices=BACKENDS, default=_default(cls, "attention_backend")
-    )
-    p.add_argument(
-        "--dtype", choices=["fp32", "bf16", "fp16"], default=None, help="default: the checkpoint's"
-    )
-    p.add_argument("--device", default=_default(cls, "device"))
-    p.add_argument(
-        "--max-context",
-        type=int,
-        default=_default(cls, "max_context"),
-        help="tokens per request (default: the model's max_position_embeddings; a larger value "
-        "is served with a warning)",
-    )
-    p.add_argument(
-        "--num-kv-slots",
-        type=int,
-        default=_default(cls, "num_kv_slots"),
-        help="KV cache size in tokens",
-    )
-    p.add_argument(
-        "--max-requests",
-        type=int,
-        default=_default(cls, "max_requests"),
-        help="requests held at once",
-    )
-    p.add_argument(
-        "--disable-cuda-graph",
-        action="store_true",
-        help="run decode / verify / draft steps eagerly (graphs are only ever used on CUDA)",
-    )
-    p.add_argument(
-        "--cuda-graph-max-bs",
-        type=int,
-        default=_default(cls, "cuda_graph_max_bs"),
-        help="largest batch captured in CUDA graphs; bigger batches run eagerly",
-    )
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -109,14 +41,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_runtime_args(p, TargetConfig)
     p.add_argument(
         "--cuda-graph-tree-sizes",
-        type=_int_list,
-        default=_default(TargetConfig, "cuda_graph_tree_sizes"),
+        type=int_list,
+        default=config_default(TargetConfig, "cuda_graph_tree_sizes"),
         metavar="N[,N...]",
         help="verify tree sizes captured before ready: the drafts' --num-draft-tokens "
         "(other sizes run eagerly)",
     )
     add_tensor_parallel_arg(p)
-    _add_limit_args(p, TargetConfig, IMAGE_LIMITS)
+    add_limit_args(p, TargetConfig, IMAGE_LIMITS)
     add_metrics_port_arg(p)
     p.set_defaults(run=run_target)
 
@@ -151,16 +83,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--max-batch-size",
         type=int,
-        default=_default(RouterConfig, "max_batch_size"),
+        default=config_default(RouterConfig, "max_batch_size"),
         help="requests per micro-batch",
     )
     p.add_argument(
-        "--num-micro-batches", type=int, default=_default(RouterConfig, "num_micro_batches")
+        "--num-micro-batches", type=int, default=config_default(RouterConfig, "num_micro_batches")
     )
     p.add_argument(
         "--draft-timeout-s",
         type=float,
-        default=_default(RouterConfig, "draft_timeout_s"),
+        default=config_default(RouterConfig, "draft_timeout_s"),
         help="the longest a draft step may take; below it the deadline adapts to the draft's "
         "recent steps (see --draft-deadline-floor-s). A step past its deadline counts as a draft "
         "failure: its requests are released there and continue without speculation",
@@ -168,14 +100,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--draft-deadline-floor-s",
         type=float,
-        default=_default(RouterConfig, "draft_deadline_floor_s"),
+        default=config_default(RouterConfig, "draft_deadline_floor_s"),
         help="the adaptive draft deadline (4x the p99 of recent draft steps) is never shorter",
     )
     add_speculation_arg(p)
     p.add_argument(
         "--prefill-chunk-tokens",
         type=int,
-        default=_default(RouterConfig, "prefill_chunk_tokens"),
+        default=config_default(RouterConfig, "prefill_chunk_tokens"),
         metavar="N",
         help="prompt tokens a micro-batch sends its target per round: a longer prompt is prefilled "
         "over several rounds, the running requests' rounds between its pieces, so they wait "
@@ -187,7 +119,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--connect-timeout", type=float, default=300.0, help="seconds to wait for every service"
     )
-    _add_limit_args(p, RouterLimits, ROUTER_LIMITS)
+    add_limit_args(p, RouterLimits, ROUTER_LIMITS)
     add_listen_args(p, PORTS["router"])
     add_api_key_arg(p, "clients of specmesh.v1.Generation must send 'authorization: Bearer KEY'")
     add_http_args(p, None)
@@ -218,88 +150,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_http_args(p, HTTP_PORT)
     p.add_argument("--no-http", action="store_true", help="no OpenAI-compatible HTTP API")
     p.set_defaults(run=run_up)
-
-
-HTTP_PORT = 8000  # `specmesh up`'s OpenAI-compatible HTTP API (a free port when it is taken)
-
-
-def add_tensor_parallel_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--tensor-parallel-size",
-        type=int,
-        default=_default(TargetConfig, "tensor_parallel_size"),
-        metavar="N",
-        help="split the target over N ranks (processes started by the target, one device each: "
-        "--device cuda uses cuda:0..N-1 with NCCL, cpu uses gloo); rank 0 serves. Attention "
-        "and KV heads must split over N (or N be a multiple of the KV heads); CUDA graphs run "
-        "only at 1",
-    )
-
-
-def add_speculation_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--speculation",
-        choices=SPECULATION_MODES,
-        default="adaptive",
-        help="adaptive (default): per round and micro-batch, speculate (and with how many tree "
-        "nodes) only where the measured draft and verify costs and the requests' acceptance say "
-        "it yields more tokens per second; always: verify the draft's full trees every round; "
-        "never: decode without the draft. Output is the same in every mode",
-    )
-
-
-def add_http_args(p: argparse.ArgumentParser, default_port: int | None) -> None:
-    p.add_argument(
-        "--http-port",
-        type=int,
-        default=default_port,
-        help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions) on "
-        "this port of --host (0: any free port; same TLS files and API key as gRPC)"
-        + ("" if default_port is None else f"; default {default_port}, or a free port if taken"),
-    )
-    p.add_argument(
-        "--chat-template",
-        metavar="FILE",
-        help="Jinja chat template for /v1/chat/completions (default: the tokenizer's own)",
-    )
-
-
-# Per-request limits (README "Limits"): field -> help; each is a flag --max-..., its default the
-# config dataclass's.
-IMAGE_LIMITS = {
-    "max_images_per_request": "images in one request (INVALID_ARGUMENT beyond)",
-    "max_image_bytes": "encoded bytes of one image (INVALID_ARGUMENT beyond)",
-    "max_image_pixels": "width x height of one image, read from its header before decoding "
-    "(INVALID_ARGUMENT beyond)",
-}
-ROUTER_LIMITS = {
-    "max_prompt_bytes": "UTF-8 bytes of a text prompt, checked before tokenizing "
-    "(INVALID_ARGUMENT beyond)",
-    "max_stop_strings": "stop strings per request (INVALID_ARGUMENT beyond)",
-    "max_stop_string_len": "characters of one stop string (INVALID_ARGUMENT beyond)",
-    "max_stop_token_ids": "stop_token_ids per request (INVALID_ARGUMENT beyond)",
-    "max_request_id_len": "characters of a request_id (INVALID_ARGUMENT beyond)",
-    "max_images_per_request": "images in one request, checked before forwarding "
-    "(INVALID_ARGUMENT beyond; the target checks its own limit too)",
-    "max_image_bytes": "encoded bytes of one image, checked before forwarding "
-    "(INVALID_ARGUMENT beyond)",
-    "max_queued_prompts": "text prompts being tokenized or waiting to be "
-    "(RESOURCE_EXHAUSTED beyond)",
-    "tokenizer_threads": "threads tokenizing text prompts (off the event loop)",
-}
-
-
-def _add_limit_args(p: argparse.ArgumentParser, cls: type, limits: dict[str, str]) -> None:
-    for name, help_text in limits.items():
-        flag = "--" + name.replace("_", "-")
-        p.add_argument(flag, type=int, default=_default(cls, name), help=help_text)
-
-
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected N[,N...], got {text!r}") from None
 
 
 def _address(args: argparse.Namespace) -> str:

@@ -1,0 +1,175 @@
+"""Command-line flags shared by the service commands (`cmd_serve`, `cmd_generate`): listening,
+runtime, tensor parallelism, speculation, HTTP and per-request limits. Every default is read
+from the services' frozen config dataclasses."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from specmesh.router.policy import MODES as SPECULATION_MODES
+from specmesh.rpc.security import add_tls_args
+from specmesh.runtime.codec import GRPC_MAX_MESSAGE_BYTES
+from specmesh.target_service.runtime import TargetConfig
+
+BACKENDS = ("torch", "triton", "flashinfer")
+PORTS = {"router": 50051, "target": 50052, "draft": 50053}
+
+
+def config_default(cls: type, name: str):
+    return next(f.default for f in dataclasses.fields(cls) if f.name == name)
+
+
+def add_listen_args(p: argparse.ArgumentParser, port: int) -> None:
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default: loopback only; 0.0.0.0 = every interface)",
+    )
+    p.add_argument("--port", type=int, default=port)
+    add_tls_args(p)
+    p.add_argument(
+        "--max-message-mb",
+        type=int,
+        default=GRPC_MAX_MESSAGE_BYTES >> 20,
+        help="gRPC max send/receive message size",
+    )
+    p.add_argument(
+        "--grace", type=float, default=10.0, help="seconds to drain in-flight work on SIGTERM"
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch CPU threads for this process (0 = torch's default)",
+    )
+
+
+def apply_threads(args: argparse.Namespace) -> None:
+    """Several services on one CPU must not each start a thread per core."""
+    if args.threads > 0:
+        import torch
+
+        torch.set_num_threads(args.threads)
+
+
+def add_runtime_args(p: argparse.ArgumentParser, cls: type) -> None:
+    p.add_argument(
+        "--attention-backend", choices=BACKENDS, default=config_default(cls, "attention_backend")
+    )
+    p.add_argument(
+        "--dtype", choices=["fp32", "bf16", "fp16"], default=None, help="default: the checkpoint's"
+    )
+    p.add_argument("--device", default=config_default(cls, "device"))
+    p.add_argument(
+        "--max-context",
+        type=int,
+        default=config_default(cls, "max_context"),
+        help="tokens per request (default: the model's max_position_embeddings; a larger value "
+        "is served with a warning)",
+    )
+    p.add_argument(
+        "--num-kv-slots",
+        type=int,
+        default=config_default(cls, "num_kv_slots"),
+        help="KV cache size in tokens",
+    )
+    p.add_argument(
+        "--max-requests",
+        type=int,
+        default=config_default(cls, "max_requests"),
+        help="requests held at once",
+    )
+    p.add_argument(
+        "--disable-cuda-graph",
+        action="store_true",
+        help="run decode / verify / draft steps eagerly (graphs are only ever used on CUDA)",
+    )
+    p.add_argument(
+        "--cuda-graph-max-bs",
+        type=int,
+        default=config_default(cls, "cuda_graph_max_bs"),
+        help="largest batch captured in CUDA graphs; bigger batches run eagerly",
+    )
+
+
+HTTP_PORT = 8000  # `specmesh up`'s OpenAI-compatible HTTP API (a free port when it is taken)
+
+
+def add_tensor_parallel_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=config_default(TargetConfig, "tensor_parallel_size"),
+        metavar="N",
+        help="split the target over N ranks (processes started by the target, one device each: "
+        "--device cuda uses cuda:0..N-1 with NCCL, cpu uses gloo); rank 0 serves. Attention "
+        "and KV heads must split over N (or N be a multiple of the KV heads); CUDA graphs run "
+        "only at 1",
+    )
+
+
+def add_speculation_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--speculation",
+        choices=SPECULATION_MODES,
+        default="adaptive",
+        help="adaptive (default): per round and micro-batch, speculate (and with how many tree "
+        "nodes) only where the measured draft and verify costs and the requests' acceptance say "
+        "it yields more tokens per second; always: verify the draft's full trees every round; "
+        "never: decode without the draft. Output is the same in every mode",
+    )
+
+
+def add_http_args(p: argparse.ArgumentParser, default_port: int | None) -> None:
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=default_port,
+        help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions) on "
+        "this port of --host (0: any free port; same TLS files and API key as gRPC)"
+        + ("" if default_port is None else f"; default {default_port}, or a free port if taken"),
+    )
+    p.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        help="Jinja chat template for /v1/chat/completions (default: the tokenizer's own)",
+    )
+
+
+# Per-request limits (README "Limits"): field -> help; each is a flag --max-..., its default the
+# config dataclass's.
+IMAGE_LIMITS = {
+    "max_images_per_request": "images in one request (INVALID_ARGUMENT beyond)",
+    "max_image_bytes": "encoded bytes of one image (INVALID_ARGUMENT beyond)",
+    "max_image_pixels": "width x height of one image, read from its header before decoding "
+    "(INVALID_ARGUMENT beyond)",
+}
+ROUTER_LIMITS = {
+    "max_prompt_bytes": "UTF-8 bytes of a text prompt, checked before tokenizing "
+    "(INVALID_ARGUMENT beyond)",
+    "max_stop_strings": "stop strings per request (INVALID_ARGUMENT beyond)",
+    "max_stop_string_len": "characters of one stop string (INVALID_ARGUMENT beyond)",
+    "max_stop_token_ids": "stop_token_ids per request (INVALID_ARGUMENT beyond)",
+    "max_request_id_len": "characters of a request_id (INVALID_ARGUMENT beyond)",
+    "max_images_per_request": "images in one request, checked before forwarding "
+    "(INVALID_ARGUMENT beyond; the target checks its own limit too)",
+    "max_image_bytes": "encoded bytes of one image, checked before forwarding "
+    "(INVALID_ARGUMENT beyond)",
+    "max_queued_prompts": "text prompts being tokenized or waiting to be "
+    "(RESOURCE_EXHAUSTED beyond)",
+    "tokenizer_threads": "threads tokenizing text prompts (off the event loop)",
+}
+
+
+def add_limit_args(p: argparse.ArgumentParser, cls: type, limits: dict[str, str]) -> None:
+    for name, help_text in limits.items():
+        flag = "--" + name.replace("_", "-")
+        p.add_argument(flag, type=int, default=config_default(cls, name), help=help_text)
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N[,N...], got {text!r}") from None
