@@ -65,11 +65,19 @@ def drafting_options(spec: RunSpec) -> dict[str, Any]:
 
 class TransformersBackend:
     def __init__(
-        self, model_dir: str, dtype: torch.dtype, pad_token_id: int, draft_dir: str | None = None
+        self,
+        model_dir: str,
+        dtype: torch.dtype,
+        pad_token_id: int,
+        draft_dir: str | None = None,
+        device: str = "cpu",
     ) -> None:
         from transformers import AutoModelForCausalLM
 
-        load = lambda path: AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+        load = lambda path: (
+            AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+        )
+        self.device = device
         self.model = load(model_dir)
         self.assistant = load(draft_dir) if draft_dir else None
         self.pad_token_id = pad_token_id
@@ -103,9 +111,11 @@ class TransformersBackend:
     ) -> None:
         width = max(len(p) for p in batch)
         ids = torch.tensor(
-            [[self.pad_token_id] * (width - len(p)) + p for p in batch]
+            [[self.pad_token_id] * (width - len(p)) + p for p in batch], device=self.device
         )  # [B, width]
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])  # [B, width]
+        mask = torch.tensor(
+            [[0] * (width - len(p)) + [1] * len(p) for p in batch], device=self.device
+        )  # [B, width]
         with torch.inference_mode():
             out = self.model.generate(
                 input_ids=ids,

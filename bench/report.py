@@ -28,6 +28,13 @@ def write_json(results: dict[str, Any], path: Path) -> None:
     path.write_text(json.dumps(results, indent=1, sort_keys=False) + "\n")
 
 
+def emit_json(result: dict[str, Any], out: str | None) -> None:
+    """Print ``result`` as JSON, and write it to ``out`` too when given (the GPU probes)."""
+    print(json.dumps(result, indent=1))
+    if out:
+        write_json(result, Path(out))
+
+
 def _row(c: dict[str, Any]) -> list[str]:
     split, wall = c["time_split"], c["time_split"]["wall_s"] or 1.0
     pct = {

@@ -51,7 +51,10 @@ def run_job(job: Job) -> dict[str, Any]:
         from specmesh.runtime.config import parse_dtype
 
         draft = job.draft if run.draft_kind == "standalone" else None
-        hf = TransformersBackend(job.target, parse_dtype(run.dtype), job.pad_token_id, draft)
+        device = job.runtime.get("device", "cpu")
+        hf = TransformersBackend(
+            job.target, parse_dtype(run.dtype), job.pad_token_id, draft, device
+        )
         return hf.run(run, job.prompts)
     return asyncio.run(_run_router_side(job))
 

@@ -48,7 +48,7 @@ def build_eagle3(cfg: DraftConfig, target_model: torch.nn.Module | None) -> Tree
     )
     b = net.config.base
     cache = make_cache(cfg, 1, b.num_kv_heads, b.head_dim, b.dtype)
-    backend = make_backend(cfg.attention_backend)
+    backend = make_backend(cfg.attention_backend, cfg.device, b.head_dim, b.dtype)
     aux = net.config.aux_layers
     return FeatureDrafter(net, cache, backend, cfg.spec, FeatureSpec(Feature.AUX_HIDDEN, aux))
 
@@ -75,7 +75,7 @@ def build_eagle(cfg: DraftConfig, target_model: torch.nn.Module | None) -> TreeD
     net = load_eagle1(cfg.draft_dir, target_shared_head(cfg, target_model), dtype=dtype)
     b = net.config.base
     cache = make_cache(cfg, 1, b.num_kv_heads, b.head_dim, b.dtype)
-    backend = make_backend(cfg.attention_backend)
+    backend = make_backend(cfg.attention_backend, cfg.device, b.head_dim, b.dtype)
     return FeatureDrafter(net.to(cfg.device), cache, backend, cfg.spec, FeatureSpec(Feature.HIDDEN))
 
 
@@ -88,7 +88,12 @@ def build_mtp(cfg: DraftConfig, target_model: torch.nn.Module | None) -> TreeDra
     b = net.config.base
     num_pools = MTPDrafter.num_active_layers(net.config.num_layers, cfg.spec)
     cache = make_cache(cfg, num_pools, b.num_kv_heads, b.head_dim, b.dtype)
-    return MTPDrafter(net.to(cfg.device), cache, make_backend(cfg.attention_backend), cfg.spec)
+    return MTPDrafter(
+        net.to(cfg.device),
+        cache,
+        make_backend(cfg.attention_backend, cfg.device, b.head_dim, b.dtype),
+        cfg.spec,
+    )
 
 
 def build_standalone(cfg: DraftConfig, target_model: torch.nn.Module | None) -> TreeDrafter:
@@ -104,7 +109,7 @@ def build_standalone(cfg: DraftConfig, target_model: torch.nn.Module | None) -> 
         else target_model_config(cfg.target_dir).vocab_size
     )
     cache = make_cache(cfg, c.num_layers, c.num_kv_heads, c.head_dim, c.dtype)
-    backend = make_backend(cfg.attention_backend)
+    backend = make_backend(cfg.attention_backend, cfg.device, c.head_dim, c.dtype)
     return StandaloneDrafter(model, cache, backend, cfg.spec, target_vocab)
 
 

@@ -26,3 +26,14 @@ def kernel_devices() -> list:
             marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
         ),
     ]
+
+
+def cpu_triton(value: str = "triton"):
+    """``pytest.param(value)`` for a test that runs Triton kernels on CPU tensors: skipped unless
+    the interpreter is on (on a CUDA machine the tests leave it off, so Triton compiles)."""
+    import pytest
+
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    return pytest.param(
+        value, marks=pytest.mark.skipif(not interpret, reason="CPU Triton needs TRITON_INTERPRET=1")
+    )

@@ -18,8 +18,8 @@ Buffer layout for a bucket of ``bs`` requests, ``raw_bs`` of them real (q = toke
     out_slots  [ real new-token slots           | pad_slot ...                   ]
     mask       [ real tree masks                | lower-triangular [q, q] each   | stale  ]
 
-Padding requests are whole requests of ``q`` rows whose K/V all go to ``pad_slot``, one KV slot
-the runner reserves for itself (request `GRAPH_PAD_RID`), and which see only ``pad_slot``: they
+Padding requests are whole requests of ``q`` rows whose K/V all go to ``pad_slot`` (the cache's
+scratch slot, which no request owns), and which see only ``pad_slot``: they
 read and write nothing a real request owns, so they cannot corrupt real KV (capture runs a batch
 of padding requests only). Stale entries past the last indptr are never read. The buffers are
 sized by `GraphSizes` (the upper bounds ``max_bs * max_kv_per_req``, invariant 5); nothing on the
@@ -48,7 +48,6 @@ from specmesh.runtime.models.layers import KVPair
 from specmesh.runtime.padding import Selectable, bucket_size, unpad
 
 MODES = ("cuda-graph", "eager-static")
-GRAPH_PAD_RID = "__graph_pad__"  # owns the one KV slot every padding row reads and writes
 
 
 GRAPH_BACKENDS = ("triton", "flashinfer")  # the backends with graph hooks
@@ -83,12 +82,10 @@ def as_rows(out: object) -> Selectable:
 
 
 def pad_slot_of(cache: KVCache) -> int:
-    """The runner's scratch KV slot: reserved once per cache, shared by its runners (padding rows
-    only ever write garbage there, and only padding rows read it)."""
-    if GRAPH_PAD_RID not in cache.requests:
-        cache.add(GRAPH_PAD_RID)
-        cache.reserve(GRAPH_PAD_RID, 1)
-    return int(cache.slots(GRAPH_PAD_RID, 0, 1)[0])  # once, at construction
+    """The KV slot padding rows use: the cache's scratch slot, outside every request and the
+    allocator, shared by all runners (padding rows only ever write garbage there, and only
+    padding rows read it)."""
+    return cache.scratch_slot
 
 
 class GraphRunner:

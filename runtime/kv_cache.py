@@ -3,6 +3,10 @@
     req_to_slot[row] = [ committed tokens ........ | speculative tokens ... | unused capacity ]
                          0                 committed_len            capacity (pages * page_size)
 
+One slot past the last page, ``scratch_slot``, belongs to no request and is never allocated:
+CUDA-graph padding rows write and read it (`runtime.graph_runner`), so a cache with graphs holds
+exactly what its requests hold.
+
 Every token index of a request maps to a slot id of the pool; pages are the unit of allocation,
 slot ids (not pages) are what attention reads, so a row may list any slots in any order. That is
 what makes rollback structural: verification writes tree nodes at token indices
@@ -44,7 +48,7 @@ class KVCache:
     ) -> None:
         if num_slots % page_size:
             raise ValueError(f"num_slots {num_slots} is not a multiple of page_size {page_size}")
-        shape = (num_slots, num_kv_heads, head_dim)
+        shape = (num_slots + 1, num_kv_heads, head_dim)  # + scratch_slot
         self.pools = [
             KVPair(
                 torch.zeros(shape, dtype=dtype, device=device),
@@ -53,6 +57,7 @@ class KVCache:
             for _ in range(num_layers)
         ]
         self.page_size, self.max_context = page_size, max_context
+        self.num_slots = self.scratch_slot = num_slots
         self.req_to_slot = torch.zeros(max_requests, max_context, dtype=torch.int64, device=device)
         self.free_pages = list(range(num_slots // page_size - 1, -1, -1))
         self.free_rows = list(range(max_requests - 1, -1, -1))
@@ -75,7 +80,7 @@ class KVCache:
 
     @property
     def num_used_slots(self) -> int:
-        return self.pools[0].k.shape[0] - self.num_free_slots if self.pools else 0
+        return self.num_slots - self.num_free_slots
 
     # -- act ----------------------------------------------------------------------------------
     def add(self, rid: str) -> None:

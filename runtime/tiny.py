@@ -139,23 +139,32 @@ def make_tiny_eagle3(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"))
-    config = {
-        "architectures": ["LlamaForCausalLMEagle3"],
-        "model_type": "llama",
-        "hidden_size": h,
-        "intermediate_size": inter,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "head_dim": head_dim,
-        "num_hidden_layers": 1,
-        "rms_norm_eps": 1e-6,
-        "max_position_embeddings": t.max_position,
-        "rope_theta": 10000.0,
-        "vocab_size": vocab,
-        "draft_vocab_size": vd,
-        "tie_word_embeddings": False,
-        "torch_dtype": "float32",
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux_ids},
-    }
+    sizes = {"hidden_size": h, "intermediate_size": inter, "num_attention_heads": heads,
+             "num_key_value_heads": kv_heads, "head_dim": head_dim, "vocab_size": vocab,
+             "max_position_embeddings": t.max_position}  # fmt: skip
+    config = eagle3_config(sizes, aux_ids, vd, 10000.0, "float32")
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
+
+
+def eagle3_config(
+    sizes: dict[str, int],
+    aux_ids: Sequence[int],
+    draft_vocab_size: int,
+    rope_theta: float,
+    dtype: str,
+) -> dict:
+    """config.json of a one-layer EAGLE-3 head (SpecForge / SGLang keys): ``sizes`` holds the
+    attention / MLP widths, ``vocab_size`` (the target's) and ``max_position_embeddings``."""
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        **sizes,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": rope_theta,
+        "draft_vocab_size": draft_vocab_size,
+        "tie_word_embeddings": False,
+        "torch_dtype": dtype,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux_ids)},
+    }

@@ -84,7 +84,7 @@ class TargetRuntime:
             max_requests=cfg.max_requests,
             max_context=cfg.max_context,
         )
-        self.backend = make_backend(cfg.attention_backend)
+        self.backend = make_backend(cfg.attention_backend, cfg.device, mc.head_dim, mc.dtype)
         self.kernel_impl = kernel_impl(cfg.attention_backend)
         self.graphs = self._capture_graphs()
         self.requests: dict[str, TargetRequest] = {}

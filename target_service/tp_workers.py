@@ -226,7 +226,7 @@ class _Worker:
             num_kv_heads=self.model.num_local_kv_heads, head_dim=mc.head_dim, dtype=mc.dtype,
             device=self.device, page_size=spec.page_size, max_requests=1, max_context=1,
         ).pools  # fmt: skip
-        self.backend = make_backend(spec.attention_backend)
+        self.backend = make_backend(spec.attention_backend, self.device, mc.head_dim, mc.dtype)
 
     @torch.inference_mode()
     def serve(self, conn: Connection) -> None:

@@ -2,7 +2,8 @@
 
 Tests live in three folders, each marked by it: ``unit`` (code in one process), ``integration``
 (real gRPC servers on loopback, in process) and ``e2e`` (real service processes); e.g.
-``pytest -m "not e2e"``."""
+``pytest -m "not e2e"``. ``gpu`` holds the tests that need a CUDA device (skipped without one;
+``scripts/gpu_check.sh`` runs them)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,26 @@ sys.path.insert(0, str(Path(__file__).parent))  # test helpers: grpc_harness
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
-GROUPS = ("unit", "integration", "e2e")
+GROUPS = ("unit", "integration", "e2e", "gpu")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--device", default="cpu", choices=("cpu", "cuda"),
+        help="device of the target and draft services the e2e suites start (tests/procs)",
+    )  # fmt: skip
+    parser.addoption(
+        "--attention-backend", default="triton", choices=("torch", "triton", "flashinfer"),
+        help="their attention backend with --device cuda (CUDA graphs on for triton/flashinfer)",
+    )  # fmt: skip
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("--device") == "cuda":
+        import procs
+
+        backend = config.getoption("--attention-backend")
+        procs.MODEL_FLAGS = ("--device", "cuda", "--attention-backend", backend)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

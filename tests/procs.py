@@ -23,6 +23,8 @@ from specmesh.rpc.health import check_health
 from specmesh.runtime.sampling import SamplingParams
 from specmesh.v1 import common_pb2, draft_pb2_grpc, generation_pb2, target_pb2_grpc
 
+# Flags of every target and draft that start_cluster starts (conftest: ``--device cuda``).
+MODEL_FLAGS: tuple[str, ...] = ()
 INFO_STUBS = {"target": target_pb2_grpc.TargetStub, "draft": draft_pb2_grpc.DraftStub}
 
 
@@ -128,15 +130,20 @@ def is_empty(o: common_pb2.Occupancy) -> bool:
 
 
 def start_cluster(
-    log_dir: Path, tiny_dir: Path, num_targets: int = 1, router_flags: Sequence[str] = ()
+    log_dir: Path,
+    tiny_dir: Path,
+    num_targets: int = 1,
+    router_flags: Sequence[str] = (),
+    model_flags: Sequence[str] | None = None,
 ) -> tuple[Services, str]:
     """Targets ("target0", ...), an EAGLE-3 "draft" and a "router" on the tiny checkpoints, one
     torch thread each; returns once all are ready (stopping them if one is not). The router
     speculates every round (``--speculation always``, which ``router_flags`` may override), so
-    the fault tests always have draft steps in flight."""
+    the fault tests always have draft steps in flight. ``model_flags`` (default MODEL_FLAGS) go
+    to target and draft alike (``--device cuda``, ``--attention-backend``)."""
     services = Services(log_dir)
     target_dir, draft_dir = str(tiny_dir / "target"), str(tiny_dir / "draft")
-    threads = ("--threads", "1")
+    threads = ("--threads", "1", *(MODEL_FLAGS if model_flags is None else model_flags))
     targets = [
         services.start(f"target{i}", "target", "--model", target_dir, *threads)
         for i in range(num_targets)

@@ -4,6 +4,8 @@ layer. Supports every mode (extend, chunked extend, decode, tree verify, tree dr
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -121,8 +123,21 @@ class TorchBackend(AttentionBackend):
         return out.reshape(-1, num_heads, head_dim) if self.q_valid is None else out[self.q_valid]
 
 
-def make_backend(name: str) -> AttentionBackend:
-    """Backends by name; GPU-only ones are imported here, lazily, so CPU never touches them."""
+def make_backend(
+    name: str,
+    device: str | torch.device | None = None,
+    head_dim: int | None = None,
+    dtype: torch.dtype | None = None,
+) -> AttentionBackend:
+    """Backends by name; GPU-only ones are imported here, lazily, so CPU never touches them.
+    With ``device`` (and the model's ``head_dim`` / ``dtype``), a backend that cannot run the
+    model there is refused now, at startup, not at the first request: compiled Triton kernels
+    need a CUDA device (on CPU only under ``TRITON_INTERPRET=1``, the interpreter the tests
+    use); FlashInfer needs CUDA, fp16 / bf16 and a head_dim its kernels are built for."""
+    if device is not None:
+        check_backend_device(name, torch.device(device))
+    if name == "flashinfer" and head_dim is not None and dtype is not None:
+        check_flashinfer_model(head_dim, dtype)
     if name == "torch":
         return TorchBackend()
     if name == "triton":
@@ -134,3 +149,31 @@ def make_backend(name: str) -> AttentionBackend:
 
         return FlashInferBackend()
     raise ValueError(f"unknown attention backend {name!r}; choose torch, triton or flashinfer")
+
+
+def check_backend_device(name: str, device: torch.device) -> None:
+    if device.type == "cuda" or name == "torch":
+        return
+    if name == "triton" and os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    hint = " (or TRITON_INTERPRET=1, Triton's slow interpreter)" if name == "triton" else ""
+    raise ValueError(
+        f"the {name} attention backend needs a CUDA device, got --device {device}: use "
+        f"--attention-backend torch on {device.type}{hint}"
+    )
+
+
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
+
+
+def check_flashinfer_model(head_dim: int, dtype: torch.dtype) -> None:
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(
+            f"the flashinfer attention backend runs fp16 / bf16 models, this one is {dtype}: "
+            "use --dtype bf16, or --attention-backend triton"
+        )
+    if head_dim not in FLASHINFER_HEAD_DIMS:
+        raise ValueError(
+            f"the flashinfer attention backend takes head_dim {FLASHINFER_HEAD_DIMS}, this model "
+            f"has {head_dim}: use --attention-backend triton"
+        )

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from specmesh.draft_service.drafter import SpecParams
+from specmesh.kernels.testing import cpu_triton
 from specmesh.router.engine import Engine
-from specmesh.runtime.attention.torch_backend import TorchBackend
+from specmesh.runtime.attention.torch_backend import TorchBackend, make_backend
 from specmesh.runtime.sampling import SamplingParams
 
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [40, 41, 42, 43, 44, 45, 46]]
@@ -25,7 +26,7 @@ class CpuMetadataFreeTorch(TorchBackend):
         super().prepare(meta)
 
 
-@pytest.mark.parametrize("backend", ["torch-no-cpu-metadata", "triton"])
+@pytest.mark.parametrize("backend", ["torch-no-cpu-metadata", cpu_triton()])
 def test_backend_greedy_speculative_equals_transformers(
     tiny_dir: Path, oracle, backend: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -67,3 +68,24 @@ def test_unknown_backend_is_a_clear_error() -> None:
 
     with pytest.raises(ValueError, match="unknown attention backend 'cuda-magic'"):
         make_backend("cuda-magic")
+
+
+def test_backends_that_cannot_run_the_model_are_refused_at_startup(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before any request: compiled Triton on a CPU device, FlashInfer on CPU, in fp32, or with a
+    head_dim its kernels are not built for (found on a GPU: an internal FlashInfer error at
+    CUDA-graph capture)."""
+    import torch
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="triton attention backend needs a CUDA device"):
+        make_backend("triton", "cpu")
+    with pytest.raises(ValueError, match="flashinfer attention backend needs a CUDA device"):
+        make_backend("flashinfer", "cpu", 64, torch.bfloat16)
+    with pytest.raises(ValueError, match="runs fp16 / bf16 models"):
+        make_backend("flashinfer", "cuda", 64, torch.float32)
+    with pytest.raises(ValueError, match=r"takes head_dim \(64, 128, 256\), this model has 16"):
+        make_backend("flashinfer", "cuda", 16, torch.bfloat16)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert make_backend("triton", "cpu").name == "triton"

@@ -14,10 +14,10 @@ from conftest import reorder_tolerance
 
 from specmesh.draft_service.drafter import SpecParams
 from specmesh.draft_service.runtime import DraftConfig, load_draft
+from specmesh.kernels.testing import cpu_triton
 from specmesh.runtime.attention.torch_backend import make_backend
 from specmesh.runtime.features import Feature, FeatureSpec
 from specmesh.runtime.graph_runner import (
-    GRAPH_PAD_RID,
     GraphRunner,
     capture_batch_sizes,
     graphs_enabled,
@@ -80,7 +80,7 @@ def _assert_same(got, want) -> None:
 
 
 @pytest.mark.parametrize("mode", ["decode", "verify"])
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", cpu_triton()])
 def test_static_path_equals_run_batch(target, mode: str, backend: str) -> None:
     cache = _prefilled(target)
     items = _decode_items() if mode == "decode" else _verify_items(cache)
@@ -95,8 +95,10 @@ def test_static_path_equals_run_batch(target, mode: str, backend: str) -> None:
 
 def test_padding_never_touches_real_kv(target) -> None:
     cache = _prefilled(target)
+    rows_before = len(cache.free_rows)
     runner = GraphRunner(target, cache, make_backend("torch"), verify_sizes(8, 4, 32))
     pad = runner.pad_slot
+    assert len(cache.free_rows) == rows_before  # no request row taken for padding
     before = [p.k.clone() for p in cache.pools]
     runner.capture()  # every bucket full of padding requests
     items = _verify_items(cache)
@@ -108,7 +110,11 @@ def test_padding_never_touches_real_kv(target) -> None:
     for b, p in zip(before, cache.pools, strict=True):
         assert torch.equal(b[untouched], p.k[untouched])
         assert not torch.equal(b[pad], p.k[pad])  # padding rows wrote their own slot only
-    assert cache.requests[GRAPH_PAD_RID].pages == [pad]
+    # The padding slot is the cache's scratch slot: no request owns it, the allocator never
+    # hands it out, and the cache reports only what its requests hold.
+    assert pad == cache.scratch_slot and all(pad not in r.pages for r in cache.requests.values())
+    held = sum(len(r.pages) for r in cache.requests.values()) * cache.page_size
+    assert pad not in cache.free_pages and cache.num_used_slots == held
 
 
 def test_can_run_and_bucket_sizes(target) -> None:
@@ -214,6 +220,8 @@ def test_engine_through_static_paths_equals_transformers(tiny_dir: Path, oracle)
         for prompt, res in zip(prompts, results, strict=True):
             assert res.token_ids == oracle(tiny_dir / "target", prompt, 5)
     assert used == set(runners)  # every runner served batches
+    # Graph padding owns no KV: with every request done, both caches hold nothing.
+    assert t.cache.num_used_slots == 0 and drafter.cache.num_used_slots == 0
 
 
 def test_target_graphs_are_captured_up_front_with_aux_states(tiny_dir: Path) -> None:

@@ -1,0 +1,127 @@
+"""Decode step time of a target against its physical limit: the bytes one step must read
+(every weight but the embedding table, plus the KV cache) divided by the GPU's memory bandwidth.
+
+    python -m specmesh.bench.roofline --target-model DIR [--attention-backend triton]
+        [--batch-sizes 1,8,32] [--context 512] [--steps 100]
+
+Times ``TargetRuntime.decode`` (what the target service runs per plain round: the forward in a
+CUDA graph when enabled, sampling, the host copy of the tokens) with the device synchronized
+around the loop, and reports it as a percentage of the bound, for both the bandwidth measured
+here (a device-to-device copy, bytes read + written) and the given nominal one. Prints a JSON
+object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from specmesh.bench.report import emit_json
+from specmesh.runtime.sampling import SamplingParams
+from specmesh.target_service.runtime import TargetRuntime
+from specmesh.target_service.state import TargetConfig
+from specmesh.target_service.steps import PrefillInput
+
+
+def copy_bandwidth(device: str, nbytes: int = 2 << 30, repeats: int = 20) -> float:
+    """Bytes per second moved by a device-to-device copy (read + write), best of ``repeats``."""
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best
+
+
+def step_bytes(rt: TargetRuntime, batch: int, context: int) -> int:
+    """Bytes a decode step reads at least: weights except the embedding table (only ``batch``
+    rows of it), and the K and V of ``context`` tokens per request in every layer."""
+    mc = rt.model_config
+    weights = sum(p.numel() * p.element_size() for p in rt.model.parameters())
+    elt = torch.finfo(mc.dtype).bits // 8
+    embed = mc.vocab_size * mc.hidden_size * elt
+    kv = batch * context * mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * elt
+    return weights - embed + batch * mc.hidden_size * elt + kv
+
+
+def time_decode(rt: TargetRuntime, batch: int, context: int, steps: int) -> list[float]:
+    """Seconds per decode step (each of ``steps``) for ``batch`` requests at ``context``."""
+    params = SamplingParams(max_new_tokens=steps + 16, ignore_eos=True)
+    rids = [f"r{batch}-{i}" for i in range(batch)]
+    prompt = [(7 * i) % 1000 + 3 for i in range(context)]
+    out = rt.prefill([PrefillInput(rid, prompt, params) for rid in rids])
+    assert not out.errors, out.errors
+    for _ in range(5):  # warm-up
+        rt.decode(rids)
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        rt.decode(rids)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    for rid in rids:
+        rt.release(rid)
+    return times
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    rt = TargetRuntime(TargetConfig(
+        model_dir=args.target_model, dtype=args.dtype, device="cuda",
+        attention_backend=args.attention_backend, cuda_graph=not args.disable_cuda_graph,
+        cuda_graph_max_bs=max(batch_sizes), max_context=args.context + args.steps + 64,
+        max_requests=max(batch_sizes), num_kv_slots=max(batch_sizes) * (args.context + args.steps + 128),
+    ))  # fmt: skip
+    measured = copy_bandwidth("cuda")
+    nominal = args.nominal_bandwidth_tbs * 1e12
+    rows = []
+    for b in batch_sizes:
+        times = time_decode(rt, b, args.context, args.steps)
+        med = statistics.median(times)
+        nbytes = step_bytes(rt, b, args.context)
+        rows.append({
+            "batch_size": b, "step_ms_min": min(times) * 1e3, "step_ms_median": med * 1e3,
+            "step_ms_max": max(times) * 1e3, "bytes_per_step": nbytes,
+            "bound_ms_measured_bw": nbytes / measured * 1e3,
+            "bound_ms_nominal_bw": nbytes / nominal * 1e3,
+            "pct_of_bound_measured_bw": 100 * nbytes / measured / med,
+            "pct_of_bound_nominal_bw": 100 * nbytes / nominal / med,
+            "tokens_per_s": b / med,
+        })  # fmt: skip
+    return {
+        "device": torch.cuda.get_device_name(0), "target": args.target_model,
+        "dtype": args.dtype, "attention_backend": args.attention_backend,
+        "cuda_graph": rt.graphs is not None, "context": args.context, "steps": args.steps,
+        "copy_bandwidth_tbs": measured / 1e12, "nominal_bandwidth_tbs": args.nominal_bandwidth_tbs,
+        "rows": rows,
+    }  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m specmesh.bench.roofline", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--target-model", required=True)
+    p.add_argument("--dtype", default="bf16")
+    p.add_argument("--attention-backend", default="triton")
+    p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--batch-sizes", default="1,8,32")
+    p.add_argument("--context", type=int, default=512, help="prompt tokens per request")
+    p.add_argument("--steps", type=int, default=100, help="timed decode steps per batch size")
+    p.add_argument("--nominal-bandwidth-tbs", type=float, default=3.35, help="H100 SXM: 3.35")
+    p.add_argument("--out", help="also write the JSON here")
+    args = p.parse_args(argv)
+    emit_json(run(args), args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,147 @@
+#!/usr/bin/env bash
+# Everything GPU-specific, on a machine with one CUDA GPU and no network; logs and JSON go to OUT.
+#
+#   scripts/gpu_check.sh OUT [PHASE...]     phases (default all, in this order):
+#     env        nvidia-smi, versions                          -> OUT/env.txt
+#     tests      pytest tests/gpu (= -m gpu) + the kernel / backend / graph suites on cuda
+#     e2e        the lifecycle and fault suites with real services on cuda (--device cuda)
+#     roofline   a Llama-3.1-8B-shaped bf16 target: decode step vs bytes / bandwidth
+#     speed      plain vs EAGLE-3 per backend, eager / CUDA graphs, and transformers, at batch
+#                1 / 8 / 32: the 8B-shaped pair (forced acceptance) and the demo pair
+#     cluster    the same through a gRPC cluster (target, draft and router processes sharing
+#                the GPU), to set against speed's in-process triton + CUDA graphs
+# JSON results are merged into OUT/gpu_results.json.
+#
+# What the machine lacks is installed from wheels in $SPECMESH_WHEELS (default .whl/; the list
+# is in bench/README.md, "On a GPU"); torch, triton and grpcio are usually there. Each phase has
+# a time limit ($SPECMESH_<PHASE>_TIMEOUT seconds) so one hang cannot eat the others.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+[ $# -ge 1 ] || { sed -n 2,19p "$0"; exit 2; }
+mkdir -p "$1" && OUT=$(cd "$1" && pwd) && shift
+PHASES=" ${*:-env tests e2e roofline speed cluster} "
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+SYNTH=${SPECMESH_SYNTHETIC_DIR:-/tmp/specmesh-llama8b}
+WHEELS=${SPECMESH_WHEELS:-.whl}
+STATUS=0
+
+if compgen -G "$WHEELS/*.whl" >/dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/specmesh-site "$WHEELS"/*.whl || exit 1
+  export PYTHONPATH=/tmp/specmesh-site${PYTHONPATH:+:$PYTHONPATH}
+fi
+"$PY" -c "import specmesh.main" 2>/dev/null \
+  || "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 1
+
+phase() {  # phase NAME DEFAULT_TIMEOUT COMMAND: run it if asked, log to OUT/NAME.log
+  local name=$1 limit=$2 cmd=$3 var rc
+  [[ $PHASES == *" $name "* ]] || return 0
+  var="SPECMESH_${name^^}_TIMEOUT"
+  echo "=== $name (limit ${!var:-$limit} s): $cmd"
+  local t0=$SECONDS
+  timeout "${!var:-$limit}" bash -c "$cmd" 2>&1 | tee "$OUT/$name.log"
+  rc=${PIPESTATUS[0]}
+  echo "=== $name: exit $rc after $((SECONDS - t0)) s"
+  [ "$rc" -eq 0 ] || STATUS=1
+}
+
+env_report() {
+  nvidia-smi
+  "$PY" - <<'EOF'
+import importlib.metadata as md, platform, torch
+print("python", platform.python_version(), "| torch", torch.__version__, "| cuda", torch.version.cuda,
+      "| device", torch.cuda.get_device_name(0))
+for name in ("triton", "transformers", "grpcio", "protobuf", "flashinfer-python", "fastapi"):
+    try:
+        print(name, md.version(name))
+    except md.PackageNotFoundError:
+        print(name, "missing")
+EOF
+}
+
+KERNEL_SUITES=(tests/unit/test_kernels_*.py tests/unit/test_flashinfer_backend.py
+               tests/unit/test_graph_runner.py tests/unit/test_backends.py)
+E2E_SUITES=(tests/e2e/test_lifecycle_e2e.py tests/e2e/test_grpc_faults.py
+            tests/e2e/test_hung_draft_e2e.py)
+
+JSON=${SPECMESH_JSON_DIR:-/tmp/specmesh-gpu-json}  # merged into OUT/gpu_results.json at the end
+mkdir -p "$JSON"
+
+make_synthetic() {
+  [ -f "$SYNTH/target/config.json" ] || "$PY" -m specmesh.bench.synthetic "$SYNTH"
+}
+
+roofline() {  # decode step of the 8B-shaped target vs bytes / bandwidth, per backend
+  make_synthetic || return 1
+  for backend in ${SPECMESH_ROOFLINE_BACKENDS:-triton flashinfer}; do
+    "$PY" -m specmesh.bench.roofline --target-model "$SYNTH/target" --attention-backend "$backend" \
+      --out "$JSON/roofline-$backend.json" || return 1
+  done
+}
+
+# model:configuration pairs of the speed phase. The demo pair has head_dim 32, which FlashInfer's
+# kernels do not take, so it runs triton and torch only.
+SPEED_RUNS="llama8b:triton-graphs llama8b:flashinfer-graphs llama8b:triton-eager
+  llama8b:flashinfer-eager llama8b:torch-eager llama8b:transformers demo:triton-graphs
+  demo:triton-eager demo:torch-eager demo:transformers"
+
+model_dirs() {  # model_dirs NAME: set target / draft for llama8b (synthetic) or demo
+  if [ "$1" = llama8b ]; then
+    make_synthetic || return 1
+    target=$SYNTH/target draft=$SYNTH/draft
+  else
+    target=models/demo/target draft=models/demo/draft
+  fi
+}
+
+speed() {  # plain vs EAGLE-3 tokens/s per engine configuration (bench/gpu_speed.py)
+  local run model cfg target draft flags failed=0
+  for run in ${SPECMESH_SPEED_RUNS:-$SPEED_RUNS}; do
+    model=${run%%:*} cfg=${run#*:}
+    model_dirs "$model" || return 1
+    case $cfg in
+      transformers) flags=(--transformers) ;;
+      *-eager) flags=(--attention-backend "${cfg%-eager}" --disable-cuda-graph) ;;
+      *-graphs) flags=(--attention-backend "${cfg%-graphs}") ;;
+    esac
+    echo "--- speed $model $cfg"
+    "$PY" -m specmesh.bench.gpu_speed --target-model "$target" --draft-model "$draft" \
+      "${flags[@]}" --out "$JSON/speed-$model-$cfg.json" >/dev/null || failed=1
+  done
+  return $failed
+}
+
+cluster() {  # the same runs through a gRPC cluster (target, draft, router processes on the GPU);
+  # the in-process counterpart is speed's <model>:triton-graphs
+  local model target draft failed=0
+  for model in ${SPECMESH_CLUSTER_MODELS:-llama8b demo}; do
+    model_dirs "$model" || return 1
+    echo "--- cluster $model"
+    "$PY" -m specmesh.bench.gpu_speed --cluster --attention-backend triton --target-model \
+      "$target" --draft-model "$draft" --out "$JSON/cluster-$model.json" >/dev/null || failed=1
+  done
+  return $failed
+}
+
+merge_json() {
+  "$PY" - "$JSON" "$OUT/gpu_results.json" <<'EOF'
+import json, pathlib, sys
+src, dst = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+merged = {p.stem: json.loads(p.read_text()) for p in sorted(src.glob("*.json"))}
+dst.write_text(json.dumps(merged, indent=1))
+print(f"{len(merged)} results -> {dst}")
+EOF
+}
+
+export PY OUT SYNTH JSON SPEED_RUNS
+export -f env_report make_synthetic model_dirs roofline speed cluster
+phase env 60 env_report
+phase tests 900 "\"$PY\" -m pytest -q -p no:cacheprovider -rfE ${SPECMESH_TEST_PATHS:-tests/gpu ${KERNEL_SUITES[*]}}"
+phase e2e 600 "\"$PY\" -m pytest -q -p no:cacheprovider -rfE --device cuda ${E2E_SUITES[*]}"
+phase roofline 600 roofline
+phase speed 3600 speed
+phase cluster 1800 cluster
+merge_json
+echo "gpu_check: $([ $STATUS -eq 0 ] && echo passed || echo FAILED); logs in $OUT"
+exit $STATUS

@@ -1,0 +1,54 @@
+"""The GPU measuring tools kept working on CPU: `bench.gpu_speed` in process, as a gRPC cluster
+(real target, draft and router processes) and for transformers, on the small synthetic pair
+whose acceptance is forced; and `scripts/gpu_check.sh` names its phases."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from specmesh.bench.gpu_speed import main as gpu_speed
+from specmesh.bench.synthetic import make_synthetic_pair
+
+SMALL = {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
+         "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return make_synthetic_pair(tmp_path_factory.mktemp("synthetic"), tiny_dir / "target", **SMALL)
+
+
+@pytest.mark.parametrize("side", ["engine", "cluster", "transformers"])
+def test_gpu_speed_measures_every_side(pair, tmp_path: Path, side: str) -> None:
+    import json
+
+    target, draft = pair
+    out = tmp_path / "speed.json"
+    flags = {"engine": [], "cluster": ["--cluster"], "transformers": ["--transformers"]}[side]
+    argv = ["--target-model", str(target), "--draft-model", str(draft), "--device", "cpu",
+            "--dtype", "fp32", "--attention-backend", "torch", "--batch-sizes", "1,2",
+            "--repeats", "2", "--max-new-tokens", "8", "--prompt-len", "16", "--out", str(out),
+            *flags]  # fmt: skip
+    assert gpu_speed(argv) == 0
+    result = json.loads(out.read_text())
+    rows = {(r["batch_size"], r["mode"]): r for r in result["rows"]}
+    modes = ("plain",) if side == "transformers" else ("plain", "speculative")
+    assert set(rows) == {(b, m) for b in (1, 2) for m in modes}
+    for (_, mode), row in rows.items():
+        assert len(row["tokens_per_s_runs"]) == 2 and row["tokens_per_s"]["min"] > 0
+        # Forced acceptance: every speculative round emits num_steps + 1 = 6 tokens.
+        assert row["accept_len"] == (6.0 if mode == "speculative" else 1.0)
+    if side != "transformers":
+        assert set(result["ratios"]) == {"speculative_vs_plain_b1", "speculative_vs_plain_b2"}
+
+
+def test_gpu_check_lists_its_phases() -> None:
+    proc = subprocess.run(["bash", str(REPO / "scripts/gpu_check.sh")], capture_output=True,
+                          text=True, timeout=30)  # fmt: skip
+    assert proc.returncode == 2
+    for phase in ("env", "tests", "e2e", "roofline", "speed", "cluster"):
+        assert f"#     {phase} " in proc.stdout, phase
