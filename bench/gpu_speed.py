@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from specmesh.bench.metrics import ratio_spread
+from specmesh.bench.metrics import ratio_spread, spread
 from specmesh.bench.report import emit_json
 from specmesh.bench.workloads import load_workload
 from specmesh.draft_service.drafter import SpecParams
@@ -39,10 +39,6 @@ from specmesh.runtime.tokenizer import load_tokenizer
 def sync(device: str) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
-
-
-def spread(values: list[float]) -> dict[str, float]:
-    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
 def engine_runner(args: argparse.Namespace, spec: SpecParams):

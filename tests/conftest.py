@@ -108,6 +108,17 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+@pytest.fixture(scope="session")
+def synthetic_pair(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The benchmark's Llama-3.1-8B-shaped pair (`bench.synthetic`, forced acceptance) at small
+    widths: (target, draft)."""
+    from specmesh.bench.synthetic import make_synthetic_pair
+
+    small = {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
+             "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
+    return make_synthetic_pair(tmp_path_factory.mktemp("synthetic"), tiny_dir / "target", **small)
+
+
 @cache
 def _hf_model(model_dir: str):
     from transformers import AutoModelForCausalLM

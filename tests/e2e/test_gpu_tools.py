@@ -10,23 +10,15 @@ from pathlib import Path
 import pytest
 
 from specmesh.bench.gpu_speed import main as gpu_speed
-from specmesh.bench.synthetic import make_synthetic_pair
 
-SMALL = {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
-         "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def pair(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    return make_synthetic_pair(tmp_path_factory.mktemp("synthetic"), tiny_dir / "target", **SMALL)
-
-
 @pytest.mark.parametrize("side", ["engine", "cluster", "transformers"])
-def test_gpu_speed_measures_every_side(pair, tmp_path: Path, side: str) -> None:
+def test_gpu_speed_measures_every_side(synthetic_pair, tmp_path: Path, side: str) -> None:
     import json
 
-    target, draft = pair
+    target, draft = synthetic_pair
     out = tmp_path / "speed.json"
     flags = {"engine": [], "cluster": ["--cluster"], "transformers": ["--transformers"]}[side]
     argv = ["--target-model", str(target), "--draft-model", str(draft), "--device", "cpu",

@@ -4,31 +4,20 @@ an EAGLE-3 head whose every draft token is accepted (forced acceptance)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
-from specmesh.bench.synthetic import make_synthetic_pair
 from specmesh.draft_service.drafter import SpecParams
 from specmesh.router.engine import Engine
 from specmesh.runtime.sampling import SamplingParams
 
-SMALL = {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
-         "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
 
-
-@pytest.fixture(scope="module")
-def pair(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    return make_synthetic_pair(tmp_path_factory.mktemp("synthetic"), tiny_dir / "target", **SMALL)
-
-
-def test_checkpoint_has_llama_8b_layout_and_repeats_the_last_token(pair) -> None:
+def test_checkpoint_has_llama_8b_layout_and_repeats_the_last_token(synthetic_pair) -> None:
     from transformers import AutoModelForCausalLM
 
     from specmesh.runtime.config import load_model_config
 
-    target, _ = pair
+    target, _ = synthetic_pair
     rope = load_model_config(target).rope
     assert (rope.kind, rope.theta, rope.factor) == ("llama3", 500000.0, 8.0)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
@@ -38,8 +27,8 @@ def test_checkpoint_has_llama_8b_layout_and_repeats_the_last_token(pair) -> None
 
 
 @pytest.mark.parametrize("spec", [SpecParams(5, 1, 6), SpecParams(5, 4, 8)])
-def test_every_draft_token_is_accepted(pair, spec: SpecParams) -> None:
-    target, draft = pair
+def test_every_draft_token_is_accepted(synthetic_pair, spec: SpecParams) -> None:
+    target, draft = synthetic_pair
     engine = Engine(
         target, draft_model=draft, draft_kind="eagle3", spec=spec,
         target_config={"dtype": "fp32"}, draft_config={"dtype": "fp32"},
