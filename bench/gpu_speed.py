@@ -32,6 +32,7 @@ from specmesh.bench.metrics import ratio_spread, spread
 from specmesh.bench.report import emit_json
 from specmesh.bench.workloads import load_workload
 from specmesh.draft_service.drafter import SpecParams
+from specmesh.router.core import RouterConfig
 from specmesh.runtime.sampling import SamplingParams
 from specmesh.runtime.tokenizer import load_tokenizer
 
@@ -43,7 +44,6 @@ def sync(device: str) -> None:
 
 def engine_runner(args: argparse.Namespace, spec: SpecParams):
     """``run(prompts, speculate)`` -> (seconds, generated tokens, mean accept length)."""
-    from specmesh.router.core import RouterConfig
     from specmesh.router.engine import Engine
 
     runtime = {"device": args.device, "dtype": args.dtype, "attention_backend": args.attention_backend,
@@ -51,7 +51,9 @@ def engine_runner(args: argparse.Namespace, spec: SpecParams):
     engine = Engine(
         args.target_model, draft_model=args.draft_model, draft_kind=args.draft_kind, spec=spec,
         target_config=runtime, draft_config=runtime,
-        router_config=RouterConfig(max_batch_size=max(args.sizes)),
+        router_config=RouterConfig(
+            max_batch_size=max(args.sizes), num_micro_batches=args.num_micro_batches
+        ),
     )  # fmt: skip
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
 
@@ -81,7 +83,9 @@ def cluster_runner(args: argparse.Namespace, spec: SpecParams, stack: contextlib
     stack.callback(loop.close)
     models = ModelChoice(args.target_model, args.draft_model, args.draft_kind)
     runtime = {"device": args.device, "dtype": args.dtype, "attention_backend": args.attention_backend}  # fmt: skip
-    deployment = local_deployment(models, spec, runtime, "always")
+    router_args = ["--max-batch-size", str(max(args.sizes)),
+                   "--num-micro-batches", str(args.num_micro_batches)]  # fmt: skip
+    deployment = local_deployment(models, spec, runtime, "always", router_args)
     cluster = loop.run_until_complete(deployment.__aenter__())
     stack.callback(lambda: loop.run_until_complete(deployment.__aexit__(None, None, None)))
 
@@ -163,6 +167,7 @@ def _measure(args: argparse.Namespace, stack: contextlib.ExitStack) -> dict[str,
         "attention_backend": None if args.transformers else args.attention_backend,
         "cuda_graph": not (args.transformers or args.disable_cuda_graph),
         "processes": "target, draft, router" if args.cluster else "one",
+        "num_micro_batches": None if args.transformers else args.num_micro_batches,
         "spec": list(args.spec), "max_new_tokens": args.max_new_tokens,
         "prompt_len": args.prompt_len, "repeats": args.repeats, "rows": rows, "ratios": ratios,
     }  # fmt: skip
@@ -189,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--num-micro-batches", type=int, default=RouterConfig.num_micro_batches,
+                   help="the router's micro-batches (requests of one run are split between them "
+                   "as they arrive: over gRPC they do, in process they all land in the first)")  # fmt: skip
     p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args(argv)
     args.sizes = [int(b) for b in args.batch_sizes.split(",")]

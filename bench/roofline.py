@@ -8,14 +8,18 @@ Times ``TargetRuntime.decode`` (what the target service runs per plain round: th
 CUDA graph when enabled, sampling, the host copy of the tokens) with the device synchronized
 around the loop, and reports it as a percentage of the bound, for both the bandwidth measured
 here (a device-to-device copy, bytes read + written) and the given nominal one. Prints a JSON
-object.
+object. ``--profile FILE`` also runs ``torch.profiler`` over the decode steps of the smallest
+batch and writes its table of kernels and host calls there, with the GPU's busy time per step
+set against the step's wall time in the JSON (what the step loses outside the kernels).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -52,15 +56,25 @@ def step_bytes(rt: TargetRuntime, batch: int, context: int) -> int:
     return weights - embed + batch * mc.hidden_size * elt + kv
 
 
-def time_decode(rt: TargetRuntime, batch: int, context: int, steps: int) -> list[float]:
-    """Seconds per decode step (each of ``steps``) for ``batch`` requests at ``context``."""
+@contextlib.contextmanager
+def decoding(rt: TargetRuntime, batch: int, context: int, steps: int) -> Iterator[list[str]]:
+    """``batch`` requests prefilled with ``context`` tokens and warmed up, released on exit."""
     params = SamplingParams(max_new_tokens=steps + 16, ignore_eos=True)
     rids = [f"r{batch}-{i}" for i in range(batch)]
     prompt = [(7 * i) % 1000 + 3 for i in range(context)]
     out = rt.prefill([PrefillInput(rid, prompt, params) for rid in rids])
     assert not out.errors, out.errors
-    for _ in range(5):  # warm-up
-        rt.decode(rids)
+    try:
+        for _ in range(5):  # warm-up
+            rt.decode(rids)
+        yield rids
+    finally:
+        for rid in rids:
+            rt.release(rid)
+
+
+def time_steps(rt: TargetRuntime, rids: list[str], steps: int) -> list[float]:
+    """Seconds of each of ``steps`` decode steps, the device synchronized around each."""
     times = []
     for _ in range(steps):
         torch.cuda.synchronize()
@@ -68,9 +82,27 @@ def time_decode(rt: TargetRuntime, batch: int, context: int, steps: int) -> list
         rt.decode(rids)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    for rid in rids:
-        rt.release(rid)
     return times
+
+
+def profile_decode(rt: TargetRuntime, batch: int, context: int, steps: int, path: str) -> dict:
+    """Profile ``steps`` decode steps; write the table to ``path``; busy vs wall per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with (
+        decoding(rt, batch, context, steps) as rids,
+        profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof,
+    ):
+        wall = sum(time_steps(rt, rids, steps))
+    events = prof.key_averages()
+    busy_us = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA")
+    table = events.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=70)
+    with open(path, "w") as f:
+        f.write(f"{rt.cfg.attention_backend}, cuda_graph={rt.graphs is not None}, "
+                f"batch {batch}, {steps} decode steps\n")  # fmt: skip
+        f.write(table)
+    return {"batch_size": batch, "steps": steps, "wall_ms_per_step": wall / steps * 1e3,
+            "gpu_busy_ms_per_step": busy_us / 1e3 / steps}  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -85,7 +117,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     nominal = args.nominal_bandwidth_tbs * 1e12
     rows = []
     for b in batch_sizes:
-        times = time_decode(rt, b, args.context, args.steps)
+        with decoding(rt, b, args.context, args.steps) as rids:
+            times = time_steps(rt, rids, args.steps)
         med = statistics.median(times)
         nbytes = step_bytes(rt, b, args.context)
         rows.append({
@@ -97,8 +130,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "pct_of_bound_nominal_bw": 100 * nbytes / nominal / med,
             "tokens_per_s": b / med,
         })  # fmt: skip
+    profiled = None
+    if args.profile:
+        profiled = profile_decode(rt, batch_sizes[0], args.context, 20, args.profile)
     return {
-        "device": torch.cuda.get_device_name(0), "target": args.target_model,
+        "device": torch.cuda.get_device_name(0), "profile": profiled, "target": args.target_model,
         "dtype": args.dtype, "attention_backend": args.attention_backend,
         "cuda_graph": rt.graphs is not None, "context": args.context, "steps": args.steps,
         "copy_bandwidth_tbs": measured / 1e12, "nominal_bandwidth_tbs": args.nominal_bandwidth_tbs,
@@ -117,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=512, help="prompt tokens per request")
     p.add_argument("--steps", type=int, default=100, help="timed decode steps per batch size")
     p.add_argument("--nominal-bandwidth-tbs", type=float, default=3.35, help="H100 SXM: 3.35")
+    p.add_argument("--profile", help="write a torch.profiler table of decode steps here")
     p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args(argv)
     emit_json(run(args), args.out)

@@ -6,7 +6,7 @@ starts them) reached through the router's public address.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from specmesh.bench.runners import ClusterBackend, RouterBackend
@@ -70,9 +70,11 @@ async def local_deployment(
     spec: SpecParams,
     runtime: dict[str, Any],
     speculation: str = "always",
+    router_args: Sequence[str] = (),
 ) -> AsyncIterator[ClusterBackend]:
     """Start target, draft and router processes on loopback ports; yield the router's public
-    address as a backend. Each model service gets half the cores, the router one thread."""
+    address as a backend. Each model service gets half the cores, the router one thread and
+    ``router_args`` besides."""
     from specmesh.cluster import model_threads, spawn_service, stop_all, wait_ready
 
     if models.draft_kind is None:
@@ -94,7 +96,7 @@ async def local_deployment(
         ]  # fmt: skip
         draft_addr = spawn_service(children, "draft", draft_flags)
         router_flags = ["--target", target_addr, "--draft", draft_addr, "--threads", "1",
-                        "--speculation", speculation]  # fmt: skip
+                        "--speculation", speculation, *router_args]  # fmt: skip
         router_addr = spawn_service(children, "router", router_flags)
         wait_ready(children, READY_TIMEOUT_S)
         yield ClusterBackend(router_addr, spec)

@@ -6,11 +6,14 @@ tokens last and already written into the pools. Row i of request b sees kv colum
 ``j <= kv_len_b - q_len_b + i`` (no custom mask), else iff its row of the custom mask says so.
 Softmax in fp32, output in q's dtype. GQA: query head h reads kv head ``h // (heads // kv_heads)``.
 
-Triton launch (sync-free): one program per (query row, kv head), grid
-``(num_tokens, num_kv_heads)`` -- both known from tensor shapes, so no ``q_lens_cpu`` / ``max_*``
-is needed and no program is wasted. A program finds its request by counting the requests whose
+Triton launch (sync-free): one program per (query row, kv head, split), grid
+``(num_tokens, num_kv_heads, num_splits)`` -- all known from tensor shapes, so no
+``q_lens_cpu`` / ``max_*`` is needed. A program finds its request by counting the requests whose
 rows end at or before its row (a vectorised scan of ``qo_indptr``), then runs an online softmax
-over that request's kv in ``BLOCK_N`` tiles for all ``group`` query heads sharing the kv head.
+over its split of that request's kv in ``BLOCK_N`` tiles for all ``group`` query heads sharing
+the kv head. With more than one split (flash-decoding: few rows, as in decode at a small batch,
+would leave most of a GPU idle), each split writes its unnormalised partial (max, sum, output)
+and a second kernel merges them per (row, head).
 Products are elementwise fp32 (no ``tl.dot``): exact fp32, any head_dim (padded to a power of
 two and masked), any group size. Correctness first: decode and verify rows are few per request;
 long prefills on a GPU belong to the FlashInfer backend.
@@ -62,15 +65,17 @@ def paged_attention_ref(
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     qo_indptr, kv_indptr, kv_indices, mask_ptr, mask_indptr,
-    batch_size, scale,
+    batch_size, num_heads, scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_BS: tl.constexpr, HAS_MASK: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2).to(tl.int64)
     # Owning request = number of requests whose query rows end at or before `row`.
     b = tl.zeros((), tl.int64)
     for start in range(0, batch_size, BLOCK_BS):
@@ -95,13 +100,17 @@ def _paged_attention_kernel(
         kv_end = kv_len
     else:
         kv_end = kv_len - q_len + i + 1
+    # This program's share of the row's kv: whole tiles, the last split takes the remainder.
+    chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, kv_end)
     # A finite start keeps exp(m_old - m_new) defined when a whole tile is masked.
     m_i = tl.full((GROUP_PAD,), -1.0e30, tl.float32)
     l_i = tl.zeros((GROUP_PAD,), tl.float32)
     acc = tl.zeros((GROUP_PAD, DIM_PAD), tl.float32)
-    for start in range(0, kv_end, BLOCK_N):
+    for start in range(lo, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
-        col_ok = cols < kv_end
+        col_ok = cols < hi
         slots = tl.load(kv_indices + kv_start + cols, mask=col_ok, other=0)
         kd_mask = col_ok[:, None] & (d < HEAD_DIM)[None, :]
         k_offs = slots[:, None] * stride_kt + kv_head * stride_kh + d[None, :]
@@ -119,9 +128,45 @@ def _paged_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * values[None, :, :], axis=1)
         m_i = m_new
-    out = acc / l_i[:, None]
-    o_offs = row * stride_ot + heads[:, None] * stride_oh + d[None, :]
-    tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=qd_mask)
+    if NUM_SPLITS == 1:
+        out = acc / l_i[:, None]
+        o_offs = row * stride_ot + heads[:, None] * stride_oh + d[None, :]
+        tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=qd_mask)
+    else:  # unnormalised partials, combined by _merge_splits_kernel
+        part = (row * num_heads + heads) * NUM_SPLITS + split  # [G]
+        tl.store(part_m_ptr + part, m_i, mask=g < GROUP)
+        tl.store(part_l_ptr + part, l_i, mask=g < GROUP)
+        tl.store(part_acc_ptr + part[:, None] * DIM_PAD + d[None, :], acc, mask=qd_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, num_heads, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, DIM_PAD)
+    part = (row * num_heads + head) * NUM_SPLITS + s  # [S]
+    ok = s < NUM_SPLITS
+    m = tl.load(part_m_ptr + part, mask=ok, other=-1.0e30)
+    w = tl.exp(m - tl.max(m, axis=0))  # an empty split (m = -1e30, l = 0) weighs nothing
+    total = tl.sum(w * tl.load(part_l_ptr + part, mask=ok, other=0.0), axis=0)
+    acc = tl.load(part_acc_ptr + part[:, None] * DIM_PAD + d[None, :], mask=ok[:, None], other=0.0)
+    out = tl.sum(w[:, None] * acc, axis=0) / total  # [D]
+    o_offs = row * stride_ot + head * stride_oh + d
+    tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def default_num_splits(num_programs: int, device: torch.device) -> int:
+    """How many pieces each row's kv is cut into (flash-decoding): enough programs to fill a
+    GPU when rows are few (decode at a small batch), from shapes alone. 1 on CPU, where the
+    interpreter runs programs one by one."""
+    if device.type != "cuda":
+        return 1
+    return max(1, min(32, next_pow2(2048 // max(num_programs, 1))))
 
 
 def paged_attention_triton(
@@ -130,6 +175,7 @@ def paged_attention_triton(
     v_pool: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
     meta: AttentionMetadata,
     scale: float,
+    num_splits: int | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Triton; reads no CPU metadata (grid from shapes, see the module docstring)."""
     num_tokens, num_heads, head_dim = q.shape
@@ -147,15 +193,26 @@ def paged_attention_triton(
     group_pad, dim_pad = next_pow2(group), next_pow2(head_dim)
     # Keep the [G, BLOCK_N, D] product tile near 8k elements (registers on a GPU).
     block_n = min(64, max(16, next_pow2(8192 // (group_pad * dim_pad))))
-    _paged_attention_kernel[(num_tokens, num_kv_heads)](
-        q, k_pool, v_pool, out,
+    splits = num_splits or default_num_splits(num_tokens * num_kv_heads, q.device)
+    part_m = part_l = part_acc = out  # unused when there is one split
+    if splits > 1:
+        part_m = torch.empty(num_tokens, num_heads, splits, dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty(*part_m.shape, dim_pad, dtype=torch.float32, device=q.device)
+    _paged_attention_kernel[(num_tokens, num_kv_heads, splits)](
+        q, k_pool, v_pool, out, part_m, part_l, part_acc,
         meta.qo_indptr, meta.kv_indptr, meta.kv_indices, mask, mask_indptr,
-        meta.batch_size, float(scale),
+        meta.batch_size, num_heads, float(scale),
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1),
         v_pool.stride(0), v_pool.stride(1), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, GROUP_PAD=group_pad, DIM_PAD=dim_pad,
-        BLOCK_N=block_n, BLOCK_BS=128, HAS_MASK=has_mask,
+        BLOCK_N=block_n, BLOCK_BS=128, HAS_MASK=has_mask, NUM_SPLITS=splits,
     )  # fmt: skip
+    if splits > 1:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            out, part_m, part_l, part_acc, num_heads, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, DIM_PAD=dim_pad, NUM_SPLITS=splits, SPLITS_PAD=next_pow2(splits),
+        )  # fmt: skip
     return out
 
 

@@ -5,11 +5,13 @@
 #     env        nvidia-smi, versions                          -> OUT/env.txt
 #     tests      pytest tests/gpu (= -m gpu) + the kernel / backend / graph suites on cuda
 #     e2e        the lifecycle and fault suites with real services on cuda (--device cuda)
-#     roofline   a Llama-3.1-8B-shaped bf16 target: decode step vs bytes / bandwidth
+#     roofline   a Llama-3.1-8B-shaped bf16 target: decode step vs bytes / bandwidth, and a
+#                torch.profiler table of its decode steps per backend -> OUT/profile-*.txt
 #     speed      plain vs EAGLE-3 per backend, eager / CUDA graphs, and transformers, at batch
 #                1 / 8 / 32: the 8B-shaped pair (forced acceptance) and the demo pair
 #     cluster    the same through a gRPC cluster (target, draft and router processes sharing
-#                the GPU), to set against speed's in-process triton + CUDA graphs
+#                the GPU), with 1 and 2 router micro-batches, to set against speed's in-process
+#                triton + CUDA graphs
 # JSON results are merged into OUT/gpu_results.json.
 #
 # What the machine lacks is installed from wheels in $SPECMESH_WHEELS (default .whl/; the list
@@ -76,7 +78,7 @@ roofline() {  # decode step of the 8B-shaped target vs bytes / bandwidth, per ba
   make_synthetic || return 1
   for backend in ${SPECMESH_ROOFLINE_BACKENDS:-triton flashinfer}; do
     "$PY" -m specmesh.bench.roofline --target-model "$SYNTH/target" --attention-backend "$backend" \
-      --out "$JSON/roofline-$backend.json" || return 1
+      --profile "$OUT/profile-$backend.txt" --out "$JSON/roofline-$backend.json" || return 1
   done
 }
 
@@ -113,13 +115,17 @@ speed() {  # plain vs EAGLE-3 tokens/s per engine configuration (bench/gpu_speed
 }
 
 cluster() {  # the same runs through a gRPC cluster (target, draft, router processes on the GPU);
-  # the in-process counterpart is speed's <model>:triton-graphs
-  local model target draft failed=0
+  # the in-process counterpart is speed's <model>:triton-graphs, where every request of a run
+  # lands in one micro-batch: --num-micro-batches 1 is the like-for-like hop, 2 the default
+  local model target draft mb failed=0
   for model in ${SPECMESH_CLUSTER_MODELS:-llama8b demo}; do
     model_dirs "$model" || return 1
-    echo "--- cluster $model"
-    "$PY" -m specmesh.bench.gpu_speed --cluster --attention-backend triton --target-model \
-      "$target" --draft-model "$draft" --out "$JSON/cluster-$model.json" >/dev/null || failed=1
+    for mb in ${SPECMESH_CLUSTER_MICRO_BATCHES:-1 2}; do
+      echo "--- cluster $model, $mb micro-batches"
+      "$PY" -m specmesh.bench.gpu_speed --cluster --attention-backend triton --target-model \
+        "$target" --draft-model "$draft" --num-micro-batches "$mb" \
+        --out "$JSON/cluster-$model-mb$mb.json" >/dev/null || failed=1
+    done
   done
   return $failed
 }

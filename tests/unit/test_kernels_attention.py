@@ -9,7 +9,7 @@ if not torch.cuda.is_available():
 
 import pytest
 
-from specmesh.kernels.attention import paged_attention
+from specmesh.kernels.attention import default_num_splits, paged_attention, paged_attention_triton
 from specmesh.kernels.testing import kernel_devices
 from specmesh.runtime.attention.base import AttentionMetadata
 from specmesh.runtime.attention.torch_backend import TorchBackend
@@ -77,6 +77,28 @@ def test_triton_matches_reference_fp32(device: str, tree_mask: bool, case: int) 
     ref = paged_attention(q, k_pool, v_pool, meta, 0.3, impl="torch")
     out = paged_attention(q, k_pool, v_pool, meta, 0.3, impl="triton")
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", kernel_devices())
+@pytest.mark.parametrize("tree_mask", [False, True])
+@pytest.mark.parametrize("num_splits", [2, 3, 8])
+def test_split_kv_matches_reference(device: str, tree_mask: bool, num_splits: int) -> None:
+    """Flash-decoding: each row's kv cut into pieces merged afterwards, empty pieces included
+    (the rows with fewer tiles than pieces)."""
+    q, k_pool, v_pool, meta = make_batch(
+        [(0, 1), (70, 1), (21, 4)], 4, 2, 16, torch.float32, device, tree_mask, seed=num_splits
+    )
+    ref = paged_attention(q, k_pool, v_pool, meta, 0.3, impl="torch")
+    out = paged_attention_triton(q, k_pool, v_pool, meta, 0.3, num_splits=num_splits)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_splits_fill_a_gpu_only_when_rows_are_few() -> None:
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert default_num_splits(8, cuda) == 32  # batch 1 decode, 8 kv heads: cut each row
+    assert default_num_splits(32 * 8, cuda) == 8
+    assert default_num_splits(4096, cuda) == 1  # enough programs already
+    assert default_num_splits(8, cpu) == 1  # the interpreter runs programs one by one
 
 
 @pytest.mark.parametrize("device", kernel_devices())
