@@ -17,12 +17,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(run=run_tiny)
     p = sub.add_parser(
-        "make-demo", help="train the demo target + EAGLE-3 pair on the stdlib sources (CPU)"
+        "make-demo", help="train the demo target + EAGLE-3 pair on Python sources (CPU or GPU)"
     )
     p.add_argument("out_dir", metavar="OUT_DIR")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--time-budget", type=float, default=900.0, help="seconds for both models")
-    p.add_argument("--quick", action="store_true", help="a seconds-long smoke version")
+    p.add_argument(
+        "--time-budget", type=float, default=900.0, help="seconds for the whole run, data included"
+    )
+    p.add_argument(
+        "--preset", choices=["full", "quick", "gpu"], default="full",
+        help="full: the CPU pair; quick: a seconds-long smoke run; gpu: a larger pair on more text",
+    )  # fmt: skip
+    p.add_argument(
+        "--quick", dest="preset", action="store_const", const="quick", help="= --preset quick"
+    )
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.set_defaults(run=run_demo)
 
 
@@ -41,10 +50,13 @@ def run_tiny(args: argparse.Namespace) -> int:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
     from specmesh.demo import make_demo
 
     report = make_demo(
-        Path(args.out_dir), seed=args.seed, time_budget_s=args.time_budget, quick=args.quick
-    )
-    print(report)
+        Path(args.out_dir), seed=args.seed, time_budget_s=args.time_budget,
+        preset=args.preset, device=args.device,
+    )  # fmt: skip
+    print(json.dumps(asdict(report), indent=1))
     return 0

@@ -6,24 +6,32 @@ import math
 from dataclasses import dataclass
 
 from specmesh.demo.config import DemoConfig
+from specmesh.demo.corpus import EVAL_ONLY_PACKAGES, SourceStats
+
+CARD_PACKAGES = 30  # installed packages listed by name on the card, largest first
 
 
 @dataclass(frozen=True)
 class DemoReport:
     out_dir: str
-    quick: bool
+    preset: str  # a key of config.PRESETS
     seed: int
     time_budget_s: float
     total_seconds: float
-    num_cpu_threads: int  # torch intra-op threads
+    device: str  # "cpu" or "cuda"
+    device_name: str  # e.g. "CPU (2 threads)", "NVIDIA H100 80GB HBM3"
     # Data (set by the corpus / tokenizer stage).
     python_version: str
+    data_seconds: float  # corpus read + tokenizer + encoding
+    sources: list[SourceStats]  # stdlib train / held out (+ installed packages / eval-only)
+    package_bytes: list[tuple[str, int]]  # training bytes per installed top-level package
     num_train_files: int
     num_heldout_files: int
     train_bytes: int
     heldout_bytes: int
     train_tokens: int  # bos + file + eos, per file
     heldout_tokens: int
+    eval_only_tokens: int  # 0 without extra sources
     vocab_size: int
     draft_vocab_size: int
     hot_vocab_coverage: float  # share of training tokens inside the draft's hot vocabulary
@@ -35,6 +43,9 @@ class DemoReport:
     target_seconds: float
     target_train_loss: float  # nats/token, moving average at the end
     target_eval_loss: float  # nats/token on held-out files, bf16 weights computed in fp32
+    target_eval_bits_per_byte: float  # the same windows: nats / UTF-8 bytes / ln 2
+    eval_only_loss: float | None  # nats/token on the eval-only text (extra sources only)
+    eval_only_bits_per_byte: float | None
     # Draft (set after its training).
     draft_params: int
     draft_mb: float
@@ -48,10 +59,6 @@ class DemoReport:
     chain_mean_accept_length: float  # tokens per target forward, chain of num_draft_steps
     chain_rounds: int
 
-    @property
-    def target_eval_bits_per_byte(self) -> float:
-        return self.target_eval_loss * self.heldout_tokens / self.heldout_bytes / math.log(2)
-
 
 def _pct(values: list[float]) -> str:
     return ", ".join(f"{v * 100:.1f}%" for v in values)
@@ -62,7 +69,7 @@ def _size_table(r: DemoReport, c: DemoConfig) -> str:
 |---|---|---|
 | layers | {c.num_layers} | 1 |
 | hidden / intermediate | {c.hidden_size} / {c.intermediate_size} | {c.hidden_size} / {c.draft_intermediate_size} |
-| heads / KV heads / head dim | {c.num_heads} / {c.num_kv_heads} / {c.hidden_size // c.num_heads} | same |
+| heads / KV heads / head dim | {c.num_heads} / {c.num_kv_heads} / {c.head_dim} | same |
 | vocab | {r.vocab_size} | {r.draft_vocab_size} (hot) |
 | RoPE base | {c.rope_theta:g} | {c.draft_rope_theta:g} |
 | context (trained) | {c.short_context}, last {(1 - c.long_context_from) * 100:.0f}% at {c.long_context} | same |
@@ -70,21 +77,64 @@ def _size_table(r: DemoReport, c: DemoConfig) -> str:
 | bf16 safetensors | {r.target_mb:.2f} MB | {r.draft_mb:.2f} MB |"""
 
 
+def _command(r: DemoReport) -> str:
+    flags = (
+        f"--preset {r.preset} --device {r.device} --time-budget {r.time_budget_s:g} --seed {r.seed}"
+    )
+    return (
+        f"specmesh make-demo OUT_DIR {flags}\n    # == specmesh.demo.make_demo(OUT_DIR, "
+        f"seed={r.seed}, time_budget_s={r.time_budget_s:g}, preset={r.preset!r}, device={r.device!r})"
+    )
+
+
+def _sources_text(r: DemoReport, c: DemoConfig) -> str:
+    rows = "\n".join(f"| {s.name} | {s.num_files:,} | {s.num_bytes:,} |" for s in r.sources)
+    text = f"""| source | files | bytes |
+|---|---|---|
+{rows}"""
+    if not c.extra_sources:
+        return text
+    eval_only = ", ".join(f"`{name}`" for name in sorted(EVAL_ONLY_PACKAGES))
+    shown = r.package_bytes[:CARD_PACKAGES]
+    rest = r.package_bytes[CARD_PACKAGES:]
+    packages = ", ".join(f"`{name}` {num_bytes / 1e6:.2f}" for name, num_bytes in shown)
+    if rest:
+        packages += f", and {len(rest)} more ({sum(b for _, b in rest) / 1e6:.2f})"
+    cap = "no cap" if c.max_train_bytes is None else f"a cap of {c.max_train_bytes / 1e6:g} MB"
+    return f"""Also the `.py` files of the installed packages (site-packages, same exclusions),
+under {cap} for all training text, files taken in path-hash order.
+{eval_only} stay out of training: a path-hash sample of them (up to
+{c.max_eval_only_bytes / 1e6:g} MB) is the eval-only text. A training file equal in content
+(sha256) to a held-out or eval-only file, or to an earlier training file, is dropped.
+
+{text}
+
+Installed packages in the training text (MB): {packages}."""
+
+
 def render_card(report: DemoReport, cfg: DemoConfig, heldout_files: list[str]) -> str:
     r = report
-    mode = "a quick, test-sized" if r.quick else "the full"
-    command = (
-        f"specmesh make-demo OUT_DIR   # == specmesh.demo.make_demo(OUT_DIR, seed={r.seed}, "
-        f"time_budget_s={r.time_budget_s:g}{', quick=True' if r.quick else ''})"
-    )
     heldout = "\n".join(f"- `{p}`" for p in heldout_files)
+    tokenizer_text = (
+        "all training text"
+        if cfg.tokenizer_train_bytes is None
+        else f"a {cfg.tokenizer_train_bytes / 1e6:g} MB path-hash sample of the training text"
+    )
+    eval_only = (
+        ""
+        if r.eval_only_loss is None or r.eval_only_bits_per_byte is None
+        else f"""
+- Target on the eval-only text ({r.eval_only_tokens:,} tokens, {cfg.eval_windows} windows):
+  **{r.eval_only_loss:.3f} nats/token, {r.eval_only_bits_per_byte:.3f} bits/byte**."""
+    )
+    eval_only_tokens = f", {r.eval_only_tokens:,} eval-only" if r.eval_only_tokens else ""
     return f"""# specmesh demo pair: a tiny Python-code Llama and its EAGLE-3 draft
 
-Trained from scratch on CPU ({r.num_cpu_threads} threads) by `specmesh.demo.make_demo`, {mode} run.
+Trained from scratch on {r.device_name} by `specmesh.demo.make_demo`, preset `{r.preset}`.
 For exercising the serving system end to end (target, EAGLE-3 draft, tree verification)
 without downloads; it writes plausible Python, not good Python.
 
-    {command}
+    {_command(r)}
 
 ## Files
 
@@ -109,13 +159,12 @@ without downloads; it writes plausible Python, not good Python.
 Python {r.python_version} standard library `.py` files (no `site-packages`, tests, `idlelib`,
 `encodings`, `pydoc_data`), split by a hash of the relative path.
 
-| | files | bytes | tokens |
-|---|---|---|---|
-| train | {r.num_train_files} | {r.train_bytes:,} | {r.train_tokens:,} |
-| held out | {r.num_heldout_files} | {r.heldout_bytes:,} | {r.heldout_tokens:,} |
+{_sources_text(r, cfg)}
 
-Vocabulary {r.vocab_size} (byte-level BPE, `<|bos|>`=0, `<|eos|>`=1, `<|pad|>`=2); the draft's
-hot vocabulary covers {r.hot_vocab_coverage * 100:.1f}% of training tokens.
+Tokens: {r.train_tokens:,} train, {r.heldout_tokens:,} held out{eval_only_tokens};
+data ready in {r.data_seconds:.0f} s. Vocabulary {r.vocab_size}: byte-level BPE learned from
+{tokenizer_text}, `<|bos|>`=0, `<|eos|>`=1, `<|pad|>`=2; the draft's hot vocabulary covers
+{r.hot_vocab_coverage * 100:.1f}% of training tokens.
 
 ## Training (seed {r.seed}, {r.total_seconds:.0f} s in all)
 
@@ -131,10 +180,11 @@ hot vocabulary covers {r.hot_vocab_coverage * 100:.1f}% of training tokens.
 
 The number of steps depends on the machine's speed (the schedule follows the time budget).
 
-## Results (held-out files)
+## Results
 
-- Target eval loss: **{r.target_eval_loss:.3f} nats/token** (perplexity
-  {math.exp(r.target_eval_loss):.1f}, about {r.target_eval_bits_per_byte:.2f} bits/byte).
+- Target on the held-out files ({cfg.eval_windows} windows of {cfg.short_context} tokens):
+  **{r.target_eval_loss:.3f} nats/token** (perplexity {math.exp(r.target_eval_loss):.1f}),
+  **{r.target_eval_bits_per_byte:.3f} bits/byte** (comparable across tokenizers).{eval_only}
 - Draft top-1 agreement with the target's greedy token, teacher-forced, per step:
   {_pct(r.draft_step_accuracy)}.
 - Greedy chain speculation simulated on the target's own greedy continuations
@@ -142,6 +192,9 @@ The number of steps depends on the machine's speed (the schedule follows the tim
   per-step acceptance given the earlier steps accepted {_pct(r.chain_conditional_acceptance)};
   mean accepted length **{r.chain_mean_accept_length:.2f} tokens per target forward** (drafts
   accepted + the target's bonus token).
+
+`python -m specmesh.demo.compare PAIR_DIR ...` measures pairs side by side on the held-out
+files of the running Python.
 
 ## Held-out files ({r.num_heldout_files})
 

@@ -1,4 +1,7 @@
-"""Sizes and training settings of the demo pair, one frozen dataclass for the full and quick runs."""
+"""Sizes and training settings of the demo pair: one frozen dataclass, a preset per kind of run.
+
+FULL is the CPU run of the shipped pair, QUICK a seconds-long test run, GPU a larger target
+trained on more text with large batches on one big GPU in a few minutes."""
 
 from __future__ import annotations
 
@@ -13,6 +16,9 @@ class DemoConfig:
     heldout_percent: int = 5  # share of stdlib files held out, chosen by path hash
     max_train_bytes: int | None = None  # cap on the training text (quick mode)
     max_heldout_bytes: int | None = None
+    extra_sources: bool = False  # also the installed packages' sources (demo/corpus.py)
+    max_eval_only_bytes: int = 4_000_000  # torch / transformers sample, eval only (extra sources)
+    tokenizer_train_bytes: int | None = None  # BPE on a path-hash sample of this size; None: all
     # Target: a Llama with tied input/output embeddings.
     hidden_size: int = 256
     num_layers: int = 8  # >= 7 so the three EAGLE-3 taps [2, L//2, L-3] are distinct
@@ -46,6 +52,10 @@ class DemoConfig:
     chain_prompt_len: int = 96
     chain_new_tokens: int = 96
 
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
 
 FULL = DemoConfig()
 
@@ -73,3 +83,22 @@ QUICK = DemoConfig(
     chain_prompt_len=24,
     chain_new_tokens=16,
 )
+
+# head_dim 64 (FlashInfer serves it); 9.9M parameters, 19.8 MB in bf16.
+GPU = DemoConfig(
+    max_train_bytes=300_000_000,
+    extra_sources=True,
+    tokenizer_train_bytes=30_000_000,
+    hidden_size=320,
+    num_heads=5,
+    num_kv_heads=1,
+    intermediate_size=864,
+    draft_intermediate_size=864,
+    batch_tokens=65_536,
+    warmup_steps=100,
+    eval_reserve_s=30.0,
+    eval_windows=256,
+    chain_prompts=32,
+)
+
+PRESETS = {"full": FULL, "quick": QUICK, "gpu": GPU}

@@ -1,90 +1,22 @@
-"""The corpus (the Python standard library's own sources), its split, the BPE tokenizer, windows.
+"""The BPE tokenizer, token streams and the windows cut from them.
 
-The split is a pure function of each file's path relative to the stdlib root (a hash), so it
-does not depend on the seed, the machine or which other files exist.
+A stream is files concatenated as `<|bos|>` file `<|eos|>`; training samples random windows of
+it, evaluation evenly spaced or covering ones. Streams may live on any device; the random
+window starts always come from a CPU generator, so a seed picks the same windows everywhere.
 """
 
 from __future__ import annotations
 
-import hashlib
-import sys
-import sysconfig
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Iterator
 
+import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 SPECIAL_TOKENS = (BOS, EOS, PAD)  # ids 0, 1, 2
-# Folders that are tests, bundled tools or generated tables rather than ordinary library code.
-EXCLUDED_DIRS = frozenset(
-    {"site-packages", "test", "tests", "idlelib", "encodings", "pydoc_data", "__pycache__"}
-)
-
-
-@dataclass(frozen=True)
-class Corpus:
-    stdlib_dir: Path
-    python_version: str  # e.g. "3.11.7"
-    train_files: list[str]  # paths relative to stdlib_dir, sorted
-    heldout_files: list[str]
-    train_texts: list[str]  # same order as train_files
-    heldout_texts: list[str]
-
-    @property
-    def num_train_bytes(self) -> int:
-        return sum(len(t.encode()) for t in self.train_texts)
-
-    @property
-    def num_heldout_bytes(self) -> int:
-        return sum(len(t.encode()) for t in self.heldout_texts)
-
-
-def is_heldout(rel_path: str, heldout_percent: int) -> bool:
-    digest = hashlib.sha256(rel_path.encode()).digest()
-    return int.from_bytes(digest[:8], "big") % 100 < heldout_percent
-
-
-def list_stdlib_files(stdlib_dir: Path) -> list[str]:
-    """Relative paths of the library's `.py` files, sorted, tests and tables excluded."""
-    rel_paths = []
-    for path in stdlib_dir.rglob("*.py"):
-        rel = path.relative_to(stdlib_dir)
-        if EXCLUDED_DIRS.isdisjoint(rel.parts[:-1]) and not rel.name.startswith("_sysconfigdata"):
-            rel_paths.append(rel.as_posix())
-    return sorted(rel_paths)
-
-
-def _read_capped(stdlib_dir: Path, rel_paths: list[str], max_bytes: int | None):
-    kept, texts, total = [], [], 0
-    for rel in rel_paths:
-        try:
-            text = (stdlib_dir / rel).read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
-            continue
-        if not text.strip():
-            continue
-        if max_bytes is not None and total + len(text) > max_bytes and kept:
-            break
-        kept.append(rel)
-        texts.append(text)
-        total += len(text)
-    return kept, texts
-
-
-def load_corpus(
-    heldout_percent: int, max_train_bytes: int | None = None, max_heldout_bytes: int | None = None
-) -> Corpus:
-    stdlib_dir = Path(sysconfig.get_paths()["stdlib"])
-    rel_paths = list_stdlib_files(stdlib_dir)
-    heldout = [p for p in rel_paths if is_heldout(p, heldout_percent)]
-    train = [p for p in rel_paths if not is_heldout(p, heldout_percent)]
-    train, train_texts = _read_capped(stdlib_dir, train, max_train_bytes)
-    heldout, heldout_texts = _read_capped(stdlib_dir, heldout, max_heldout_bytes)
-    version = ".".join(str(v) for v in sys.version_info[:3])
-    return Corpus(stdlib_dir, version, train, heldout, train_texts, heldout_texts)
+ENCODE_CHUNK_CHARS = 32_000_000  # text per `encode_batch` call (bounds the encodings held)
 
 
 def train_tokenizer(texts: list[str], vocab_size: int, max_length: int) -> PreTrainedTokenizerFast:
@@ -112,12 +44,40 @@ def train_tokenizer(texts: list[str], vocab_size: int, max_length: int) -> PreTr
     )
 
 
-def encode_files(tokenizer: PreTrainedTokenizerFast, texts: list[str]) -> list[torch.Tensor]:
-    """One int64 tensor per file: `<|bos|>`, the file's tokens, `<|eos|>`."""
-    backend = tokenizer.backend_tokenizer
-    encodings = backend.encode_batch(texts, add_special_tokens=False)
-    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
-    return [torch.tensor([bos, *enc.ids, eos], dtype=torch.int64) for enc in encodings]
+def _chunks(texts: list[str], max_chars: int) -> Iterator[list[str]]:
+    chunk, chars = [], 0
+    for text in texts:
+        if chunk and chars + len(text) > max_chars:
+            yield chunk
+            chunk, chars = [], 0
+        chunk.append(text)
+        chars += len(text)
+    if chunk:
+        yield chunk
+
+
+def encode_stream(tokenizer: PreTrainedTokenizerFast, texts: list[str]) -> torch.Tensor:
+    """[num_tokens] int64 on the CPU: each file as `<|bos|>`, its tokens, `<|eos|>`, in order."""
+    bos = np.array([tokenizer.bos_token_id], dtype=np.int64)
+    eos = np.array([tokenizer.eos_token_id], dtype=np.int64)
+    pieces = [np.zeros(0, dtype=np.int64)]
+    for chunk in _chunks(texts, ENCODE_CHUNK_CHARS):
+        for enc in tokenizer.backend_tokenizer.encode_batch(chunk, add_special_tokens=False):
+            pieces += [bos, np.array(enc.ids, dtype=np.int64), eos]
+    return torch.from_numpy(np.concatenate(pieces))
+
+
+def token_byte_lengths(tokenizer: PreTrainedTokenizerFast) -> torch.Tensor:
+    """[vocab] int64: UTF-8 bytes each token decodes to (byte-level BPE: one character per
+    byte), 0 for the special tokens; summed over a stream, the bytes of its files."""
+    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    special = set(tokenizer.all_special_tokens)
+    return torch.tensor([0 if t in special else len(t) for t in tokens], dtype=torch.int64)
+
+
+def _windows_at(stream: torch.Tensor, starts: torch.Tensor, length: int) -> torch.Tensor:
+    offsets = torch.arange(length, device=stream.device)
+    return stream[starts.to(stream.device)[:, None] + offsets[None, :]]  # [len(starts), length]
 
 
 def sample_windows(
@@ -125,16 +85,24 @@ def sample_windows(
 ) -> torch.Tensor:
     """`batch_size` random windows of `length` tokens from the concatenated stream."""
     starts = torch.randint(0, stream.numel() - length, (batch_size,), generator=generator)
-    offsets = torch.arange(length)
-    return stream[starts[:, None] + offsets[None, :]]  # [batch, length]
+    return _windows_at(stream, starts, length)  # [batch, length]
 
 
 def heldout_windows(stream: torch.Tensor, num_windows: int, length: int) -> torch.Tensor:
     """Evenly spaced, non-overlapping held-out windows (deterministic)."""
     num_windows = min(num_windows, stream.numel() // length)
     stride = stream.numel() // num_windows
-    starts = torch.arange(num_windows) * stride
-    return stream[starts[:, None] + torch.arange(length)[None, :]]  # [num_windows, length]
+    return _windows_at(stream, torch.arange(num_windows) * stride, length)  # [num_windows, length]
+
+
+def covering_windows(stream: torch.Tensor, length: int) -> list[torch.Tensor]:
+    """Windows of `length` overlapping by one token, then a shorter last one, so that every
+    token after the first is predicted exactly once: [[num_full, length], [1, rest]]."""
+    stride = length - 1
+    num_full = max(stream.numel() - 1, 0) // stride
+    full = _windows_at(stream, torch.arange(num_full) * stride, length)
+    rest = stream[num_full * stride :][None]  # [1, rest]
+    return [w for w in (full, rest) if w.shape[0] and w.shape[1] > 1]
 
 
 def token_counts(stream: torch.Tensor, vocab_size: int) -> torch.Tensor:

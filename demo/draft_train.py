@@ -43,7 +43,7 @@ def target_features(
     target: LlamaForCausalLM, windows: torch.Tensor, num_steps: int, fast: bool
 ) -> TargetFeatures:
     """Run the frozen target over windows [B, T]; `fast` uses bf16 autocast."""
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=fast):
+    with torch.autocast(windows.device.type, dtype=torch.bfloat16, enabled=fast):
         out = target(input_ids=windows, output_hidden_states=True)
     taps = [out.hidden_states[i] for i in aux_hidden_indices(target.config.num_hidden_layers)]
     aux = torch.cat(taps, dim=-1)[:, :-1].float()  # [B, R, 3*Ht]
@@ -72,7 +72,7 @@ def ttt_loss(
     """sum_j decay^j * CE(step j, target greedy) / sum_j decay^j."""
     feats = target_features(target, windows, num_steps, fast=True)
     embed = target.model.embed_tokens.weight
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(windows.device.type, dtype=torch.bfloat16):
         logits = draft(feats.aux_hidden, feats.step_tokens, embed, num_steps)
     num_rows = feats.aux_hidden.shape[1]
     total, weights = 0.0, 0.0

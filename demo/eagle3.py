@@ -1,4 +1,5 @@
-"""A one-layer EAGLE-3 draft with the SpecForge/SGLang tensor names, and its checkpoint writer.
+"""A one-layer EAGLE-3 draft with the SpecForge/SGLang tensor names, its checkpoint writer and
+reader.
 
 Forward of draft step j at row p (eagle.md §1.3), for target position p:
 
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 
@@ -63,7 +64,8 @@ class RMSNorm(nn.Module):
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Llama (half-split, `rotate_half`) rotary embedding; x [B, heads, T, hd], positions [T]."""
     head_dim = x.shape[-1]
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=x.device) / head_dim
+    inv_freq = 1.0 / theta**exponents
     angles = positions.float()[:, None] * inv_freq[None, :]  # [T, hd/2]
     cos = torch.cat([angles.cos(), angles.cos()], dim=-1).to(x.dtype)
     sin = torch.cat([angles.sin(), angles.sin()], dim=-1).to(x.dtype)
@@ -71,10 +73,10 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
-def ttt_mask(num_rows: int, step: int) -> torch.Tensor:
+def ttt_mask(num_rows: int, step: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """[T, (step+1)*T] bool: causal over step-0 keys, then this row's own earlier-step keys."""
-    causal = torch.ones(num_rows, num_rows, dtype=torch.bool).tril()
-    diagonal = torch.eye(num_rows, dtype=torch.bool)
+    causal = torch.ones(num_rows, num_rows, dtype=torch.bool, device=device).tril()
+    diagonal = torch.eye(num_rows, dtype=torch.bool, device=device)
     return torch.cat([causal] + [diagonal] * step, dim=1)
 
 
@@ -143,7 +145,7 @@ class Eagle3Draft(nn.Module):
 
     def set_hot_vocab(self, hot_ids: torch.Tensor) -> None:
         """`hot_ids` [Vd], ascending target ids; d2t is an offset (target = draft + d2t[draft])."""
-        self.d2t.copy_(hot_ids - torch.arange(hot_ids.numel()))
+        self.d2t.copy_(hot_ids - torch.arange(hot_ids.numel(), device=hot_ids.device))
         self.t2d.zero_()
         self.t2d[hot_ids] = True
 
@@ -180,7 +182,7 @@ class Eagle3Draft(nn.Module):
             q, k, v = layer.self_attn.project(u, positions)
             keys.append(k)
             values.append(v)
-            mask = ttt_mask(num_rows, step).to(u.device)
+            mask = ttt_mask(num_rows, step, u.device)  # born on the device: no host copy
             r = hidden + layer.self_attn.attend(q, keys, values, mask)
             hidden = r + layer.mlp(layer.post_attention_layernorm(r))  # y_j, pre-norm
             logits.append(self.lm_head(self.norm(hidden)))
@@ -230,3 +232,23 @@ def save_draft(draft: Eagle3Draft, config: dict, draft_dir: Path) -> None:
     }
     save_file(tensors, str(draft_dir / "model.safetensors"), metadata={"format": "pt"})
     (draft_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def load_draft(draft_dir: Path) -> Eagle3Draft:
+    """A draft written by `save_draft`, in fp32 and in eval mode, on the CPU."""
+    config = json.loads((Path(draft_dir) / "config.json").read_text())
+    shape = DraftShape(
+        hidden_size=config["hidden_size"],
+        target_hidden_size=config["target_hidden_size"],
+        num_heads=config["num_attention_heads"],
+        num_kv_heads=config["num_key_value_heads"],
+        intermediate_size=config["intermediate_size"],
+        vocab_size=config["vocab_size"],
+        draft_vocab_size=config["draft_vocab_size"],
+        rope_theta=config["rope_theta"],
+        max_position_embeddings=config["max_position_embeddings"],
+        rms_norm_eps=config["rms_norm_eps"],
+    )
+    draft = Eagle3Draft(shape)
+    draft.load_state_dict(load_file(str(Path(draft_dir) / "model.safetensors")))
+    return draft.eval().requires_grad_(False)

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaForCausalLM
 from transformers.utils import logging as hf_logging
 
 from specmesh.demo import data as demo_data
 from specmesh.demo.card import DemoReport, render_card
-from specmesh.demo.config import FULL, QUICK, DemoConfig
+from specmesh.demo.config import PRESETS, DemoConfig
 from specmesh.demo.draft_train import (
     ChainStats,
     aux_layer_ids,
@@ -22,42 +21,24 @@ from specmesh.demo.draft_train import (
 )
 from specmesh.demo.eagle3 import DraftShape, Eagle3Draft, draft_config, save_draft
 from specmesh.demo.loop import LoopStats, train_timed
+from specmesh.demo.prepare import PreparedData, hot_vocab, prepare_data
 from specmesh.demo.progress import Progress
-from specmesh.demo.target import build_target, eval_loss, load_target_fp32, save_target, target_loss
-
-
-@dataclass(frozen=True)
-class PreparedData:
-    corpus: demo_data.Corpus
-    tokenizer: PreTrainedTokenizerFast
-    train_stream: torch.Tensor  # [train_tokens] int64, files concatenated
-    heldout_stream: torch.Tensor  # [heldout_tokens] int64
-
-
-def prepare_data(cfg: DemoConfig) -> PreparedData:
-    corpus = demo_data.load_corpus(cfg.heldout_percent, cfg.max_train_bytes, cfg.max_heldout_bytes)
-    tokenizer = demo_data.train_tokenizer(
-        corpus.train_texts, cfg.vocab_size, cfg.max_position_embeddings
-    )
-    train_stream = torch.cat(demo_data.encode_files(tokenizer, corpus.train_texts))
-    heldout_stream = torch.cat(demo_data.encode_files(tokenizer, corpus.heldout_texts))
-    return PreparedData(corpus, tokenizer, train_stream, heldout_stream)
-
-
-def hot_vocab(cfg: DemoConfig, prepared: PreparedData) -> tuple[torch.Tensor, float]:
-    """The `draft_vocab_size` most frequent training ids (eos always in), ascending; coverage."""
-    counts = demo_data.token_counts(prepared.train_stream, len(prepared.tokenizer)).double()
-    ranking = counts.clone()
-    ranking[prepared.tokenizer.eos_token_id] = float("inf")
-    hot_ids = ranking.topk(cfg.draft_vocab_size).indices.sort().values
-    return hot_ids, float(counts[hot_ids].sum() / counts.sum())
+from specmesh.demo.report import TrainedPair, build_report, describe_device
+from specmesh.demo.target import (
+    HeldoutLoss,
+    build_target,
+    eval_loss,
+    load_target_fp32,
+    save_target,
+    target_loss,
+)
 
 
 def train_target(
     cfg: DemoConfig, prepared: PreparedData, seed: int, budget_s: float, show: bool
 ) -> tuple[LlamaForCausalLM, LoopStats]:
     torch.manual_seed(seed)
-    model = build_target(cfg, prepared.tokenizer)
+    model = build_target(cfg, prepared.tokenizer).to(prepared.train_stream.device)
     generator = torch.Generator().manual_seed(seed)
     stats = train_timed(
         [p for p in model.parameters() if p.requires_grad],
@@ -86,7 +67,7 @@ def build_draft(cfg: DemoConfig, target: LlamaForCausalLM, hot_ids: torch.Tensor
         max_position_embeddings=cfg.max_position_embeddings,
         rms_norm_eps=target.config.rms_norm_eps,
     )
-    draft = Eagle3Draft(shape)
+    draft = Eagle3Draft(shape).to(hot_ids.device)
     draft.set_hot_vocab(hot_ids)
     with torch.no_grad():
         draft.lm_head.weight.copy_(target.get_output_embeddings().weight[hot_ids])
@@ -123,38 +104,42 @@ def evaluate_draft(
     return accuracy, chain
 
 
-@dataclass(frozen=True)
-class TrainedPair:
-    prepared: PreparedData
-    target: LlamaForCausalLM  # shipped bf16 weights, upcast to fp32, frozen
-    target_stats: LoopStats
-    target_eval_loss: float
-    draft: Eagle3Draft
-    draft_stats: LoopStats
-    hot_vocab_coverage: float
-    step_accuracy: list[float]
-    chain: ChainStats
+def evaluate_target(
+    cfg: DemoConfig, target: LlamaForCausalLM, prepared: PreparedData
+) -> tuple[HeldoutLoss, HeldoutLoss | None]:
+    """Loss on evenly spaced windows of the held-out stdlib files and of the eval-only text."""
+
+    def on(stream: torch.Tensor) -> HeldoutLoss:
+        windows = demo_data.heldout_windows(stream, cfg.eval_windows, cfg.short_context)
+        return eval_loss(target, windows, prepared.byte_lengths)
+
+    eval_only = prepared.eval_only_stream
+    return on(prepared.heldout_stream), on(
+        eval_only
+    ) if eval_only.numel() > cfg.short_context else None
 
 
 def train_pair(
-    cfg: DemoConfig, out_dir: Path, seed: int, deadline: float, show: bool
+    cfg: DemoConfig, out_dir: Path, seed: int, deadline: float, device: torch.device, show: bool
 ) -> TrainedPair:
     """Every stage, in order, writing `out_dir/target` and `out_dir/draft` on the way."""
     log = Progress("demo", show)
-    prepared = prepare_data(cfg)
+    prepared = prepare_data(cfg, device, log)
+    corpus = prepared.corpus
     log.note(
-        f"{len(prepared.corpus.train_files)} train / {len(prepared.corpus.heldout_files)} "
-        f"held-out files, {prepared.train_stream.numel():,} train tokens"
+        f"{len(corpus.train.files)} train / {len(corpus.heldout.files)} held-out files, "
+        f"{prepared.train_stream.numel():,} train tokens"
     )
     budget_s = (deadline - time.monotonic() - cfg.eval_reserve_s) * cfg.target_time_share
     model, target_stats = train_target(cfg, prepared, seed, max(budget_s, 1.0), show)
     save_target(model, prepared.tokenizer, out_dir / "target")
-    target = load_target_fp32(out_dir / "target")
-    windows = demo_data.heldout_windows(
-        prepared.heldout_stream, cfg.eval_windows, cfg.short_context
+    target = load_target_fp32(out_dir / "target", device)
+    target_eval, eval_only_eval = evaluate_target(cfg, target, prepared)
+    log.note(
+        f"target eval loss {target_eval.nats_per_token:.3f} nats/token, "
+        f"{target_eval.bits_per_byte:.3f} bits/byte"
+        + (f"; eval-only {eval_only_eval.bits_per_byte:.3f} bits/byte" if eval_only_eval else "")
     )
-    target_eval = eval_loss(target, windows)
-    log.note(f"target eval loss {target_eval:.3f} nats/token")
 
     hot_ids, coverage = hot_vocab(cfg, prepared)
     torch.manual_seed(seed + 1)
@@ -173,48 +158,28 @@ def train_pair(
         f"chain {chain.mean_accept_length:.2f} tokens/round"
     )
     return TrainedPair(
-        prepared, target, target_stats, target_eval, draft, draft_stats, coverage, accuracy, chain
-    )
+        prepared, target, target_stats, target_eval, eval_only_eval, draft, draft_stats,
+        coverage, accuracy, chain,
+    )  # fmt: skip
 
 
-def _megabytes(path: Path) -> float:
-    return path.stat().st_size / 1e6
+def resolve_device(device: str) -> torch.device:
+    resolved = torch.device(device)
+    if resolved.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be cpu or cuda, got {device!r}")
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but torch sees no CUDA device")
+    return resolved
 
 
-def build_report(pair: TrainedPair, out_dir: Path, **run: object) -> DemoReport:
-    corpus, prepared = pair.prepared.corpus, pair.prepared
-    return DemoReport(
-        out_dir=str(out_dir),
-        **run,
-        python_version=corpus.python_version,
-        num_train_files=len(corpus.train_files),
-        num_heldout_files=len(corpus.heldout_files),
-        train_bytes=corpus.num_train_bytes,
-        heldout_bytes=corpus.num_heldout_bytes,
-        train_tokens=prepared.train_stream.numel(),
-        heldout_tokens=prepared.heldout_stream.numel(),
-        vocab_size=len(prepared.tokenizer),
-        draft_vocab_size=pair.draft.shape.draft_vocab_size,
-        hot_vocab_coverage=pair.hot_vocab_coverage,
-        target_params=sum(p.numel() for p in pair.target.parameters()),
-        target_mb=_megabytes(out_dir / "target" / "model.safetensors"),
-        target_steps=pair.target_stats.num_steps,
-        target_train_tokens=pair.target_stats.num_tokens,
-        target_seconds=pair.target_stats.seconds,
-        target_train_loss=pair.target_stats.final_loss,
-        target_eval_loss=pair.target_eval_loss,
-        draft_params=sum(p.numel() for p in pair.draft.parameters()),
-        draft_mb=_megabytes(out_dir / "draft" / "model.safetensors"),
-        aux_layer_ids=aux_layer_ids(pair.target.config.num_hidden_layers),
-        draft_steps=pair.draft_stats.num_steps,
-        draft_train_tokens=pair.draft_stats.num_tokens,
-        draft_seconds=pair.draft_stats.seconds,
-        draft_train_loss=pair.draft_stats.final_loss,
-        draft_step_accuracy=pair.step_accuracy,
-        chain_conditional_acceptance=pair.chain.conditional_acceptance,
-        chain_mean_accept_length=pair.chain.mean_accept_length,
-        chain_rounds=pair.chain.num_rounds,
-    )
+def resolve_preset(preset: str | None, quick: bool) -> str:
+    """`quick=True` is the older spelling of `preset="quick"`."""
+    if quick and preset not in (None, "quick"):
+        raise ValueError(f"quick=True contradicts preset={preset!r}")
+    name = "quick" if quick else preset or "full"
+    if name not in PRESETS:
+        raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {name!r}")
+    return name
 
 
 def make_demo(
@@ -222,32 +187,37 @@ def make_demo(
     *,
     seed: int = 0,
     time_budget_s: float = 900.0,
+    preset: str | None = None,
     quick: bool = False,
+    device: str = "cpu",
     progress: bool = True,
 ) -> DemoReport:
     """Train the demo target and its EAGLE-3 draft into `out_dir/{target,draft}` + README.md.
 
-    `time_budget_s` is the whole run's wall-clock budget (the full run trains until it is
-    spent); `quick=True` is a tiny seconds-long run on a slice of the corpus, for tests.
+    `time_budget_s` is the whole run's wall-clock budget from the call, data preparation
+    included (the full and gpu runs train until it is spent); `preset` names a configuration
+    of `config.PRESETS` ("full" by default; "quick", or `quick=True`, is a tiny seconds-long
+    run on a slice of the corpus, for tests); `device` is "cpu" or "cuda".
     """
     if time_budget_s <= 0:
         raise ValueError(f"time_budget_s must be positive, got {time_budget_s}")
     start = time.monotonic()
-    cfg = QUICK if quick else FULL
+    name, torch_device = resolve_preset(preset, quick), resolve_device(device)
+    cfg = PRESETS[name]
     out_dir = Path(out_dir)
     bars_were_on = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # transformers' own save/load bars
     try:
-        pair = train_pair(cfg, out_dir, seed, start + time_budget_s, progress)
+        pair = train_pair(cfg, out_dir, seed, start + time_budget_s, torch_device, progress)
     finally:
         if bars_were_on:
             hf_logging.enable_progress_bar()
     report = build_report(
-        pair, out_dir, quick=quick, seed=seed, time_budget_s=time_budget_s,
-        total_seconds=time.monotonic() - start,
-        num_cpu_threads=torch.get_num_threads(),
+        pair, out_dir, preset=name, seed=seed, time_budget_s=time_budget_s,
+        total_seconds=time.monotonic() - start, device=torch_device.type,
+        device_name=describe_device(torch_device),
     )  # fmt: skip
-    heldout = pair.prepared.corpus.heldout_files
+    heldout = pair.prepared.corpus.heldout.files
     (out_dir / "heldout_files.txt").write_text("\n".join(heldout) + "\n")
     (out_dir / "README.md").write_text(render_card(report, cfg, heldout))
     return report

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,18 +41,48 @@ def build_target(cfg: DemoConfig, tokenizer: PreTrainedTokenizerFast) -> LlamaFo
 
 def target_loss(model: LlamaForCausalLM, windows: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy (nats) over a batch of windows [batch, length]."""
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(windows.device.type, dtype=torch.bfloat16):
         logits = model(input_ids=windows).logits  # [batch, length, vocab]
     return torch.nn.functional.cross_entropy(
         logits[:, :-1].float().flatten(0, 1), windows[:, 1:].flatten()
     )
 
 
+@dataclass(frozen=True)
+class HeldoutLoss:
+    """Next-token loss summed over evaluated windows; sums of batches add up."""
+
+    nll: float  # nats, summed over the predicted tokens
+    num_tokens: int  # predicted tokens
+    num_bytes: int  # UTF-8 bytes of the text those tokens decode to (special tokens: none)
+
+    def __add__(self, other: HeldoutLoss) -> HeldoutLoss:
+        return HeldoutLoss(
+            self.nll + other.nll,
+            self.num_tokens + other.num_tokens,
+            self.num_bytes + other.num_bytes,
+        )
+
+    @property
+    def nats_per_token(self) -> float:
+        return self.nll / self.num_tokens
+
+    @property
+    def bits_per_byte(self) -> float:
+        """nats/token * tokens / bytes / ln 2: comparable across tokenizers on the same text."""
+        return self.nll / self.num_bytes / math.log(2)
+
+
 @torch.no_grad()
-def eval_loss(model: LlamaForCausalLM, windows: torch.Tensor, batch_size: int = 8) -> float:
-    """Mean per-token cross-entropy in fp32 over held-out windows [num_windows, length]."""
+def eval_loss(
+    model: LlamaForCausalLM,
+    windows: torch.Tensor,  # [num_windows, length] on the model's device
+    byte_lengths: torch.Tensor,  # [vocab] int64, `data.token_byte_lengths`, on the same device
+    batch_size: int = 8,
+) -> HeldoutLoss:
+    """Summed per-token cross-entropy in fp32 over held-out windows."""
     model.eval()
-    total, count = 0.0, 0
+    total, count, num_bytes = 0.0, 0, 0
     for chunk in windows.split(batch_size):
         logits = model(input_ids=chunk).logits.float()  # [batch, length, vocab]
         nll = torch.nn.functional.cross_entropy(
@@ -58,7 +90,8 @@ def eval_loss(model: LlamaForCausalLM, windows: torch.Tensor, batch_size: int = 
         )
         total += nll.item()
         count += chunk[:, 1:].numel()
-    return total / count
+        num_bytes += int(byte_lengths[chunk[:, 1:]].sum())
+    return HeldoutLoss(total, count, num_bytes)
 
 
 def save_target(
@@ -73,8 +106,8 @@ def save_target(
     config_path.write_text(json.dumps(tokenizer_config, indent=2) + "\n")
 
 
-def load_target_fp32(target_dir: Path) -> LlamaForCausalLM:
+def load_target_fp32(target_dir: Path, device: torch.device | str = "cpu") -> LlamaForCausalLM:
     """The shipped bf16 target, upcast to fp32 and frozen (the draft trains against this)."""
-    model = LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    model = LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.float32).to(device)
     model.eval().requires_grad_(False)
     return model

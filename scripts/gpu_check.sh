@@ -12,6 +12,9 @@
 #     cluster    the same through a gRPC cluster (target, draft and router processes sharing
 #                the GPU), with 1 and 2 router micro-batches, to set against speed's in-process
 #                triton + CUDA graphs
+#     train      (not in the default list) a larger demo pair trained on the GPU (`make-demo
+#                --preset gpu`), compared with models/demo by `specmesh.demo.compare`; the
+#                pair comes back as OUT/demo-pair.tar.part-* (cat them | tar x)
 # JSON results are merged into OUT/gpu_results.json.
 #
 # What the machine lacks is installed from wheels in $SPECMESH_WHEELS (default .whl/; the list
@@ -19,7 +22,7 @@
 # a time limit ($SPECMESH_<PHASE>_TIMEOUT seconds) so one hang cannot eat the others.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-[ $# -ge 1 ] || { sed -n 2,19p "$0"; exit 2; }
+[ $# -ge 1 ] || { awk 'NR > 1 && !/^#/ { exit } NR > 1' "$0"; exit 2; }
 mkdir -p "$1" && OUT=$(cd "$1" && pwd) && shift
 PHASES=" ${*:-env tests e2e roofline speed cluster} "
 PY=${PYTHON:-python3}
@@ -130,6 +133,18 @@ cluster() {  # the same runs through a gRPC cluster (target, draft, router proce
   return $failed
 }
 
+train() {  # step 5: the GPU preset of the demo pair, then both pairs on the same held-out text
+  local - dir=${SPECMESH_TRAIN_DIR:-/tmp/specmesh-demo-gpu}
+  set -o pipefail
+  # The tokenizer encodes in parallel: undo the export above for this phase.
+  TOKENIZERS_PARALLELISM=true "$PY" -m specmesh.main make-demo "$dir" --preset gpu \
+    --device cuda --time-budget "${SPECMESH_TRAIN_BUDGET:-450}" | tr '\r' '\n' || return 1
+  "$PY" -m specmesh.demo.compare models/demo "$dir" --device cuda \
+    --out "$JSON/demo-compare.json" || return 1
+  cp "$dir/README.md" "$OUT/demo-card.md"
+  tar -C "$dir" -cf - . | split -b 15m - "$OUT/demo-pair.tar.part-"  # files back: <= 16 MiB
+}
+
 merge_json() {
   "$PY" - "$JSON" "$OUT/gpu_results.json" <<'EOF'
 import json, pathlib, sys
@@ -141,13 +156,14 @@ EOF
 }
 
 export PY OUT SYNTH JSON SPEED_RUNS
-export -f env_report make_synthetic model_dirs roofline speed cluster
+export -f env_report make_synthetic model_dirs roofline speed cluster train
 phase env 60 env_report
 phase tests 900 "\"$PY\" -m pytest -q -p no:cacheprovider -rfE ${SPECMESH_TEST_PATHS:-tests/gpu ${KERNEL_SUITES[*]}}"
 phase e2e 600 "\"$PY\" -m pytest -q -p no:cacheprovider -rfE --device cuda ${E2E_SUITES[*]}"
 phase roofline 600 roofline
 phase speed 3600 speed
 phase cluster 1800 cluster
+phase train 540 train
 merge_json
 echo "gpu_check: $([ $STATUS -eq 0 ] && echo passed || echo FAILED); logs in $OUT"
 exit $STATUS

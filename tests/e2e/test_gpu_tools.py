@@ -44,5 +44,5 @@ def test_gpu_check_lists_its_phases() -> None:
     proc = subprocess.run(["bash", str(REPO / "scripts/gpu_check.sh")], capture_output=True,
                           text=True, timeout=30)  # fmt: skip
     assert proc.returncode == 2
-    for phase in ("env", "tests", "e2e", "roofline", "speed", "cluster"):
+    for phase in ("env", "tests", "e2e", "roofline", "speed", "cluster", "train"):
         assert f"#     {phase} " in proc.stdout, phase

@@ -1,4 +1,5 @@
-"""The demo pair builder (`specmesh.demo`): quick mode end to end, formats, the draft's math."""
+"""The demo pair builder (`specmesh.demo`): quick mode end to end, formats, the draft's math,
+and the pair comparison on the quick pair."""
 
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ from safetensors import safe_open
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from specmesh.demo import DemoReport, make_demo
+from specmesh.demo import compare as demo_compare
 from specmesh.demo.config import FULL, QUICK
-from specmesh.demo.data import is_heldout, list_stdlib_files
+from specmesh.demo.corpus import is_heldout, list_py_files
 from specmesh.demo.draft_train import aux_hidden_indices, aux_layer_ids
-from specmesh.demo.eagle3 import DraftShape, Eagle3Draft
+from specmesh.demo.eagle3 import DraftShape, Eagle3Draft, load_draft
+from specmesh.main import build_parser
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -24,7 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def quick_demo(tmp_path_factory) -> tuple[Path, DemoReport]:
     out_dir = tmp_path_factory.mktemp("demo")
-    report = make_demo(out_dir, seed=0, quick=True, progress=False)
+    report = make_demo(out_dir, seed=0, preset="quick", device="cpu", progress=False)
     return out_dir, report
 
 
@@ -120,17 +123,80 @@ def test_quick_demo_heldout_split_and_report(quick_demo):
     out_dir, report = quick_demo
     heldout = (out_dir / "heldout_files.txt").read_text().split()
     assert heldout and len(heldout) == report.num_heldout_files
-    all_files = list_stdlib_files(Path(sysconfig.get_paths()["stdlib"]))
+    all_files = list_py_files(Path(sysconfig.get_paths()["stdlib"]))
     train = {p for p in all_files if not is_heldout(p, QUICK.heldout_percent)}
     assert set(heldout) <= set(all_files) and not set(heldout) & train
     assert all(is_heldout(p, QUICK.heldout_percent) for p in heldout)
     assert not any("site-packages" in p or p.startswith(("test/", "idlelib/")) for p in all_files)
 
     assert math.isfinite(report.target_eval_loss) and report.target_eval_loss > 0
+    assert 0 < report.target_eval_bits_per_byte < report.target_eval_loss
+    assert report.eval_only_loss is None and report.eval_only_tokens == 0  # stdlib only
+    assert (report.preset, report.device) == ("quick", "cpu")
+    assert [s.name for s in report.sources] == ["stdlib train", "stdlib held out"]
+    assert (
+        f"{report.target_eval_bits_per_byte:.3f} bits/byte" in (out_dir / "README.md").read_text()
+    )
     assert len(report.draft_step_accuracy) == QUICK.num_draft_steps
     assert len(report.chain_conditional_acceptance) == QUICK.num_draft_steps
     assert 1.0 <= report.chain_mean_accept_length <= 1 + QUICK.num_draft_steps
     assert report.aux_layer_ids == [1, QUICK.num_layers // 2 - 1, QUICK.num_layers - 4]
+
+
+def test_load_draft_reads_what_was_saved(quick_demo):
+    out_dir, _ = quick_demo
+    draft = load_draft(out_dir / "draft")
+    saved = read_safetensors(out_dir / "draft" / "model.safetensors")
+    for name, tensor in draft.state_dict().items():
+        assert torch.equal(tensor, saved[name].to(tensor.dtype)), name
+    assert draft.shape.draft_vocab_size == QUICK.draft_vocab_size and not draft.training
+
+
+def transformers_bits_per_byte(target_dir: Path, texts: list[str]) -> float:
+    """The oracle: transformers' own mean loss over windows of the context overlapping by one."""
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    model = LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    ids = []
+    for text in texts:
+        ids += [tokenizer.bos_token_id, *tokenizer(text, add_special_tokens=False)["input_ids"]]
+        ids.append(tokenizer.eos_token_id)
+    context, nll = model.config.max_position_embeddings, 0.0
+    with torch.no_grad():
+        for start in range(0, len(ids) - 1, context - 1):
+            window = torch.tensor([ids[start : start + context]])
+            nll += model(input_ids=window, labels=window).loss.item() * (window.shape[1] - 1)
+    return nll / len("".join(texts).encode()) / math.log(2)
+
+
+def test_compare_scores_the_quick_pair(quick_demo, tmp_path, capsys):
+    out_dir, _ = quick_demo
+    flags = ["--max-bytes", "20000", "--chain-prompts", "2", "--prompt-len", "16",
+             "--new-tokens", "8", "--depth", "3"]  # fmt: skip
+    out = tmp_path / "compare.json"
+    assert demo_compare.main([str(out_dir), str(out_dir), *flags, "--out", str(out)]) == 0
+    assert "bits/byte" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    first, second = result["pairs"]
+    assert {**first, "seconds": 0} == {**second, "seconds": 0}  # same pair, same numbers
+
+    settings = demo_compare.CompareSettings(max_bytes=20_000)
+    text = demo_compare.heldout_text(settings)
+    assert result["heldout_files"] == text.files and all(is_heldout(p, 5) for p in text.files)
+    assert first["num_bytes"] == text.num_bytes == result["heldout_bytes"]
+    oracle = transformers_bits_per_byte(out_dir / "target", text.texts)
+    assert first["bits_per_byte"] == pytest.approx(oracle, rel=1e-4)
+    assert len(first["chain_conditional_acceptance"]) == 3 and first["chain_rounds"] > 0
+    assert 1.0 <= first["chain_mean_accept_length"] <= 4.0
+
+
+def test_make_demo_cli_flags():
+    def parse(*argv: str):
+        return build_parser("make-demo").parse_args(["make-demo", "OUT", *argv])
+
+    assert (parse().preset, parse().device) == ("full", "cpu")
+    assert parse("--quick").preset == "quick"
+    gpu = parse("--preset", "gpu", "--device", "cuda", "--time-budget", "470")
+    assert (gpu.preset, gpu.device, gpu.time_budget) == ("gpu", "cuda", 470.0)
 
 
 def test_aux_taps_are_layer_inputs():
@@ -202,30 +268,6 @@ def test_draft_training_forward_matches_incremental_decode(feed_drafted):
                     token = draft.to_target_ids(logits.argmax(-1))
                 else:
                     token = tokens[:, row + step + 1 : row + step + 2]
-
-
-def test_full_size_fits_budget():
-    """bf16 target + draft of the full configuration stay within 20 MB."""
-    target = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=FULL.vocab_size,
-            hidden_size=FULL.hidden_size,
-            intermediate_size=FULL.intermediate_size,
-            num_hidden_layers=FULL.num_layers,
-            num_attention_heads=FULL.num_heads,
-            num_key_value_heads=FULL.num_kv_heads,
-            tie_word_embeddings=True,
-        )
-    )
-    draft = Eagle3Draft(
-        DraftShape(FULL.hidden_size, FULL.hidden_size, FULL.num_heads, FULL.num_kv_heads,
-                   FULL.draft_intermediate_size, FULL.vocab_size, FULL.draft_vocab_size,
-                   FULL.draft_rope_theta, FULL.max_position_embeddings)
-    )  # fmt: skip
-    num_params = sum(p.numel() for p in target.parameters())
-    num_params += sum(p.numel() for p in draft.parameters())
-    assert 2 * num_params <= 20e6
-    assert len(set(aux_layer_ids(FULL.num_layers))) == 3
 
 
 @pytest.mark.skipif(
