@@ -90,14 +90,14 @@ class TransformersBackend:
             options["assistant_model"] = self.assistant
         if spec.temperature != 0.0 or (spec.spec is not None and spec.batch_size != 1):
             raise ValueError("the transformers baselines run greedy, drafting at batch 1 only")
-        self._generate([prompts[0]], 4, [RequestTrace(0)], options)  # warm-up
+        self.generate([prompts[0]], 4, [RequestTrace(0)], options)  # warm-up
         rows = [prompts[i % len(prompts)] for i in range(spec.num_requests)]
         traces: list[RequestTrace] = []
         start = time.perf_counter()
         for i in range(0, len(rows), spec.batch_size):
             batch = rows[i : i + spec.batch_size]
             batch_traces = [RequestTrace(time.perf_counter()) for _ in batch]
-            self._generate(batch, spec.max_new_tokens, batch_traces, options)
+            self.generate(batch, spec.max_new_tokens, batch_traces, options)
             traces += batch_traces
         wall_s = time.perf_counter() - start
         split = {
@@ -106,9 +106,15 @@ class TransformersBackend:
         }  # fmt: skip
         return result(spec, traces, wall_s, split, 0, "none")
 
-    def _generate(
-        self, batch: list[list[int]], max_new_tokens: int, traces: list, options: dict[str, Any]
+    def generate(
+        self,
+        batch: list[list[int]],
+        max_new_tokens: int,
+        traces: list[RequestTrace] | None = None,
+        options: dict[str, Any] | None = None,
     ) -> None:
+        """One greedy left-padded ``generate`` call of exactly ``max_new_tokens`` per prompt;
+        with ``traces``, each step's arrival is recorded in them (a streamer on the loop)."""
         width = max(len(p) for p in batch)
         ids = torch.tensor(
             [[self.pad_token_id] * (width - len(p)) + p for p in batch], device=self.device
@@ -124,8 +130,8 @@ class TransformersBackend:
                 do_sample=False,
                 eos_token_id=None,
                 pad_token_id=self.pad_token_id,
-                streamer=StepClock(traces),
-                **options,
+                streamer=None if traces is None else StepClock(traces),
+                **(options or {}),
             )
         if out.shape[1] - width != max_new_tokens:
             raise RuntimeError(f"generate made {out.shape[1] - width} tokens, not {max_new_tokens}")

@@ -26,7 +26,7 @@ import torch
 from transformers import AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from specmesh.demo.corpus import TextSet, is_heldout, list_py_files, read_files
+from specmesh.demo.corpus import TextSet, read_files, split_stdlib
 from specmesh.demo.data import covering_windows, encode_stream, token_byte_lengths
 from specmesh.demo.draft_train import aux_layer_ids, chain_acceptance
 from specmesh.demo.eagle3 import load_draft
@@ -65,9 +65,8 @@ class PairScore:
 
 def heldout_text(settings: CompareSettings, stdlib_dir: Path | None = None) -> TextSet:
     stdlib_dir = Path(stdlib_dir or sysconfig.get_paths()["stdlib"])
-    rel_paths = [p for p in list_py_files(stdlib_dir) if is_heldout(p, settings.heldout_percent)]
-    chosen = rel_paths[: settings.max_files]
-    return read_files([(p, stdlib_dir / p) for p in chosen], settings.max_bytes)
+    held, _ = split_stdlib(stdlib_dir, settings.heldout_percent)
+    return read_files(held[: settings.max_files], settings.max_bytes)
 
 
 def prompt_texts(text: TextSet, settings: CompareSettings) -> list[str]:

@@ -179,15 +179,23 @@ def _package_bytes(text: TextSet) -> list[tuple[str, int]]:
     return sorted(counts.items(), key=lambda item: (-item[1], item[0]))
 
 
+def split_stdlib(
+    stdlib_dir: Path, heldout_percent: int
+) -> tuple[list[tuple[str, Path]], list[tuple[str, Path]]]:
+    """(held out, train) as (relative path, path) pairs, sorted, split by path hash."""
+    rel_paths = list_py_files(stdlib_dir)
+    held = [(p, stdlib_dir / p) for p in rel_paths if is_heldout(p, heldout_percent)]
+    kept = [(p, stdlib_dir / p) for p in rel_paths if not is_heldout(p, heldout_percent)]
+    return held, kept
+
+
 def load_corpus(
     cfg: DemoConfig, stdlib_dir: Path | None = None, package_roots: list[Path] | None = None
 ) -> Corpus:
     """The stdlib split, plus (with `cfg.extra_sources`) the installed packages' text; the roots
     default to the running Python's."""
     stdlib_dir = Path(stdlib_dir or sysconfig.get_paths()["stdlib"])
-    rel_paths = list_py_files(stdlib_dir)
-    held = [(p, stdlib_dir / p) for p in rel_paths if is_heldout(p, cfg.heldout_percent)]
-    kept = [(p, stdlib_dir / p) for p in rel_paths if not is_heldout(p, cfg.heldout_percent)]
+    held, kept = split_stdlib(stdlib_dir, cfg.heldout_percent)
     heldout = read_files(held, cfg.max_heldout_bytes)
     version = ".".join(str(v) for v in sys.version_info[:3])
     if not cfg.extra_sources:

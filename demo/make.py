@@ -113,10 +113,10 @@ def evaluate_target(
         windows = demo_data.heldout_windows(stream, cfg.eval_windows, cfg.short_context)
         return eval_loss(target, windows, prepared.byte_lengths)
 
-    eval_only = prepared.eval_only_stream
-    return on(prepared.heldout_stream), on(
-        eval_only
-    ) if eval_only.numel() > cfg.short_context else None
+    heldout = on(prepared.heldout_stream)
+    if prepared.eval_only_stream.numel() <= cfg.short_context:  # no eval-only text
+        return heldout, None
+    return heldout, on(prepared.eval_only_stream)
 
 
 def train_pair(

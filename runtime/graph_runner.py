@@ -81,13 +81,6 @@ def as_rows(out: object) -> Selectable:
     return RowTuple(out) if isinstance(out, tuple) else out  # type: ignore[return-value]
 
 
-def pad_slot_of(cache: KVCache) -> int:
-    """The KV slot padding rows use: the cache's scratch slot, outside every request and the
-    allocator, shared by all runners (padding rows only ever write garbage there, and only
-    padding rows read it)."""
-    return cache.scratch_slot
-
-
 class GraphRunner:
     """Fixed-width batches through static buffers; see the module docstring for the layout."""
 
@@ -114,7 +107,7 @@ class GraphRunner:
         self.batch_sizes = batch_sizes or capture_batch_sizes(sizes.max_bs)
         if max(self.batch_sizes) > sizes.max_bs:
             raise ValueError(f"batch sizes {self.batch_sizes} exceed max_bs {sizes.max_bs}")
-        self.pad_slot = pad_slot_of(cache)
+        self.pad_slot = cache.scratch_slot  # owned by no request (module docstring)
         self.buffers = GraphBuffers.allocate(sizes, device, self.pad_slot, hidden_in)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, Selectable] = {}
