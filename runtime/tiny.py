@@ -60,9 +60,14 @@ def make_tiny_target(
     seed: int = 0,
     tie_word_embeddings: bool = False,
     dtype: torch.dtype = torch.float32,
+    initializer_range: float = 0.3,
     **overrides: object,
 ) -> Path:
-    """Write a random ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM``."""
+    """Write a random ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM``.
+
+    The default ``initializer_range`` (0.3, not transformers' 0.02) keeps greedy output varied:
+    at small scales a random model falls into one repeated token within a few steps, and an
+    oracle test whose output repeats one token cannot tell one token's KV from another's."""
     import transformers
 
     classes = {
@@ -82,7 +87,7 @@ def make_tiny_target(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        initializer_range=0.1,
+        initializer_range=initializer_range,
     )
     torch.manual_seed(seed)
     model = model_cls(config).to(dtype)

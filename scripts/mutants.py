@@ -1,0 +1,213 @@
+"""The oracle tests must bite: plant known bugs, one at a time, and check the suite catches each.
+
+    .venv/bin/python scripts/mutants.py            # every mutant, with a baseline run first
+    .venv/bin/python scripts/mutants.py --list     # names, what each breaks, the tests it runs
+    .venv/bin/python scripts/mutants.py kv-tree-order bonus-dropped --no-baseline --first
+
+Each mutant replaces one exact snippet of one file in a scratch copy of the working tree (tracked
+and untracked, not ignored files) and runs the tests named for it there; it is *killed* when they
+fail, and *survives* when they pass. The report names every test that failed (``--first``: stop
+at the first, faster). The scratch copy is imported through a folder of symlinks
+that mirrors pyproject's package-dir mapping, put first on PYTHONPATH, so the editable install
+(`.venv`) keeps pointing at the real tree. Exit status 0 only when every mutant is killed and the
+baseline (the same tests, unmutated) passes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    breaks: str  # the bug, in words
+    path: str  # file, relative to the repository root
+    old: str  # exact snippet; must occur once
+    new: str
+    tests: tuple[str, ...]  # pytest node ids that must fail
+
+
+ORACLE_TESTS = (
+    "tests/unit/test_oracle_paths.py",
+    "tests/integration/test_grpc_services.py::test_oracle_draft_accepts_several_tokens_per_round",
+)
+MUTANTS = (
+    Mutant(
+        "kv-tree-order",
+        "after a verify the target keeps the KV of the first nodes in tree order, not the path's",
+        "runtime/kv_cache.py",
+        "row[base : base + num_nodes] = torch.cat([spec[kept], spec[rest]])",
+        "row[base : base + num_nodes] = spec",
+        ORACLE_TESTS,
+    ),
+    Mutant(
+        "bonus-dropped",
+        "a round that accepts draft tokens does not emit the bonus token after them",
+        "target_service/verify.py",
+        "tokens = [*row.tree.tokens[path[1:]].tolist(), bonus]",
+        "tokens = [*row.tree.tokens[path[1:]].tolist()] or [bonus]",
+        ORACLE_TESTS,
+    ),
+    Mutant(
+        "logprobs-untrimmed",
+        "a stop inside an accepted run cuts the tokens but not their logprobs",
+        "router/request.py",
+        "kept = None if logprobs is None else logprobs[: len(new_ids)]",
+        "kept = logprobs",
+        ("tests/unit/test_logprobs.py",),
+    ),
+    Mutant(
+        "draft-always-fails",
+        "every draft step raises: the router silently falls back to plain decoding",
+        "draft_service/runtime.py",
+        "trees = self.drafter.propose([i.rid for i in ok], [i.next_token for i in ok])",
+        'raise RuntimeError("mutant: the draft fails")',
+        (
+            "tests/unit/test_oracle_paths.py",
+            "tests/unit/test_draft_kinds.py",
+            "tests/unit/test_multimodal.py",
+            "tests/unit/test_chunked_prefill.py",
+        ),
+    ),
+    Mutant(
+        "aux-layers-off-by-one",
+        "the target captures EAGLE-3's aux hidden states one layer too deep",
+        "runtime/features.py",
+        'shift = 0 if self.convention == "input" else 1',
+        'shift = 1 if self.convention == "input" else 2',
+        ("tests/unit/test_demo_pair.py::test_demo_pair_is_lossless_and_accepted",),
+    ),
+    Mutant(
+        "ids-not-rotated",
+        "the EAGLE draft pairs feature row p with token p instead of token p + 1",
+        "draft_service/feature_drafter.py",
+        "ids = torch.tensor([*inp.committed_ids[1:], inp.next_token], dtype=torch.int64)",
+        "ids = torch.tensor(inp.committed_ids, dtype=torch.int64)",
+        ("tests/unit/test_demo_pair.py::test_demo_pair_is_lossless_and_accepted",),
+    ),
+    Mutant(
+        "tree-mask-without-ancestors",
+        "a tree node attends to the prefix and itself but not to its ancestors",
+        "runtime/tree.py",
+        "mask[i] |= mask[p]",
+        "pass  # mutant: no ancestors",
+        ORACLE_TESTS,
+    ),
+)
+
+
+def scratch_copy(dest: Path) -> None:
+    """Tracked and untracked (not ignored) files of the working tree."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT, check=True, capture_output=True,
+    ).stdout.decode().split("\0")  # fmt: skip
+    for rel in filter(None, listed):
+        src = ROOT / rel
+        if src.is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel)
+
+
+def import_shim(scratch: Path, shim: Path) -> None:
+    """``shim/specmesh``: the scratch folders under the names pyproject maps them to."""
+    config = tomllib.loads((scratch / "pyproject.toml").read_text())
+    mapping: dict[str, str] = config["tool"]["setuptools"]["package-dir"]
+    root = shim / "specmesh"
+    root.mkdir(parents=True)
+    for entry in (scratch / mapping["specmesh"]).iterdir():
+        (root / entry.name).symlink_to(entry)
+    for name, folder in mapping.items():
+        if name != "specmesh":
+            (root / name.removeprefix("specmesh.")).symlink_to(scratch / folder)
+
+
+def mutate(scratch: Path, m: Mutant) -> None:
+    path = scratch / m.path
+    text = path.read_text()
+    if text.count(m.old) != 1:
+        raise SystemExit(f"mutant {m.name}: {m.path} holds {text.count(m.old)} copies of {m.old!r}")
+    path.write_text(text.replace(m.old, m.new))
+
+
+def run_tests(
+    scratch: Path, shim: Path, tests: tuple[str, ...], stop_first: bool
+) -> tuple[int, list[str]]:
+    env = {**os.environ, "PYTHONPATH": str(shim)}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf", *tests]
+    if stop_first:
+        cmd.insert(3, "-x")
+    out = subprocess.run(cmd, cwd=scratch, env=env, capture_output=True, text=True)
+    failed = re.findall(r"^FAILED (\S+)", out.stdout, re.M)
+    if out.returncode not in (0, 1):
+        sys.stderr.write(out.stdout[-3000:] + out.stderr[-3000:])
+    return out.returncode, failed
+
+
+def check_shim(scratch: Path, shim: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(shim)}
+    code = "import specmesh.router.request as m; print(m.__file__)"
+    where = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    if not where.stdout.startswith(str(shim)):
+        raise SystemExit(f"the scratch copy is not what imports: {where.stdout or where.stderr}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("names", nargs="*", help="mutants to run (default: all)")
+    ap.add_argument("--list", action="store_true", help="list the mutants and exit")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the unmutated run")
+    ap.add_argument("--first", action="store_true", help="stop each mutant at its first failure")
+    args = ap.parse_args(argv)
+    chosen = [m for m in MUTANTS if not args.names or m.name in args.names]
+    unknown = set(args.names) - {m.name for m in MUTANTS}
+    if unknown:
+        raise SystemExit(f"unknown mutants {sorted(unknown)}; --list shows them")
+    if args.list:
+        for m in chosen:
+            print(f"{m.name:28} {m.path}: {m.breaks}\n{'':28} tests: {' '.join(m.tests)}")
+        return 0
+    ok = True
+    with tempfile.TemporaryDirectory(prefix="specmesh-mutants-") as tmp:
+        scratch, shim = Path(tmp) / "tree", Path(tmp) / "shim"
+        scratch_copy(scratch)
+        import_shim(scratch, shim)
+        check_shim(scratch, shim)
+        if not args.no_baseline:
+            tests = tuple(dict.fromkeys(t for m in chosen for t in m.tests))
+            start = time.monotonic()
+            code, failed = run_tests(scratch, shim, tests, stop_first=False)
+            took = time.monotonic() - start
+            print(
+                f"{'baseline':28} {'passes' if code == 0 else 'FAILS'} ({took:.0f} s) {' '.join(failed)}"
+            )
+            ok = code == 0
+        for m in chosen:
+            original = (scratch / m.path).read_text()
+            mutate(scratch, m)
+            start = time.monotonic()
+            code, failed = run_tests(scratch, shim, m.tests, stop_first=args.first)
+            took = time.monotonic() - start
+            (scratch / m.path).write_text(original)
+            verdict = {0: "SURVIVED", 1: "killed"}.get(code, f"ERROR (pytest exit {code})")
+            print(f"{m.name:28} {verdict} ({took:.0f} s) by {' '.join(failed) or '-'}", flush=True)
+            ok = ok and code == 1
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
