@@ -107,4 +107,7 @@ def generate_via_router(args: argparse.Namespace) -> dict[str, Any]:
             f"[{finish}, {len(token_ids)} tokens, mean accept {stats.mean_accept_len:.2f}]",
             file=sys.stderr,
         )
-    return result_dict(token_ids, text, finish, list(stats.accept_lens), stats.prompt_tokens)
+    accept_lens = list(stats.accept_lens)
+    return result_dict(
+        token_ids, text, finish, accept_lens, stats.prompt_tokens, stats.num_draft_tokens
+    )

@@ -179,12 +179,22 @@ def generate_in_process(args: argparse.Namespace) -> dict[str, Any]:
             file=sys.stderr,
         )
     return result_dict(
-        res.token_ids, res.text, res.finish_reason, res.accept_lens, len(res.prompt_token_ids)
+        res.token_ids,
+        res.text,
+        res.finish_reason,
+        res.accept_lens,
+        len(res.prompt_token_ids),
+        res.num_draft_tokens,
     )
 
 
 def result_dict(
-    token_ids: list[int], text: str, finish_reason: str, accept_lens: list[int], prompt_tokens: int
+    token_ids: list[int],
+    text: str,
+    finish_reason: str,
+    accept_lens: list[int],
+    prompt_tokens: int,
+    num_draft_tokens: int,
 ) -> dict[str, Any]:
     """The ``--json`` contract, the same for in-process and router runs."""
     return {
@@ -195,4 +205,5 @@ def result_dict(
         "mean_accept_len": sum(accept_lens) / len(accept_lens) if accept_lens else 0.0,
         "prompt_tokens": prompt_tokens,
         "completion_tokens": len(token_ids),
+        "num_draft_tokens": num_draft_tokens,
     }

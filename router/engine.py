@@ -31,6 +31,7 @@ class GenerationResult:
     text: str
     finish_reason: str
     accept_lens: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0  # draft tree nodes verified, roots excluded
     # Set when the request asked for them (`SamplingParams.logprobs` / ``prompt_logprobs``), as
     # the core streamed them: one per token_ids entry; one per prompt token (None for the first).
     logprobs: list[TokenLogprob] | None = None
@@ -134,6 +135,7 @@ class Engine:
             req.text,
             req.finish_reason or "abort",
             req.accept_lens,
+            req.num_draft_tokens,
             logprobs,
             prompt_logprobs,
         )

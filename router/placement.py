@@ -68,9 +68,9 @@ class Balancer:
         self.unpin_draft(placement)
         self.load[placement.target.name] -= 1
 
-    def busy(self, target: TargetClient) -> bool:
-        """Other requests hold the target too (a full KV cache there means "wait")."""
-        return self.load[target.name] > 1
+    def num_placed(self, target: TargetClient) -> int:
+        """Requests pinned to ``target``: every request that may hold KV there."""
+        return self.load[target.name]
 
     def _load_of(self, client: TargetClient | DraftClient) -> int:
         return self.load[client.name]

@@ -65,6 +65,7 @@ class Request:
     _full_text: str = ""  # decoded so far, incl. text held back for stop strings
     finish_reason: str | None = None
     accept_lens: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0  # draft tree nodes its rounds verified, roots excluded
     # Set by the router core: pinned replicas (its `Balancer` changes them), the next tree,
     # failovers so far.
     placement: Placement | None = None
@@ -101,7 +102,7 @@ class Request:
         self,
         tokens: list[int],
         *,
-        accepted_round: bool = False,
+        tree_size: int | None = None,
         logprobs: list[TokenLogprob] | None = None,
         prompt_logprobs: list[TokenLogprob | None] | None = None,
     ) -> Chunk:
@@ -111,8 +112,9 @@ class Request:
         Text is held back by ``len(longest stop string) - 1`` characters until the request
         finishes, so a stop string that spans two steps is never partly streamed.
         """
-        if accepted_round:
+        if tree_size is not None:  # a verify round: its tree had tree_size nodes, root included
             self.accept_lens.append(len(tokens))
+            self.num_draft_tokens += tree_size - 1
         if self.first_token_s is None:
             self.first_token_s = time.monotonic()
         stop_ids = set(self.params.stop_token_ids)

@@ -69,11 +69,13 @@ class RoundRunner:
         trees = [VerifyInput(r.rid, r.tree or Tree.chain([roots[r.rid]])) for r in reqs]
         verify = self.core.metrics.timed_target(lambda target: target.verify(trees))
         target, started = reqs[0].placement.target, time.monotonic()
+        placed = self.core.replicas.num_placed(target)  # before the step: who may hold KV
         out = await self._target(reqs, verify)
         if out is not None:
             seconds = self.policy.service_time(target.name, started, time.monotonic())
             self._observe(reqs, trees, out, seconds)
-            live = await self._emit(reqs, out, accepted_round=True)
+            sizes = {v.rid: v.tree.num_nodes for v in trees}
+            live = await self._emit(reqs, out, _shared(placed, out), tree_sizes=sizes)
             self.core.metrics.on_round(reqs, trees, out)
             await self._propose(
                 live, out, lambda r: [roots[r.rid], *out.tokens[r.rid][:-1]], new=False
@@ -86,11 +88,13 @@ class RoundRunner:
         pieces = {r.rid: prefill_piece(r, sizes[r.rid]) for r in reqs}
         inputs = list(pieces.values())
         prefill = self.core.metrics.timed_prefill(lambda target: target.prefill(inputs))
-        started = time.monotonic()
+        target, started = reqs[0].placement.target, time.monotonic()
+        placed = self.core.replicas.num_placed(target)  # before the step: who may hold KV
         out = await self._target(reqs, prefill)
-        self.policy.service_time(reqs[0].placement.target.name, started, time.monotonic())
+        self.policy.service_time(target.name, started, time.monotonic())
         if out is None:
             return
+        shared = _shared(placed, out)
         for r in reqs:
             r.prefill_sent += len(pieces[r.rid].input_ids) if r.rid in out.tokens else 0
         more = [r for r in reqs if pieces[r.rid].more_input]
@@ -98,11 +102,11 @@ class RoundRunner:
         # A multimodal prompt ran with its image placeholders expanded: the draft's rows
         # follow the expanded ids (the request keeps its original prompt for replays).
         committed = lambda r: out.prompt_ids.get(r.rid) or pieces[r.rid].input_ids
-        live = await self._emit(last, out, accepted_round=False)
+        live = await self._emit(last, out, shared)
         for r in live:
             r.prefilled = True
         await asyncio.gather(
-            self._extend_pieces(more, out, pieces),
+            self._extend_pieces(more, out, pieces, shared),
             self._propose([r for r in live if not pieces[r.rid].input_start], out, committed,
                           new=True),
             self._propose([r for r in live if pieces[r.rid].input_start], out, committed,
@@ -110,14 +114,18 @@ class RoundRunner:
         )  # fmt: skip
 
     async def _extend_pieces(
-        self, reqs: list[Request], out: StepOutput, pieces: dict[str, PrefillInput]
+        self,
+        reqs: list[Request],
+        out: StepOutput,
+        pieces: dict[str, PrefillInput],
+        shared: bool,
     ) -> None:
         """Each request's draft extends over a piece before the last, without proposing: its
         rows pair with the piece's ids and the next piece's first token."""
         rows, groups = split_rows(out), defaultdict(list)
         for r in reqs:
             if r.rid in out.errors:
-                await self._on_target_error(r, out.errors[r.rid])
+                await self._on_target_error(r, out.errors[r.rid], shared)
             elif not r.finished and r.placement.draft and self.policy.mode != "never":
                 piece, (feats, mm) = pieces[r.rid], rows[r.rid]
                 first = not piece.input_start
@@ -160,16 +168,24 @@ class RoundRunner:
                 self.core.fail(r, ServiceDownError(gave_up))
             await self.core.leave(r, requeue=True)
 
-    async def _emit(self, reqs: list[Request], out: StepOutput, *, accepted_round: bool):
-        """Stream each request's new tokens; returns those that go on speculating."""
+    async def _emit(
+        self,
+        reqs: list[Request],
+        out: StepOutput,
+        shared: bool,
+        tree_sizes: dict[str, int] | None = None,
+    ) -> list[Request]:
+        """Stream each request's new tokens (``tree_sizes``: the trees a verify round checked,
+        absent for a prefill); returns those that go on speculating. ``shared``: whether the
+        step's KV failures wait (`_shared`)."""
         live = []
         for r in reqs:
             if r.rid in out.errors:
-                await self._on_target_error(r, out.errors[r.rid])
+                await self._on_target_error(r, out.errors[r.rid], shared)
             elif not r.finished:  # an abort while the step ran: the worker retires it
                 chunk = r.emit(
                     out.tokens[r.rid],
-                    accepted_round=accepted_round,
+                    tree_size=None if tree_sizes is None else tree_sizes[r.rid],
                     logprobs=_logprobs(out.logprobs.get(r.rid)),
                     prompt_logprobs=_prompt_logprobs(out.prompt_logprobs.get(r.rid)),
                 )
@@ -180,10 +196,13 @@ class RoundRunner:
                     live.append(r)
         return live
 
-    async def _on_target_error(self, r: Request, error: Exception) -> None:
-        """A full KV cache while other requests hold it means "wait": the request goes back to
-        the queue, to be replayed once space frees up. Anything else fails the request."""
-        wait = isinstance(error, KVCacheFullError) and self.core.replicas.busy(r.placement.target)
+    async def _on_target_error(self, r: Request, error: Exception, shared: bool) -> None:
+        """A full KV cache that other requests held during the step (``shared``, `_shared`)
+        means "wait": the target dropped the request (preempted it), which goes back to the
+        queue to be replayed (context + emitted tokens) once space frees up, whatever its step
+        was (a prefill, a draft tree, or a bare root: plain decoding, a failed or no draft). A
+        request that does not fit in the cache on its own fails, as does any other error."""
+        wait = isinstance(error, KVCacheFullError) and shared
         if not wait:
             self.core.fail(r, error)
         await self.core.leave(r, requeue=wait)
@@ -269,6 +288,15 @@ class RoundRunner:
         if not isinstance(error, UnknownRequestError):
             r.speculate = False
         await self.core.drop_draft(r, release=False)
+
+
+def _shared(placed: int, out: StepOutput) -> bool:
+    """Whether the requests that failed step ``out`` shared the target's KV cache with one that
+    still held it: ``placed`` were pinned to the target when the step was sent, the failed ones
+    among them, and the target dropped every failed one. Counted at send time, not when a
+    failure is handled: by then the requests that finished in this step have left, and their KV
+    was the pressure (a live count failed a request that only had to wait)."""
+    return placed > len(out.errors)
 
 
 def _steady(extends: list[ExtendInput], num_draft_tokens: int) -> bool:

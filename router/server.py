@@ -193,6 +193,7 @@ def _response(req: Request, chunk: Chunk) -> generation_pb2.GenerateResponse:
                 completion_tokens=req.num_generated,
                 num_rounds=len(req.accept_lens),
                 accept_lens=req.accept_lens,
+                num_draft_tokens=req.num_draft_tokens,
                 mean_accept_len=req.mean_accept_len or 1.0,
                 time_to_first_token_s=(req.first_token_s or now) - req.arrival_s,
                 total_time_s=now - req.arrival_s,

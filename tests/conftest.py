@@ -70,6 +70,21 @@ def tiny_engine(tiny_dir: Path, speculate: bool):
     )  # fmt: skip
 
 
+def assert_speculated(results, min_mean_accept: float = 1.0) -> None:
+    """Speculation ran in every round: each request's rounds verified at least one draft token
+    per round (plain decoding, a failing draft or the fallback verify none), and the rounds of
+    all ``results`` emitted ``min_mean_accept`` tokens each, bonus included. ``results``: engine
+    results or `RequestStats` (both have ``accept_lens`` and ``num_draft_tokens``)."""
+    for r in results:
+        rounds = len(r.accept_lens)
+        assert rounds and r.num_draft_tokens >= rounds, (
+            f"{r.num_draft_tokens} draft tokens verified in {rounds} rounds: speculation did not run"
+        )
+    lens = [n for r in results for n in r.accept_lens]
+    mean = sum(lens) / len(lens)
+    assert mean >= min_mean_accept, f"{mean:.2f} tokens per round, want >= {min_mean_accept}"
+
+
 def make_small_vocab_pair(root: Path, vocab_size: int, num_layers: int, seed: int) -> Path:
     """A Llama target with a handful of tokens and an EAGLE-3 draft: top-4 trees cover much of
     the target's mass, so speculative sampling accepts often and every verifier branch runs."""

@@ -14,6 +14,7 @@ from specmesh.draft_service.drafter import SpecParams
 from specmesh.router.core import RouterConfig
 from specmesh.router.engine import Engine
 from specmesh.runtime.sampling import SamplingParams
+from specmesh.target_service.steps import StepOutput, VerifyInput
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
@@ -76,13 +77,27 @@ def spy_graph_replays(engine: Engine) -> set[str]:
     return used
 
 
+def spy_tree_sizes(engine: Engine) -> list[int]:
+    """Node counts of the trees the target verified (plain decoding verifies one-node trees)."""
+    sizes: list[int] = []
+    verify = engine.target.verify
+
+    def spy(inputs: list[VerifyInput], *args: object, **kwargs: object) -> StepOutput:
+        sizes.extend(inp.tree.num_nodes for inp in inputs)
+        return verify(inputs, *args, **kwargs)
+
+    engine.target.verify = spy  # type: ignore[method-assign]
+    return sizes
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize(("backend", "graphs"), VARIANTS)
 def test_greedy_equals_transformers_on_cuda(
     pair, oracle, backend: str, graphs: bool, kind: str
 ) -> None:
     """Greedy output on the GPU equals transformers' (fp32) token for token, plain and with each
-    draft kind; with graphs on, the captured runners (not an eager fallback) served the rounds.
+    draft kind, whose trees (more than the root) the target verified; with graphs on, the
+    captured runners (not an eager fallback) served the rounds.
     FlashInfer runs only fp16 / bf16, so its tokens are checked as greedy up to bf16 rounding:
     each is within rounding of the fp32 model's best at its position."""
     spec = SpecParams(3, 2, 6)
@@ -92,6 +107,7 @@ def test_greedy_equals_transformers_on_cuda(
     assert engine.target.cache.req_to_slot.device.type == "cuda"
     assert (engine.target.graphs is not None) == graphs
     used = spy_graph_replays(engine) if graphs else set()
+    sizes = spy_tree_sizes(engine)
     params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
     results = engine.generate(PROMPTS, params)
     for prompt, res in zip(PROMPTS, results, strict=True):
@@ -99,9 +115,15 @@ def test_greedy_equals_transformers_on_cuda(
             assert res.token_ids == oracle(pair["target"], prompt, MAX_NEW), (backend, kind)
         else:
             assert_greedy_up_to_rounding(pair["target"], prompt, res.token_ids)
+    # The draft was consulted: trees beyond the root were verified exactly when there is one;
+    # every tree draft fills its trees (n-gram trees vary in size with the matches).
+    assert sizes and (max(sizes) > 1) == (draft_kind is not None), sizes
+    if draft_kind not in (None, "ngram"):
+        assert max(sizes) == spec.num_draft_tokens, sizes
     if graphs:
-        assert "decode" in used or draft_kind is not None
-        if draft_kind not in (None, "ngram"):  # n-gram trees vary in size with the matches
+        if draft_kind is None:  # plain decoding replays the decode graph
+            assert "decode" in used, used
+        if draft_kind not in (None, "ngram"):
             assert "verify6" in used, used
         if draft_kind is not None and draft_kind != "ngram":
             assert "draft step1" in used, used
@@ -167,16 +189,32 @@ def test_logprobs_equal_transformers_log_softmax_on_cuda(pair, oracle) -> None:
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_bf16_graphs_equal_bf16_eager_on_cuda(pair, backend: str) -> None:
-    """In bf16 there is no fp32 oracle to equal, but a CUDA-graph replay of the triton backend
-    runs the same kernels on the same shapes as its eager path: their greedy tokens agree.
-    (FlashInfer's graph path uses other kernels than its eager one; it is checked above.)"""
+def test_bf16_static_runners_equal_bf16_eager_on_cuda(pair, backend: str) -> None:
+    """In bf16 there is no fp32 oracle to equal, but at batch size 1 the static-shape runners
+    run the same kernels on the same shapes as the eager path: their greedy tokens agree. For
+    triton these are its CUDA graphs (target and draft); the torch backend has no graph hooks,
+    so the target's runners run eagerly on their static buffers ("eager-static", the path a
+    graph replays). (FlashInfer's graph path uses other kernels than its eager one; it is
+    checked above.)"""
+    from specmesh.target_service.graphs import TargetGraphs
+
     prompts = PROMPTS[:2]
     params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
+    spec = SpecParams(3, 2, 6)
     outs = []
-    for graphs in (False, backend != "torch"):
-        engine = cuda_engine(pair["target"], backend, graphs, "eagle3", pair["eagle3"],
-                             SpecParams(3, 2, 6), dtype="bf16", max_batch_size=1)  # fmt: skip
+    for static in (False, True):
+        engine = cuda_engine(pair["target"], backend, static and backend == "triton", "eagle3",
+                             pair["eagle3"], spec, dtype="bf16", max_batch_size=1)  # fmt: skip
+        t = engine.target
+        if static and backend == "torch":
+            t.graphs = TargetGraphs(
+                t.model, t.cache, t.backend, mode="eager-static",
+                max_bs=t.cfg.cuda_graph_max_bs, tree_sizes=(spec.num_draft_tokens,), aux=t.aux_layers,
+            )  # fmt: skip
+        assert (t.graphs is not None) == static
+        used = spy_graph_replays(engine) if static else set()
         outs.append([r.token_ids for r in engine.generate(prompts, params)])
         assert len(outs[-1][0]) == MAX_NEW
-    assert outs[0] == outs[-1]
+        if static:  # the static runners served the verify rounds
+            assert "verify6" in used, used
+    assert outs[0] == outs[1]

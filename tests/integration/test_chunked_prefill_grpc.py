@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import grpc
 import pytest
 import torch
+from conftest import assert_speculated
 from grpc_harness import (
     SPEC,
     LoopThread,
@@ -59,10 +60,12 @@ def _address(servicer) -> str:
 
 def test_concurrent_requests_equal_transformers_greedy(chunked) -> None:
     results: dict[int, list[int]] = {}
+    stats: dict[int, object] = {}
 
     def run(k: int) -> None:
         call = chunked.client.generate(prompt_token_ids=PROMPTS[k], sampling=greedy(10), timeout=60)
-        results[k] = collect(call)[0]
+        results[k], _, last = collect(call)
+        stats[k] = last.stats
 
     threads = [threading.Thread(target=run, args=(k,)) for k in range(len(PROMPTS))]
     for t in threads:
@@ -71,6 +74,7 @@ def test_concurrent_requests_equal_transformers_greedy(chunked) -> None:
         t.join()
     for k, prompt in enumerate(PROMPTS):
         assert results[k] == chunked.expected(prompt, 10)
+    assert_speculated(stats.values())
 
 
 def test_prompt_logprobs_cover_every_piece(chunked) -> None:

@@ -6,10 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from specmesh.draft_service.drafter import SpecParams
 from specmesh.kernels.testing import cpu_triton
 from specmesh.router.engine import Engine
+from specmesh.runtime.attention.base import AttentionBackend
 from specmesh.runtime.attention.torch_backend import TorchBackend, make_backend
 from specmesh.runtime.sampling import SamplingParams
 
@@ -41,14 +43,35 @@ def test_backend_greedy_speculative_equals_transformers(
     if backend.startswith("torch"):
         engine.target.backend = CpuMetadataFreeTorch()
         engine.draft.drafter.backend = CpuMetadataFreeTorch()
+    else:  # built by the runtimes from their configs
+        from specmesh.runtime.attention.triton_backend import TritonBackend
+
+        assert type(engine.target.backend) is TritonBackend
+        assert type(engine.draft.drafter.backend) is TritonBackend
+    target_calls = _count_forwards(engine.target.backend)
+    draft_calls = _count_forwards(engine.draft.drafter.backend)
     results = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, ignore_eos=True))
     for prompt, res in zip(PROMPTS, results, strict=True):
         assert res.token_ids == oracle(tiny_dir / "target", prompt, 6)
-    assert engine.target.backend.name == ("triton" if backend == "triton" else "torch")
+    # The backend under test computed the attention, in both services.
+    assert target_calls["forward"] > 0 and draft_calls["forward"] > 0
     want = (
         {"build_tree", "verify_tree_greedy", "compact_accepted"} if backend == "triton" else set()
     )
     assert called == want
+
+
+def _count_forwards(backend: AttentionBackend) -> dict[str, int]:
+    """Calls of ``backend.forward`` (one per layer and batch), counted as the engine runs."""
+    calls = {"forward": 0}
+    forward = backend.forward
+
+    def counted(*args: object, **kwargs: object) -> torch.Tensor:
+        calls["forward"] += 1
+        return forward(*args, **kwargs)
+
+    backend.forward = counted  # type: ignore[method-assign]
+    return calls
 
 
 def _spy_triton_kernels(monkeypatch: pytest.MonkeyPatch) -> set[str]:

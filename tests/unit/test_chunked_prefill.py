@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import reorder_tolerance
+from conftest import assert_speculated, reorder_tolerance
+from oracle_draft import oracle_engine
 
 from specmesh.draft_service.drafter import SpecParams
 from specmesh.router.core import RouterConfig, RouterCore
@@ -44,7 +45,7 @@ def engine(tiny_dir: Path, budget: int, *, speculate: bool = True, **cfg) -> Eng
 
 
 def holds_nothing(e: Engine) -> bool:
-    draft_used = e.draft.drafter.cache.num_used_slots if e.draft else 0
+    draft_used = e.draft.kv_slots()[0] if e.draft else 0
     live = e.draft.live if e.draft else {}
     return (
         e.target.num_requests == 0
@@ -53,13 +54,21 @@ def holds_nothing(e: Engine) -> bool:
     )
 
 
-@pytest.mark.parametrize("speculate", [False, True], ids=["plain", "eagle3"])
-def test_greedy_output_equals_transformers(tiny_dir: Path, oracle, speculate: bool) -> None:
-    """Budget 7: long prompts go in pieces, short ones share a round's budget with them."""
-    e = engine(tiny_dir, 7, speculate=speculate, max_batch_size=3, num_micro_batches=2)
+@pytest.mark.parametrize("draft", [None, "eagle3", "oracle"])
+def test_greedy_output_equals_transformers(tiny_dir: Path, oracle, draft: str | None) -> None:
+    """Budget 7: long prompts go in pieces, short ones share a round's budget with them. The
+    oracle draft proposes from the ids its extends delivered: pieces lost, repeated or paired
+    with the wrong rows would show as rounds it no longer gets accepted."""
+    cfg = RouterConfig(prefill_chunk_tokens=7, max_batch_size=3, num_micro_batches=2)
+    if draft == "oracle":
+        e = oracle_engine(tiny_dir / "target", router_config=cfg)
+    else:
+        e = engine(tiny_dir, 7, speculate=draft is not None, max_batch_size=3, num_micro_batches=2)
     results = e.generate(PROMPTS, SamplingParams(max_new_tokens=12, ignore_eos=True))
     for prompt, res in zip(PROMPTS, results, strict=True):
         assert res.token_ids == oracle(tiny_dir / "target", prompt, 12)
+    if draft is not None:
+        assert_speculated(results, min_mean_accept=2.2 if draft == "oracle" else 1.0)
     assert holds_nothing(e)
 
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+from conftest import assert_speculated
 
 from specmesh.main import main
 
@@ -26,12 +28,14 @@ def test_make_tiny_then_generate(tmp_path: Path, capsys, oracle, kind: str) -> N
         capsys, "--target-model", paths["target"], "--draft-model", paths["draft"],
         "--draft-kind", kind, "--num-steps", "3", "--topk", "2", "--num-draft-tokens", "5",
         "--prompt-ids", "5,6,7,8", "--max-new-tokens", "10", "--ignore-eos",
+        "--speculation", "always",  # random heads: adaptive would soon stop speculating
     )  # fmt: skip
     assert out["token_ids"] == oracle(paths["target"], [5, 6, 7, 8], 10)
     assert out["finish_reason"] == "length" and isinstance(out["text"], str)
-    assert out["accept_lens"] and out["mean_accept_len"] == pytest.approx(
+    assert out["mean_accept_len"] == pytest.approx(
         sum(out["accept_lens"]) / len(out["accept_lens"])
     )
+    assert_speculated([SimpleNamespace(**out)])
 
 
 def test_generate_without_a_draft_and_with_a_stop(tiny_dir: Path, capsys, oracle) -> None:

@@ -3,35 +3,129 @@ never lost, and every output still equals transformers."""
 
 from __future__ import annotations
 
+import asyncio
+from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+from conftest import assert_speculated
+from oracle_draft import mean_accept, oracle_engine
+
 from specmesh.draft_service.drafter import SpecParams
-from specmesh.router.core import RouterConfig
+from specmesh.router.core import RouterConfig, RouterCore
 from specmesh.router.engine import Engine
+from specmesh.router.in_process import InProcessTarget
+from specmesh.router.request import Request
 from specmesh.runtime.errors import KVCacheFullError
 from specmesh.runtime.sampling import SamplingParams
 from specmesh.runtime.tree import Tree
 from specmesh.target_service.runtime import TargetConfig, TargetRuntime
-from specmesh.target_service.steps import VerifyInput
+from specmesh.target_service.steps import PrefillInput, StepOutput, VerifyInput
+
+CASES = ("eagle3", "oracle", "failing_draft", "no_speculation")
 
 
-def test_small_kv_cache_preempts_and_replays(tiny_dir: Path, oracle) -> None:
-    prompts = [[5 + i, 6, 7, 8, 9, 10, 11, 12] for i in range(6)]
-    engine = Engine(
+def _engine(tiny_dir: Path, case: str) -> Engine:
+    """6 requests of 8 + 16 tokens want 144 KV slots at the end; the target has 64."""
+    target_config = {"num_kv_slots": 64}
+    router_config = RouterConfig(max_batch_size=6, num_micro_batches=1)
+    if case == "oracle":  # accepts 2.5 tokens per round, through trees of up to 7 nodes
+        return oracle_engine(tiny_dir / "target", target_config=target_config,
+                             router_config=router_config)  # fmt: skip
+    return Engine(
         tiny_dir / "target", draft_model=tiny_dir / "draft", draft_kind="eagle3",
-        spec=SpecParams(3, 2, 6), target_config={"num_kv_slots": 64},
-        router_config=RouterConfig(max_batch_size=6, num_micro_batches=1),
+        spec=SpecParams(3, 2, 6), target_config=target_config, router_config=router_config,
     )  # fmt: skip
-    results = engine.generate(prompts, SamplingParams(max_new_tokens=16, ignore_eos=True))
+
+
+def _count_kv_full(monkeypatch: pytest.MonkeyPatch, target: TargetRuntime) -> Counter:
+    """Requests each target step refused for want of KV slots, by step (``prefill``: a new or
+    replayed request waits; ``verify``: a running request is preempted)."""
+    refused: Counter = Counter()
+
+    def counting(step: str) -> Callable[..., StepOutput]:
+        call = getattr(target, step)
+
+        def counted(*args: object) -> StepOutput:
+            out = call(*args)
+            refused[step] += sum(isinstance(e, KVCacheFullError) for e in out.errors.values())
+            return out
+
+        return counted
+
+    for step in ("prefill", "verify"):
+        monkeypatch.setattr(target, step, counting(step))
+    return refused
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_small_kv_cache_preempts_and_replays(
+    tiny_dir: Path, oracle, monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
+    """Whatever a round verifies (a draft's tree, or a bare root when the draft fails on every
+    call or speculation is off), a request that does not fit waits or is preempted, then is
+    replayed: outputs equal transformers greedy and every KV slot comes back."""
+    prompts = [[5 + i, 6, 7, 8, 9, 10, 11, 12] for i in range(6)]
+    engine = _engine(tiny_dir, case)
+    draft_calls = Counter()
+    if case == "failing_draft":
+
+        def propose(rids: list[str], roots: list[int]) -> list[Tree]:
+            draft_calls["propose"] += 1
+            raise RuntimeError("draft broke")
+
+        monkeypatch.setattr(engine.draft.drafter, "propose", propose)
+    refused = _count_kv_full(monkeypatch, engine.target)
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    results = engine.generate(prompts, params, disable_speculation=case == "no_speculation")
     for prompt, res in zip(prompts, results, strict=True):
         assert res.finish_reason == "length"
         assert res.token_ids == oracle(tiny_dir / "target", prompt, 16)
+    assert refused["verify"] >= 1 and refused["prefill"] >= 1, refused  # pressure, every case
+    if case in ("eagle3", "oracle"):
+        assert_speculated(results, min_mean_accept=2.0 if case == "oracle" else 1.0)
+    if case in ("failing_draft", "no_speculation"):  # every round decoded one token
+        assert mean_accept(results) == 1.0
+    assert (draft_calls["propose"] >= 1) == (case == "failing_draft")
     assert not engine.target.cache.requests and engine.target.cache.num_free_slots == 64
 
 
-def test_verify_that_does_not_fit_fails_alone(tiny_dir: Path) -> None:
-    from specmesh.target_service.steps import PrefillInput
+def test_request_that_never_fits_fails_once_alone(tiny_dir: Path, oracle) -> None:
+    """A prompt larger than the whole cache waits while another request holds KV, and fails
+    (RESOURCE_EXHAUSTED) once it has the target to itself; two such prompts refused in the
+    same step fail at once rather than wait for each other. The other request is served."""
+    engine = Engine(tiny_dir / "target", target_config={"num_kv_slots": 16})
+    prefills = Counter()
 
+    def bounded(inputs: list[PrefillInput], *args: object) -> StepOutput:
+        prefills["calls"] += 1
+        assert prefills["calls"] <= 200, "requests that never fit are retried forever"
+        return prefill(inputs, *args)
+
+    prefill, engine.target.prefill = engine.target.prefill, bounded
+    big = [[5 + i, *range(6, 26)] for i in range(2)]  # 21 tokens: never fit in 16 slots
+    small = [5, 6, 7, 8]
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    reqs = [engine.make_request(p, params) for p in [*big, small]]
+    results = asyncio.run(_serve(engine, reqs))
+    assert all(isinstance(r, KVCacheFullError) for r in results[:2]), results
+    assert results[2].token_ids == oracle(tiny_dir / "target", small, 4)
+    assert not engine.target.cache.requests and engine.target.cache.num_free_slots == 16
+
+
+async def _serve(engine: Engine, reqs: list[Request]) -> list[object]:
+    """Every request's result or error (`Engine.generate` stops at the first error)."""
+    core = RouterCore([InProcessTarget(engine.target)], [], engine.router_config)
+    await core.start()
+    try:
+        runs = (Engine._collect(core, r) for r in reqs)
+        return await asyncio.gather(*runs, return_exceptions=True)
+    finally:
+        await core.stop()
+
+
+def test_verify_that_does_not_fit_fails_alone(tiny_dir: Path) -> None:
     rt = TargetRuntime(TargetConfig(str(tiny_dir / "target"), num_kv_slots=24))
     rt.prefill([PrefillInput("a", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], SamplingParams()),
                 PrefillInput("b", [1, 2, 3], SamplingParams())])  # fmt: skip

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import tiny_engine
+from oracle_draft import oracle_engine
 
 from specmesh.router.core import RouterCore
 from specmesh.router.engine import Engine
@@ -56,7 +57,9 @@ def assert_matches(entry, token: int, row: torch.Tensor, num_top: int) -> None:
 
 @pytest.mark.parametrize("speculate", [False, True], ids=["plain", "eagle3"])
 def test_greedy_logprobs_equal_transformers(tiny_dir: Path, oracle, speculate: bool) -> None:
-    engine = tiny_engine(tiny_dir, speculate)
+    """With speculation the oracle draft's rounds accept up to 3 tokens along out-of-order
+    paths, so each accepted node's row must be the one a logprob is read from."""
+    engine = oracle_engine(tiny_dir / "target") if speculate else tiny_engine(tiny_dir, False)
     params = SamplingParams(max_new_tokens=12, ignore_eos=True, logprobs=4, prompt_logprobs=3)
     chunks = run_chunks(engine, PROMPT, params)
     tokens = [t for c in chunks for t in c.token_ids]
@@ -72,18 +75,22 @@ def test_greedy_logprobs_equal_transformers(tiny_dir: Path, oracle, speculate: b
     for t in range(1, len(PROMPT)):
         assert_matches(prompt_lp[t], PROMPT[t], rows[t - 1], 3)
     if speculate:  # the path nodes' rows were used, not only the bonus row
-        assert any(len(c.token_ids) > 1 for c in chunks[1:]), [len(c.token_ids) for c in chunks]
+        assert max(len(c.token_ids) for c in chunks[1:]) == 4, [len(c.token_ids) for c in chunks]
 
 
 def test_logprobs_are_cut_with_the_tokens(tiny_dir: Path, oracle) -> None:
-    """A stop token inside an accepted run ends the tokens and their logprobs at one place."""
-    engine = tiny_engine(tiny_dir, True)
+    """A stop token inside an accepted run ends the tokens and their logprobs at one place: the
+    oracle's first round accepts 3 draft tokens + the bonus (output tokens 1..4), the stop is
+    the second of them."""
+    engine = oracle_engine(tiny_dir / "target")
     ref = oracle(tiny_dir / "target", PROMPT, 12)
-    stop = ref[5]
+    stop = ref[2]
+    assert stop not in ref[:2]
     params = SamplingParams(max_new_tokens=12, stop_token_ids=(stop,), ignore_eos=True, logprobs=0)
     chunks = run_chunks(engine, PROMPT, params)
     tokens = [t for c in chunks for t in c.token_ids]
-    assert tokens == ref[: ref.index(stop) + 1]
+    assert tokens == ref[:3]
+    assert [len(c.token_ids) for c in chunks] == [1, 2]  # the round made 4, the stop kept 2
     assert all(
         len(c.logprobs) == len(c.token_ids) and not any(e.top for e in c.logprobs) for c in chunks
     )

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import llava_greedy
+from conftest import assert_speculated, llava_greedy
 
 from specmesh.draft_service.drafter import SpecParams
 from specmesh.draft_service.runtime import DraftConfig, load_draft
@@ -51,7 +51,7 @@ def test_image_request_matches_transformers(llava: Path, engine: Engine) -> None
     prompt = "def <image> add(a, b):"
     res = engine.generate([prompt], _params(10), images=[[IMAGES[0]]])[0]
     assert res.token_ids == llava_greedy(llava / "target", prompt, [IMAGES[0]], 10)
-    assert res.accept_lens, "the request ran without speculation"
+    assert_speculated([res])
 
 
 def test_mixed_batch_matches_transformers(llava: Path, engine: Engine) -> None:
@@ -61,7 +61,7 @@ def test_mixed_batch_matches_transformers(llava: Path, engine: Engine) -> None:
     results = engine.generate(prompts, _params(8), images=images)
     for prompt, imgs, res in zip(prompts, images, results, strict=True):
         assert res.token_ids == llava_greedy(llava / "target", prompt, imgs, 8), prompt
-        assert res.accept_lens
+    assert_speculated(results)
 
 
 # -- target: expansion, merged embeddings, replay ------------------------------------------------

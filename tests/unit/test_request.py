@@ -28,7 +28,7 @@ def _ids(text: str) -> list[int]:
 
 def test_stop_token_inside_an_accepted_run_drops_the_rest() -> None:
     r = _req(stop_token_ids=(ord("x"),))
-    chunk = r.emit(_ids("abxcd"), accepted_round=True)
+    chunk = r.emit(_ids("abxcd"), tree_size=1)
     assert chunk.token_ids == _ids("abx") and chunk.finish_reason == "stop"
     assert r.output_ids == _ids("abx") and r.accept_lens == [5]
 
