@@ -8,6 +8,7 @@ ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY cli cli
+COPY protocol protocol
 COPY runtime runtime
 COPY router router
 COPY rpc rpc

@@ -1,7 +1,7 @@
 """A small typed client for the router's public API, and ``specmesh generate --router``.
 
     from specmesh.client import GenerationClient
-    from specmesh.runtime.sampling import SamplingParams
+    from specmesh.protocol.sampling import SamplingParams
 
     with GenerationClient("localhost:50051") as client:
         for response in client.generate(prompt="def fib(n):", sampling=SamplingParams(max_new_tokens=32)):
@@ -26,10 +26,10 @@ from typing import Any
 
 import grpc
 
+from specmesh.protocol.sampling import SamplingParams
 from specmesh.rpc.security import TlsFiles, api_key_from_args, client_channel, tls_from_args
 from specmesh.rpc.service_common import channel_options
 from specmesh.rpc.wire import sampling_to_pb
-from specmesh.runtime.sampling import SamplingParams
 from specmesh.v1 import generation_pb2, generation_pb2_grpc
 
 

@@ -8,9 +8,9 @@ import sys
 from typing import Any
 
 from specmesh.draft_service.runtime import DRAFT_KINDS
+from specmesh.protocol.sampling import SamplingParams
 from specmesh.router.policy import MODES as SPECULATION_MODES
 from specmesh.rpc.security import add_api_key_arg, add_tls_args, tls_from_args
-from specmesh.runtime.sampling import SamplingParams
 
 DEFAULT_SPEC = {"num_steps": 3, "topk": 4, "num_draft_tokens": 8}
 

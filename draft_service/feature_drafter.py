@@ -14,9 +14,9 @@ import torch
 
 from specmesh.draft_service.drafter import RootState, SpecParams, TreeDrafter, forward_draft
 from specmesh.draft_service.steps import ExtendInput
+from specmesh.protocol.errors import InvalidRequestError
+from specmesh.protocol.features import Feature, FeatureSpec
 from specmesh.runtime.attention.base import AttentionBackend
-from specmesh.runtime.errors import InvalidRequestError
-from specmesh.runtime.features import Feature, FeatureSpec
 from specmesh.runtime.kv_cache import KVCache
 from specmesh.runtime.model_runner import BatchItem
 

@@ -7,9 +7,9 @@ import torch
 from specmesh.draft_service.drafter import TreeDrafter
 from specmesh.draft_service.feature_drafter import FeatureDrafter
 from specmesh.draft_service.runtime import DraftConfig, Drafter
+from specmesh.protocol.features import Feature, FeatureSpec
 from specmesh.runtime.attention.torch_backend import make_backend
 from specmesh.runtime.config import parse_dtype
-from specmesh.runtime.features import Feature, FeatureSpec
 from specmesh.runtime.kv_cache import KVCache
 from specmesh.target_service.llava import language_model_tensors, target_model_config
 

@@ -41,8 +41,8 @@ from specmesh.draft_service.drafter import RootState, SpecParams, TreeDrafter, f
 from specmesh.draft_service.feature_drafter import check_features, rotated_rows
 from specmesh.draft_service.models.mtp import MTPDraft
 from specmesh.draft_service.steps import ExtendInput
+from specmesh.protocol.features import Feature, FeatureSpec
 from specmesh.runtime.attention.base import AttentionBackend
-from specmesh.runtime.features import Feature, FeatureSpec
 from specmesh.runtime.kv_cache import KVCache
 from specmesh.runtime.model_runner import BatchItem
 from specmesh.runtime.models.layers import KVPair

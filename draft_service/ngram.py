@@ -23,8 +23,8 @@ import torch
 
 from specmesh.draft_service.drafter import SpecParams
 from specmesh.draft_service.steps import ExtendInput
-from specmesh.runtime.errors import InvalidRequestError, UnknownRequestError
-from specmesh.runtime.features import FeatureSpec
+from specmesh.protocol.errors import InvalidRequestError, UnknownRequestError
+from specmesh.protocol.features import FeatureSpec
 from specmesh.runtime.tree import Tree
 
 MAX_NGRAM = 3

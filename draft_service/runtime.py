@@ -23,15 +23,15 @@ import torch
 
 from specmesh.draft_service.drafter import SpecParams, TreeDrafter
 from specmesh.draft_service.steps import DraftInfo, DraftStepResult, ExtendInput
-from specmesh.runtime.config import ModelConfig, resolve_max_context
-from specmesh.runtime.errors import (
+from specmesh.protocol.errors import (
     DuplicateRequestError,
     InvalidRequestError,
     SpecmeshError,
     UnknownRequestError,
     as_specmesh_error,
 )
-from specmesh.runtime.features import FeatureSpec
+from specmesh.protocol.features import FeatureSpec
+from specmesh.runtime.config import ModelConfig, resolve_max_context
 from specmesh.runtime.graph_runner import graphs_enabled
 from specmesh.runtime.tree import Tree
 

@@ -12,14 +12,14 @@ import torch
 from specmesh import __version__
 from specmesh.draft_service.runtime import DraftRuntime
 from specmesh.draft_service.steps import DraftStepResult, ExtendInput
+from specmesh.protocol.errors import InvalidRequestError
+from specmesh.protocol.features import Feature
 from specmesh.rpc.ownership import StreamOwner
 from specmesh.rpc.security import model_name
 from specmesh.rpc.service_common import ModelServicer, ServiceHost
 from specmesh.rpc.wire import needs_to_pb, status_pb
 from specmesh.runtime.codec import DTYPE_NAMES, DTYPES, TensorError, join_hidden_states
 from specmesh.runtime.config import parse_dtype
-from specmesh.runtime.errors import InvalidRequestError
-from specmesh.runtime.features import Feature
 from specmesh.runtime.tree import Tree
 from specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 

@@ -17,9 +17,9 @@ import torch
 
 from specmesh.draft_service.drafter import RootState, SpecParams, TreeDrafter
 from specmesh.draft_service.steps import ExtendInput
+from specmesh.protocol.errors import InvalidRequestError
+from specmesh.protocol.features import FeatureSpec
 from specmesh.runtime.attention.base import AttentionBackend
-from specmesh.runtime.errors import InvalidRequestError
-from specmesh.runtime.features import FeatureSpec
 from specmesh.runtime.kv_cache import KVCache
 from specmesh.runtime.model_runner import BatchItem, run_batch
 from specmesh.runtime.models.causal_lm import CausalLM

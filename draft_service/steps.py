@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specmesh.runtime.errors import SpecmeshError
-from specmesh.runtime.features import FeatureSpec
+from specmesh.protocol.errors import SpecmeshError
+from specmesh.protocol.features import FeatureSpec
 from specmesh.runtime.tree import Tree
 
 if TYPE_CHECKING:

@@ -15,8 +15,8 @@ import binascii
 from pathlib import Path
 from typing import Any
 
+from specmesh.protocol.errors import InvalidRequestError
 from specmesh.router.openai_schema import ChatMessage
-from specmesh.runtime.errors import InvalidRequestError
 
 DEFAULT_IMAGE_TOKEN = "<image>"
 

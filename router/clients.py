@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from specmesh.draft_service.steps import DraftInfo, DraftStepResult, ExtendInput
-from specmesh.runtime.features import FeatureSpec
+from specmesh.protocol.features import FeatureSpec
 from specmesh.target_service.steps import PrefillInput, StepOutput, VerifyInput
 
 __all__ = ["DraftClient", "DraftInfo", "TargetClient", "TargetInfo"]

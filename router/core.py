@@ -27,6 +27,14 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from specmesh.protocol.errors import (
+    DuplicateRequestError,
+    InvalidRequestError,
+    KVCacheFullError,
+    ServiceDownError,
+    SpecmeshError,
+)
+from specmesh.protocol.features import FeatureSpec
 from specmesh.router.clients import DraftClient, TargetClient, TargetInfo
 from specmesh.router.faults import StepDeadline
 from specmesh.router.limits import check_stop_rules
@@ -36,14 +44,6 @@ from specmesh.router.policy import MODES as SPECULATION_MODES
 from specmesh.router.policy import SpeculationPolicy
 from specmesh.router.request import Chunk, Phase, Request
 from specmesh.router.round import RoundRunner
-from specmesh.runtime.errors import (
-    DuplicateRequestError,
-    InvalidRequestError,
-    KVCacheFullError,
-    ServiceDownError,
-    SpecmeshError,
-)
-from specmesh.runtime.features import FeatureSpec
 
 log = logging.getLogger(__name__)
 

@@ -13,12 +13,12 @@ from pathlib import Path
 
 from specmesh.draft_service.drafter import SpecParams
 from specmesh.draft_service.runtime import DraftConfig, load_draft
+from specmesh.protocol.sampling import SamplingParams
 from specmesh.router.core import RouterConfig, RouterCore
 from specmesh.router.detokenizer import Detokenizer
 from specmesh.router.in_process import InProcessDraft, InProcessTarget
 from specmesh.router.policy import SpeculationPolicy
 from specmesh.router.request import Request, TokenLogprob
-from specmesh.runtime.sampling import SamplingParams
 from specmesh.runtime.tokenizer import load_tokenizer, resolve_seed
 from specmesh.target_service.runtime import TargetConfig, TargetRuntime
 

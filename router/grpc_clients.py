@@ -20,6 +20,8 @@ import logging
 import grpc
 
 from specmesh.draft_service.steps import DraftInfo, DraftStepResult, ExtendInput
+from specmesh.protocol.errors import ServiceDownError
+from specmesh.protocol.features import FeatureSpec
 from specmesh.router.clients import TargetInfo
 from specmesh.router.metrics import STEP_BYTES_RECEIVED, STEP_BYTES_SENT
 from specmesh.router.step_stream import CountingChannel, StepStream
@@ -34,8 +36,6 @@ from specmesh.rpc.wire import (
     sampling_to_pb,
 )
 from specmesh.runtime.codec import DEFAULT_MAX_MESSAGE_BYTES
-from specmesh.runtime.errors import ServiceDownError
-from specmesh.runtime.features import FeatureSpec
 from specmesh.runtime.tree import Tree
 from specmesh.target_service.steps import Logprob, PrefillInput, StepOutput, VerifyInput
 from specmesh.v1 import (

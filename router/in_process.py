@@ -12,8 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from specmesh.draft_service.runtime import DraftRuntime
 from specmesh.draft_service.steps import DraftStepResult, ExtendInput
+from specmesh.protocol.features import Feature, FeatureSpec
 from specmesh.router.clients import TargetInfo
-from specmesh.runtime.features import Feature, FeatureSpec
 from specmesh.target_service.runtime import TargetRuntime
 from specmesh.target_service.steps import PrefillInput, StepOutput, VerifyInput
 

@@ -21,8 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from specmesh.runtime.errors import InvalidRequestError, SpecmeshError
-from specmesh.runtime.sampling import SamplingParams
+from specmesh.protocol.errors import InvalidRequestError, SpecmeshError
+from specmesh.protocol.sampling import SamplingParams
 from specmesh.target_service.multimodal import (
     MAX_IMAGE_BYTES,
     MAX_IMAGES_PER_REQUEST,

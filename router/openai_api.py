@@ -29,6 +29,7 @@ from dataclasses import replace
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response
 
+from specmesh.protocol.sampling import SamplingParams
 from specmesh.router.chat import ChatRenderer, read_template
 from specmesh.router.openai_schema import (
     ChatBody,
@@ -48,7 +49,6 @@ from specmesh.router.openai_stream import (
 from specmesh.router.openai_views import ChatView, Choice, CompletionView
 from specmesh.router.request import TokenLogprob
 from specmesh.rpc.security import model_name
-from specmesh.runtime.sampling import SamplingParams
 from specmesh.v1 import generation_pb2
 
 log = logging.getLogger(__name__)

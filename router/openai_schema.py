@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
 
-from specmesh.runtime.errors import SpecmeshError
+from specmesh.protocol.errors import SpecmeshError
 
 # specmesh / gRPC status -> HTTP status (README "OpenAI-compatible HTTP").
 HTTP_STATUS = {

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specmesh.protocol.errors import ServiceDownError
 from specmesh.router.clients import DraftClient, TargetClient
 from specmesh.router.faults import CircuitBreaker
-from specmesh.runtime.errors import ServiceDownError
 
 
 @dataclass(eq=False)

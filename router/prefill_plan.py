@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from specmesh.protocol.sampling import SamplingParams
 from specmesh.router.request import Request
-from specmesh.runtime.sampling import SamplingParams
 from specmesh.target_service.steps import PrefillInput
 
 

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING
 
+from specmesh.protocol.sampling import SamplingParams
 from specmesh.router.detokenizer import Detokenizer
 from specmesh.router.policy import Acceptance
-from specmesh.runtime.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from specmesh.draft_service.steps import ExtendInput

@@ -24,16 +24,16 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from specmesh.draft_service.steps import ExtendInput
-from specmesh.router.draft_rows import MAX_BACKLOG_ROWS, held_back, split_rows
-from specmesh.router.policy import Plan, SpeculationPolicy, cut_tree
-from specmesh.router.prefill_plan import next_context_token, plan_pieces, prefill_piece
-from specmesh.router.request import Request, TokenLogprob
-from specmesh.runtime.errors import (
+from specmesh.protocol.errors import (
     KVCacheFullError,
     ServiceDownError,
     SpecmeshError,
     UnknownRequestError,
 )
+from specmesh.router.draft_rows import MAX_BACKLOG_ROWS, held_back, split_rows
+from specmesh.router.policy import Plan, SpeculationPolicy, cut_tree
+from specmesh.router.prefill_plan import next_context_token, plan_pieces, prefill_piece
+from specmesh.router.request import Request, TokenLogprob
 from specmesh.runtime.tree import Tree
 from specmesh.target_service.steps import Logprob, PrefillInput, StepOutput, VerifyInput
 

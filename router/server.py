@@ -20,6 +20,8 @@ from pathlib import Path
 import grpc
 
 from specmesh import __version__
+from specmesh.protocol.errors import InvalidRequestError, SpecmeshError
+from specmesh.protocol.sampling import SamplingParams
 from specmesh.router.core import RouterConfig, RouterCore
 from specmesh.router.detokenizer import Detokenizer
 from specmesh.router.grpc_clients import GrpcDraftClient, GrpcTargetClient
@@ -36,8 +38,6 @@ from specmesh.rpc.security import TlsFiles, api_key_interceptors, model_name
 from specmesh.rpc.service_common import ServiceHost
 from specmesh.rpc.wire import abort_with, logprobs_to_pb, sampling_from_pb
 from specmesh.runtime.codec import GRPC_MAX_MESSAGE_BYTES
-from specmesh.runtime.errors import InvalidRequestError, SpecmeshError
-from specmesh.runtime.sampling import SamplingParams
 from specmesh.runtime.tokenizer import load_tokenizer, resolve_seed
 from specmesh.v1 import generation_pb2, generation_pb2_grpc
 

@@ -18,8 +18,8 @@ from collections.abc import Callable
 
 import grpc
 
+from specmesh.protocol.errors import ServiceDownError
 from specmesh.rpc.wire import FramingError, Reassembler, error_from_rpc, frame
-from specmesh.runtime.errors import ServiceDownError
 
 _BROKEN = (grpc.aio.UsageError, asyncio.InvalidStateError, RuntimeError)
 

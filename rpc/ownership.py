@@ -13,7 +13,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from specmesh.runtime.errors import DuplicateRequestError, SpecmeshError, UnknownRequestError
+from specmesh.protocol.errors import DuplicateRequestError, SpecmeshError, UnknownRequestError
 
 
 @dataclass(eq=False)

@@ -23,11 +23,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from specmesh.protocol.errors import SpecmeshError
 from specmesh.rpc.metrics import ServiceMetrics
 from specmesh.rpc.ownership import Ownership, StreamOwner
 from specmesh.rpc.wire import abort_with, frame, status_pb, step_batches
 from specmesh.runtime.codec import GRPC_MAX_MESSAGE_BYTES, grpc_message_options
-from specmesh.runtime.errors import SpecmeshError
 from specmesh.v1 import common_pb2
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
-from specmesh.runtime.errors import (
+from specmesh.protocol.errors import (
     DuplicateRequestError,
     InvalidRequestError,
     KVCacheFullError,
@@ -20,8 +20,8 @@ from specmesh.runtime.errors import (
     SpecmeshError,
     UnknownRequestError,
 )
-from specmesh.runtime.features import AuxLayers, Feature, FeatureSpec
-from specmesh.runtime.sampling import SamplingParams
+from specmesh.protocol.features import AuxLayers, Feature, FeatureSpec
+from specmesh.protocol.sampling import SamplingParams
 from specmesh.v1 import common_pb2, generation_pb2
 
 log = logging.getLogger(__name__)

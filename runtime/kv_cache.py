@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specmesh.runtime.errors import DuplicateRequestError, KVCacheFullError, UnknownRequestError
+from specmesh.protocol.errors import DuplicateRequestError, KVCacheFullError, UnknownRequestError
 from specmesh.runtime.models.layers import KVPair
 
 

@@ -13,8 +13,8 @@ from typing import Protocol
 
 import torch
 
+from specmesh.protocol.errors import KVCacheFullError
 from specmesh.runtime.attention.base import AttentionBackend, AttentionMetadata
-from specmesh.runtime.errors import KVCacheFullError
 from specmesh.runtime.kv_cache import KVCache
 from specmesh.runtime.models.causal_lm import ModelOutput
 from specmesh.runtime.models.layers import KVPair

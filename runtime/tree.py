@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specmesh.runtime.errors import InvalidRequestError
+from specmesh.protocol.errors import InvalidRequestError
 
 
 @dataclass(frozen=True)

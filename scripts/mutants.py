@@ -94,7 +94,7 @@ MUTANTS = (
     Mutant(
         "aux-layers-off-by-one",
         "the target captures EAGLE-3's aux hidden states one layer too deep",
-        "runtime/features.py",
+        "protocol/features.py",
         'shift = 0 if self.convention == "input" else 1',
         'shift = 1 if self.convention == "input" else 2',
         (

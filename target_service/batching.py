@@ -10,8 +10,8 @@ from typing import Protocol
 
 import torch
 
+from specmesh.protocol.errors import SpecmeshError, as_specmesh_error
 from specmesh.runtime.attention.base import AttentionBackend
-from specmesh.runtime.errors import SpecmeshError, as_specmesh_error
 from specmesh.runtime.kv_cache import KVCache
 from specmesh.runtime.model_runner import BatchItem, run_batch
 from specmesh.runtime.models.causal_lm import CausalLM, ModelOutput

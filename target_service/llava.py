@@ -24,13 +24,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from specmesh.protocol.errors import SpecmeshError
 from specmesh.runtime.config import (
     CheckpointError,
     ModelConfig,
     load_model_config,
     read_config_json,
 )
-from specmesh.runtime.errors import SpecmeshError
 from specmesh.runtime.loader import assign_parameters, load_tensors
 from specmesh.runtime.models.causal_lm import CausalLM
 from specmesh.runtime.models.layers import Rotary

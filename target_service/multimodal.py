@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from specmesh.runtime.errors import InvalidRequestError, SpecmeshError
+from specmesh.protocol.errors import InvalidRequestError, SpecmeshError
 
 if TYPE_CHECKING:
     from specmesh.target_service.llava import ImageEncoder

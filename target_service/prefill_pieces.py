@@ -23,10 +23,10 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from specmesh.runtime.errors import InvalidRequestError, SpecmeshError, UnknownRequestError
+from specmesh.protocol.errors import InvalidRequestError, SpecmeshError, UnknownRequestError
+from specmesh.protocol.sampling import SamplingParams
 from specmesh.runtime.kv_cache import KVCache
 from specmesh.runtime.models.causal_lm import CausalLM
-from specmesh.runtime.sampling import SamplingParams
 from specmesh.target_service.batching import prompt_logprobs
 from specmesh.target_service.steps import Logprob, PrefillInput, StepOutput
 

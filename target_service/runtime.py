@@ -21,16 +21,16 @@ from pathlib import Path
 import torch
 
 from specmesh.kernels.common import kernel_impl
-from specmesh.runtime.attention.torch_backend import make_backend
-from specmesh.runtime.config import parse_dtype, resolve_max_context
-from specmesh.runtime.errors import (
+from specmesh.protocol.errors import (
     DuplicateRequestError,
     InvalidRequestError,
     KVCacheFullError,
     SpecmeshError,
     UnknownRequestError,
 )
-from specmesh.runtime.features import AuxLayers, Feature, FeatureSpec
+from specmesh.protocol.features import AuxLayers, Feature, FeatureSpec
+from specmesh.runtime.attention.torch_backend import make_backend
+from specmesh.runtime.config import parse_dtype, resolve_max_context
 from specmesh.runtime.graph_runner import graphs_enabled
 from specmesh.runtime.kv_cache import KVCache
 from specmesh.runtime.models.causal_lm import CausalLM, ModelOutput, load_causal_lm

@@ -13,14 +13,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specmesh import __version__
+from specmesh.protocol.errors import InvalidRequestError, SpecmeshError
+from specmesh.protocol.features import Feature, FeatureSpec
+from specmesh.protocol.sampling import SamplingParams
 from specmesh.rpc.ownership import StreamOwner
 from specmesh.rpc.security import model_name
 from specmesh.rpc.service_common import ModelServicer, ServiceHost, StreamRefusedError
 from specmesh.rpc.wire import logprobs_to_pb, needs_from_pb, sampling_from_pb, status_pb
 from specmesh.runtime.codec import DEFAULT_MAX_MESSAGE_BYTES, DTYPE_NAMES, split_hidden_states
-from specmesh.runtime.errors import InvalidRequestError, SpecmeshError
-from specmesh.runtime.features import Feature, FeatureSpec
-from specmesh.runtime.sampling import SamplingParams
 from specmesh.runtime.tree import Tree
 from specmesh.target_service.runtime import TargetRuntime
 from specmesh.target_service.steps import PrefillInput, StepOutput, VerifyInput

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specmesh.runtime.sampling import SamplingParams, TokenHistory
+from specmesh.protocol.sampling import SamplingParams
+from specmesh.runtime.sampling import TokenHistory
 from specmesh.target_service.multimodal import (
     MAX_IMAGE_BYTES,
     MAX_IMAGE_PIXELS,

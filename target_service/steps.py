@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specmesh.runtime.errors import SpecmeshError
-from specmesh.runtime.sampling import SamplingParams
+from specmesh.protocol.errors import SpecmeshError
+from specmesh.protocol.sampling import SamplingParams
 from specmesh.runtime.tree import Tree
 
 if TYPE_CHECKING:

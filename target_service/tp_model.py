@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 from torch import nn
 
+from specmesh.protocol.features import AuxLayers
 from specmesh.runtime.attention.base import AttentionBackend
 from specmesh.runtime.config import ModelConfig, load_model_config
-from specmesh.runtime.features import AuxLayers
 from specmesh.runtime.loader import load_tensors
 from specmesh.runtime.models.causal_lm import CausalLM, ModelOutput, load_causal_lm
 from specmesh.runtime.models.layers import KVPair

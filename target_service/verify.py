@@ -13,11 +13,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from specmesh.kernels.compaction import compact_accepted
-from specmesh.runtime.errors import InvalidRequestError, KVCacheFullError, SpecmeshError
-from specmesh.runtime.features import Feature
+from specmesh.protocol.errors import InvalidRequestError, KVCacheFullError, SpecmeshError
+from specmesh.protocol.features import Feature
+from specmesh.protocol.sampling import SamplingParams
 from specmesh.runtime.model_runner import BatchItem, run_batch
 from specmesh.runtime.models.causal_lm import ModelOutput
-from specmesh.runtime.sampling import SamplingParams, TokenHistory
+from specmesh.runtime.sampling import TokenHistory
 from specmesh.runtime.tree import Tree
 from specmesh.target_service.acceptance import accept_trees, padded_row_index
 from specmesh.target_service.batching import run_isolated

@@ -20,9 +20,9 @@ from conftest import hf_greedy
 
 from specmesh.draft_service.drafter import SpecParams
 from specmesh.draft_service.runtime import DraftConfig, DraftRuntime
+from specmesh.protocol.features import AuxLayers, Feature, FeatureSpec
 from specmesh.router.engine import Engine
 from specmesh.runtime.config import load_model_config
-from specmesh.runtime.features import AuxLayers, Feature, FeatureSpec
 from specmesh.runtime.tree import Tree
 
 

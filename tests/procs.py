@@ -19,8 +19,8 @@ import grpc
 
 from specmesh.client import GenerationClient
 from specmesh.cluster import SERVICES, free_port
+from specmesh.protocol.sampling import SamplingParams
 from specmesh.rpc.health import check_health
-from specmesh.runtime.sampling import SamplingParams
 from specmesh.v1 import common_pb2, draft_pb2_grpc, generation_pb2, target_pb2_grpc
 
 # Flags of every target and draft that start_cluster starts (conftest: ``--device cuda``).

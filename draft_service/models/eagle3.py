@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 from specmesh.draft_service.models.common import resolve_draft_base
+from specmesh.protocol.features import AuxLayers
 from specmesh.runtime.attention.base import AttentionBackend
 from specmesh.runtime.config import ModelConfig, read_config_json
-from specmesh.runtime.features import AuxLayers
 from specmesh.runtime.loader import assign_parameters, load_tensors
 from specmesh.runtime.models.layers import MLP, Attention, AttentionShape, KVPair, RMSNorm, Rotary
 

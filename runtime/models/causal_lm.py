@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from specmesh.protocol.features import AuxLayers
 from specmesh.runtime.attention.base import AttentionBackend
 from specmesh.runtime.config import CheckpointError, ModelConfig, load_model_config
-from specmesh.runtime.features import AuxLayers
 from specmesh.runtime.loader import assign_parameters, load_tensors
 from specmesh.runtime.models.layers import (
     DecoderLayer,

@@ -13,9 +13,9 @@ from conftest import assert_speculated, llava_greedy
 from procs import Services
 
 from specmesh.client import GenerationClient
+from specmesh.protocol.features import AuxLayers
+from specmesh.protocol.sampling import SamplingParams
 from specmesh.runtime.config import load_model_config
-from specmesh.runtime.features import AuxLayers
-from specmesh.runtime.sampling import SamplingParams
 from specmesh.runtime.tiny import make_tiny_eagle3, make_tiny_target
 from specmesh.runtime.tiny_llava import make_tiny_llava, make_tiny_llava_eagle3, tiny_image
 from specmesh.target_service.llava import target_model_config

@@ -15,7 +15,7 @@ import pytest
 from procs import Services, start_cluster
 
 from specmesh.client import GenerationClient
-from specmesh.runtime.sampling import SamplingParams
+from specmesh.protocol.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ import pytest
 from procs import start_cluster
 
 from specmesh.client import GenerationClient
-from specmesh.runtime.sampling import SamplingParams
+from specmesh.protocol.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -22,8 +22,8 @@ import torch
 from procs import Services, Streams, start_cluster
 
 from specmesh.client import GenerationClient
+from specmesh.protocol.sampling import SamplingParams
 from specmesh.runtime.codec import DTYPES, split_hidden_states
-from specmesh.runtime.sampling import SamplingParams
 from specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc, generation_pb2
 
 pytestmark = pytest.mark.slow

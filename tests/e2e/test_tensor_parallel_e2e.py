@@ -14,7 +14,7 @@ import pytest
 from procs import Services, info
 
 from specmesh.client import GenerationClient
-from specmesh.runtime.sampling import SamplingParams
+from specmesh.protocol.sampling import SamplingParams
 from specmesh.target_service.tp_workers import FATAL_EXIT_CODE
 
 pytestmark = pytest.mark.slow

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from specmesh.draft_service.drafter import SpecParams
+from specmesh.protocol.sampling import SamplingParams
 from specmesh.router.core import RouterConfig
 from specmesh.router.engine import Engine
-from specmesh.runtime.sampling import SamplingParams
 from specmesh.target_service.steps import StepOutput, VerifyInput
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

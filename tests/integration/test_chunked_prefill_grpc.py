@@ -27,7 +27,7 @@ from procs import is_empty, occupancy
 
 from specmesh.client import GenerationClient
 from specmesh.draft_service.runtime import DraftConfig, load_draft
-from specmesh.runtime.sampling import SamplingParams
+from specmesh.protocol.sampling import SamplingParams
 from specmesh.target_service.runtime import TargetConfig, TargetRuntime
 
 LONG = list(range(10, 50))

@@ -12,11 +12,11 @@ from grpc_harness import collect, greedy, serve_router
 
 from specmesh.client import GenerationClient
 from specmesh.draft_service.steps import DraftInfo, ExtendInput
+from specmesh.protocol.features import AuxLayers, Feature, FeatureSpec
 from specmesh.router import grpc_clients
 from specmesh.router.draft_rows import split_rows
 from specmesh.rpc.rows import RowBlock, RowError, join_rows, join_state_rows
 from specmesh.runtime import codec
-from specmesh.runtime.features import AuxLayers, Feature, FeatureSpec
 from specmesh.runtime.tree import Tree
 from specmesh.target_service.steps import VerifyInput
 from specmesh.v1 import common_pb2, target_pb2

@@ -9,8 +9,8 @@ import pytest
 from grpc_harness import collect, greedy, serve_router, serve_target, wait_until
 
 from specmesh.client import GenerationClient
+from specmesh.protocol.sampling import SamplingParams
 from specmesh.runtime.codec import split_hidden_states
-from specmesh.runtime.sampling import SamplingParams
 from specmesh.target_service.runtime import TargetConfig, TargetRuntime
 from specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 

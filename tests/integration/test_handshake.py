@@ -7,9 +7,9 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from specmesh.protocol.features import AuxLayers, Feature, FeatureSpec
 from specmesh.router.core import draft_needs
 from specmesh.rpc.wire import needs_to_pb
-from specmesh.runtime.features import AuxLayers, Feature, FeatureSpec
 from specmesh.v1 import target_pb2, target_pb2_grpc
 
 

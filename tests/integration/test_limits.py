@@ -21,10 +21,10 @@ from grpc_harness import collect, greedy, wait_until
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specmesh.client import GenerationClient
+from specmesh.protocol.sampling import SamplingParams
 from specmesh.router.limits import RouterLimits
 from specmesh.router.server import RouterService, RouterSettings
 from specmesh.runtime.codec import split_hidden_states
-from specmesh.runtime.sampling import SamplingParams
 from specmesh.v1 import draft_pb2, draft_pb2_grpc, generation_pb2
 
 CODE = grpc.StatusCode

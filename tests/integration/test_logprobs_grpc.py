@@ -6,7 +6,7 @@ import pytest
 import torch
 from grpc_harness import collect
 
-from specmesh.runtime.sampling import SamplingParams
+from specmesh.protocol.sampling import SamplingParams
 
 PROMPT = [5, 6, 7, 8, 9, 10, 5, 6]
 

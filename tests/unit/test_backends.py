@@ -10,10 +10,10 @@ import torch
 
 from specmesh.draft_service.drafter import SpecParams
 from specmesh.kernels.testing import cpu_triton
+from specmesh.protocol.sampling import SamplingParams
 from specmesh.router.engine import Engine
 from specmesh.runtime.attention.base import AttentionBackend
 from specmesh.runtime.attention.torch_backend import TorchBackend, make_backend
-from specmesh.runtime.sampling import SamplingParams
 
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [40, 41, 42, 43, 44, 45, 46]]
 

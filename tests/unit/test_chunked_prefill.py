@@ -15,18 +15,18 @@ from conftest import assert_speculated, reorder_tolerance
 from oracle_draft import oracle_engine
 
 from specmesh.draft_service.drafter import SpecParams
+from specmesh.protocol.errors import (
+    InvalidRequestError,
+    ServiceDownError,
+    UnknownRequestError,
+)
+from specmesh.protocol.features import Feature
+from specmesh.protocol.sampling import SamplingParams
 from specmesh.router.core import RouterConfig, RouterCore
 from specmesh.router.engine import Engine
 from specmesh.router.in_process import InProcessDraft, InProcessTarget
 from specmesh.router.prefill_plan import plan_pieces
 from specmesh.router.request import Request
-from specmesh.runtime.errors import (
-    InvalidRequestError,
-    ServiceDownError,
-    UnknownRequestError,
-)
-from specmesh.runtime.features import Feature
-from specmesh.runtime.sampling import SamplingParams
 from specmesh.runtime.tree import Tree
 from specmesh.target_service.runtime import TargetConfig, TargetRuntime
 from specmesh.target_service.steps import PrefillInput, VerifyInput

@@ -9,8 +9,8 @@ import pytest
 
 from specmesh.defaults import REPO_MODELS, default_models
 from specmesh.draft_service.drafter import SpecParams
+from specmesh.protocol.sampling import SamplingParams
 from specmesh.router.engine import Engine
-from specmesh.runtime.sampling import SamplingParams
 
 PROMPTS = [
     "def read_config(path):\n    with open(path) as f:\n",

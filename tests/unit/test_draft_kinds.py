@@ -19,10 +19,10 @@ from specmesh.draft_service.drafter import SpecParams
 from specmesh.draft_service.ngram import NgramDrafter, find_continuations
 from specmesh.draft_service.runtime import DraftConfig, load_draft
 from specmesh.draft_service.steps import ExtendInput
+from specmesh.protocol.features import Feature
+from specmesh.protocol.sampling import SamplingParams
 from specmesh.router.engine import Engine
-from specmesh.runtime.features import Feature
 from specmesh.runtime.loader import load_tensors
-from specmesh.runtime.sampling import SamplingParams
 from specmesh.runtime.tiny import make_tiny_target
 from specmesh.runtime.tiny_drafts import make_tiny_draft
 from specmesh.target_service.runtime import TargetRuntime

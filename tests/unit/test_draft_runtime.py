@@ -9,7 +9,7 @@ import torch
 from specmesh.draft_service.drafter import SpecParams
 from specmesh.draft_service.runtime import DraftConfig, load_draft
 from specmesh.draft_service.steps import ExtendInput
-from specmesh.runtime.errors import InvalidRequestError
+from specmesh.protocol.errors import InvalidRequestError
 
 
 def test_bad_extend_is_isolated(tiny_dir: Path) -> None:

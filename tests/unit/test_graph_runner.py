@@ -15,8 +15,8 @@ from conftest import reorder_tolerance
 from specmesh.draft_service.drafter import SpecParams
 from specmesh.draft_service.runtime import DraftConfig, load_draft
 from specmesh.kernels.testing import cpu_triton
+from specmesh.protocol.features import Feature, FeatureSpec
 from specmesh.runtime.attention.torch_backend import make_backend
-from specmesh.runtime.features import Feature, FeatureSpec
 from specmesh.runtime.graph_runner import (
     GraphRunner,
     capture_batch_sizes,
@@ -194,8 +194,8 @@ def test_draft_step_through_static_buffers(tiny_dir: Path, topk: int) -> None:
 def test_engine_through_static_paths_equals_transformers(tiny_dir: Path, oracle) -> None:
     """Target decode / verify and draft steps routed through eager-static runners (the runtime
     wiring a GPU uses with mode="cuda-graph") still generate the transformers greedy tokens."""
+    from specmesh.protocol.sampling import SamplingParams
     from specmesh.router.engine import Engine
-    from specmesh.runtime.sampling import SamplingParams
     from specmesh.target_service.graphs import TargetGraphs
 
     engine = Engine(tiny_dir / "target", draft_model=tiny_dir / "draft", draft_kind="eagle3",

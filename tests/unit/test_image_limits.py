@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import rss_mb
 
-from specmesh.runtime.sampling import SamplingParams
+from specmesh.protocol.sampling import SamplingParams
 from specmesh.runtime.tiny_llava import make_tiny_llava, tiny_image
 from specmesh.target_service.runtime import TargetConfig, TargetRuntime
 from specmesh.target_service.steps import PrefillInput

@@ -11,7 +11,7 @@ import torch
 from specmesh.draft_service.drafter import SpecParams
 from specmesh.draft_service.runtime import DraftConfig, load_draft
 from specmesh.draft_service.steps import ExtendInput
-from specmesh.runtime.sampling import SamplingParams
+from specmesh.protocol.sampling import SamplingParams
 from specmesh.runtime.tree import Tree
 from specmesh.target_service import batching
 from specmesh.target_service import verify as target_verify

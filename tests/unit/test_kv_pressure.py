@@ -13,12 +13,12 @@ from conftest import assert_speculated
 from oracle_draft import mean_accept, oracle_engine
 
 from specmesh.draft_service.drafter import SpecParams
+from specmesh.protocol.errors import KVCacheFullError
+from specmesh.protocol.sampling import SamplingParams
 from specmesh.router.core import RouterConfig, RouterCore
 from specmesh.router.engine import Engine
 from specmesh.router.in_process import InProcessTarget
 from specmesh.router.request import Request
-from specmesh.runtime.errors import KVCacheFullError
-from specmesh.runtime.sampling import SamplingParams
 from specmesh.runtime.tree import Tree
 from specmesh.target_service.runtime import TargetConfig, TargetRuntime
 from specmesh.target_service.steps import PrefillInput, StepOutput, VerifyInput

@@ -12,11 +12,11 @@ import torch
 from conftest import tiny_engine
 from oracle_draft import oracle_engine
 
+from specmesh.protocol.sampling import SamplingParams
 from specmesh.router.core import RouterCore
 from specmesh.router.engine import Engine
 from specmesh.router.in_process import InProcessDraft, InProcessTarget
 from specmesh.router.request import Chunk
-from specmesh.runtime.sampling import SamplingParams
 
 PROMPT = [5, 6, 7, 8, 9, 10]
 ATOL = 1e-4

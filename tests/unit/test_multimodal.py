@@ -13,10 +13,10 @@ from conftest import assert_speculated, llava_greedy
 from specmesh.draft_service.drafter import SpecParams
 from specmesh.draft_service.runtime import DraftConfig, load_draft
 from specmesh.draft_service.steps import ExtendInput
+from specmesh.protocol.errors import InvalidRequestError
+from specmesh.protocol.sampling import SamplingParams
 from specmesh.router.core import RouterConfig
 from specmesh.router.engine import Engine
-from specmesh.runtime.errors import InvalidRequestError
-from specmesh.runtime.sampling import SamplingParams
 from specmesh.runtime.tiny_llava import make_tiny_llava, make_tiny_llava_eagle3, tiny_image
 from specmesh.target_service.runtime import TargetConfig, TargetRuntime
 from specmesh.target_service.steps import PrefillInput

@@ -10,6 +10,7 @@ import pytest
 from conftest import make_small_vocab_pair
 
 from specmesh.draft_service.drafter import SpecParams
+from specmesh.protocol.sampling import SamplingParams
 from specmesh.router.core import RouterConfig
 from specmesh.router.engine import Engine
 from specmesh.router.policy import (
@@ -22,7 +23,6 @@ from specmesh.router.policy import (
     cut_tree,
     interpolate_costs,
 )
-from specmesh.runtime.sampling import SamplingParams
 from specmesh.runtime.tree import Tree
 
 N = 8  # the draft's tree size

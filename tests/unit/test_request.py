@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from specmesh.protocol.sampling import SamplingParams
 from specmesh.router.detokenizer import Detokenizer
 from specmesh.router.request import Request
-from specmesh.runtime.sampling import SamplingParams
 
 
 class CharTokenizer:

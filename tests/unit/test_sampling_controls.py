@@ -12,10 +12,10 @@ import torch
 from conftest import make_small_vocab_pair, tiny_engine
 
 from specmesh.draft_service.drafter import SpecParams
+from specmesh.protocol.errors import InvalidRequestError
+from specmesh.protocol.sampling import SamplingParams
 from specmesh.router.core import RouterConfig
 from specmesh.router.engine import Engine
-from specmesh.runtime.errors import InvalidRequestError
-from specmesh.runtime.sampling import SamplingParams
 
 PROMPT = [5, 6, 7, 8, 9, 10, 5, 6]
 

@@ -7,11 +7,11 @@ import asyncio
 from pathlib import Path
 
 from specmesh.draft_service.drafter import SpecParams
+from specmesh.protocol.errors import ServiceDownError
+from specmesh.protocol.sampling import SamplingParams
 from specmesh.router.core import RouterConfig, RouterCore
 from specmesh.router.engine import Engine
 from specmesh.router.in_process import InProcessDraft, InProcessTarget
-from specmesh.runtime.errors import ServiceDownError
-from specmesh.runtime.sampling import SamplingParams
 
 
 class FlakyDraft(InProcessDraft):

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from specmesh.draft_service.drafter import SpecParams
+from specmesh.protocol.sampling import SamplingParams
 from specmesh.router.engine import Engine
-from specmesh.runtime.sampling import SamplingParams
 
 
 def test_checkpoint_has_llama_8b_layout_and_repeats_the_last_token(synthetic_pair) -> None:

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from specmesh.protocol.errors import ServiceDownError
+from specmesh.protocol.sampling import SamplingParams
 from specmesh.router.core import RouterConfig, RouterCore
 from specmesh.router.engine import Engine
 from specmesh.router.in_process import InProcessTarget
-from specmesh.runtime.errors import ServiceDownError
-from specmesh.runtime.sampling import SamplingParams
 
 
 class FlakyTarget(InProcessTarget):

@@ -12,11 +12,11 @@ import torch
 from conftest import reorder_tolerance
 from transformers import AutoModelForCausalLM
 
+from specmesh.protocol.errors import KVCacheFullError, UnknownRequestError
+from specmesh.protocol.features import Feature, FeatureSpec
+from specmesh.protocol.sampling import SamplingParams
 from specmesh.runtime.config import CheckpointError
-from specmesh.runtime.errors import KVCacheFullError, UnknownRequestError
-from specmesh.runtime.features import Feature, FeatureSpec
 from specmesh.runtime.models.causal_lm import AuxLayers, load_causal_lm
-from specmesh.runtime.sampling import SamplingParams
 from specmesh.runtime.tiny import make_tiny_target
 from specmesh.runtime.tree import Tree
 from specmesh.target_service.runtime import TargetConfig, TargetRuntime

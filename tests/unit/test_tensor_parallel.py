@@ -12,8 +12,9 @@ import pytest
 import torch
 from conftest import hf_greedy, reorder_tolerance
 
+from specmesh.protocol.features import AuxLayers
+from specmesh.protocol.sampling import SamplingParams
 from specmesh.runtime.config import ModelConfig
-from specmesh.runtime.features import AuxLayers
 from specmesh.runtime.model_runner import BatchItem, run_batch
 from specmesh.runtime.parallel import (
     TensorParallel,
@@ -21,7 +22,6 @@ from specmesh.runtime.parallel import (
     kv_head_range,
     rank_devices,
 )
-from specmesh.runtime.sampling import SamplingParams
 from specmesh.runtime.shard_loader import shard_of
 from specmesh.runtime.tiny import make_tiny_target
 from specmesh.target_service.runtime import TargetConfig, TargetRuntime
