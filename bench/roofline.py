@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from specmesh.bench.report import emit_json
-from specmesh.runtime.sampling import SamplingParams
+from specmesh.protocol.sampling import SamplingParams
 from specmesh.target_service.runtime import TargetRuntime
 from specmesh.target_service.state import TargetConfig
 from specmesh.target_service.steps import PrefillInput

@@ -26,10 +26,10 @@ from typing import Any
 from specmesh.bench.metrics import RequestTrace, summarize
 from specmesh.bench.probes import CallLog, TimedDraft, TimedTarget, time_split
 from specmesh.draft_service.drafter import SpecParams
+from specmesh.protocol.sampling import SamplingParams
 from specmesh.router.core import RouterConfig, RouterCore
 from specmesh.router.detokenizer import Detokenizer
 from specmesh.router.request import Request
-from specmesh.runtime.sampling import SamplingParams
 
 BACKENDS = ("inprocess", "cluster", "transformers", "llamacpp")
 WARMUP_TOKENS = 4
