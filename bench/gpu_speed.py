@@ -31,10 +31,10 @@ import torch
 from specmesh.bench.metrics import ratio_spread, spread
 from specmesh.bench.report import emit_json
 from specmesh.bench.workloads import load_workload
-from specmesh.draft_service.drafter import SpecParams
+from specmesh.protocol.config import SpecParams
 from specmesh.protocol.sampling import SamplingParams
 from specmesh.router.core import RouterConfig
-from specmesh.runtime.tokenizer import load_tokenizer
+from specmesh.router.tokenizer import load_tokenizer
 
 
 def sync(device: str) -> None:

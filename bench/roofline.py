@@ -25,10 +25,10 @@ from typing import Any
 import torch
 
 from specmesh.bench.report import emit_json
+from specmesh.protocol.config import TargetConfig
 from specmesh.protocol.sampling import SamplingParams
+from specmesh.protocol.steps import PrefillInput
 from specmesh.target_service.runtime import TargetRuntime
-from specmesh.target_service.state import TargetConfig
-from specmesh.target_service.steps import PrefillInput
 
 
 def copy_bandwidth(device: str, nbytes: int = 2 << 30, repeats: int = 20) -> float:

@@ -25,7 +25,7 @@ from typing import Any
 
 from specmesh.bench.metrics import RequestTrace, summarize
 from specmesh.bench.probes import CallLog, TimedDraft, TimedTarget, time_split
-from specmesh.draft_service.drafter import SpecParams
+from specmesh.protocol.config import SpecParams
 from specmesh.protocol.sampling import SamplingParams
 from specmesh.router.core import RouterConfig, RouterCore
 from specmesh.router.detokenizer import Detokenizer

@@ -29,7 +29,7 @@ WORKER_TIMEOUT_S = 1800.0
 
 
 def run_bench(settings: BenchSettings) -> dict[str, Any]:
-    from specmesh.runtime.tokenizer import load_tokenizer
+    from specmesh.router.tokenizer import load_tokenizer
 
     s = settings
     s.validate()

@@ -16,7 +16,7 @@ from specmesh.bench.hf import DRAFT_KINDS as TRANSFORMERS_DRAFTING
 from specmesh.bench.metrics import ratio_spread
 from specmesh.bench.runners import RunSpec
 from specmesh.defaults import ModelChoice
-from specmesh.draft_service.drafter import SpecParams
+from specmesh.protocol.config import SpecParams
 
 SWEEP = (
     SpecParams(3, 1, 4),

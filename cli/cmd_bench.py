@@ -145,7 +145,7 @@ def settings_from_args(args: argparse.Namespace):  # -> BenchSettings
     from specmesh.bench.spawn import available_cores
     from specmesh.bench.suite import SWEEP, BenchSettings, engine_variants
     from specmesh.defaults import resolve_models
-    from specmesh.draft_service.drafter import SpecParams
+    from specmesh.protocol.config import SpecParams
 
     models = resolve_models(args.target_model, args.draft_model, args.draft_kind)
     if models.draft_kind is None:
@@ -256,7 +256,7 @@ def run_http_mode(args: argparse.Namespace) -> int:
     from specmesh.bench.http_client import format_results, run_http
     from specmesh.bench.workloads import load_workload
     from specmesh.defaults import resolve_models
-    from specmesh.runtime.tokenizer import load_tokenizer
+    from specmesh.router.tokenizer import load_tokenizer
 
     pick = _picker(args)
     batches = _ints(pick("batch_sizes"), "--batch-sizes")

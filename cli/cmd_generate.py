@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from specmesh.draft_service.runtime import DRAFT_KINDS
+from specmesh.protocol.config import DRAFT_KINDS
 from specmesh.protocol.sampling import SamplingParams
 from specmesh.router.policy import MODES as SPECULATION_MODES
 from specmesh.rpc.security import add_api_key_arg, add_tls_args, tls_from_args
@@ -151,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
 
 def generate_in_process(args: argparse.Namespace) -> dict[str, Any]:
     from specmesh.defaults import resolve_models
-    from specmesh.draft_service.drafter import SpecParams
+    from specmesh.protocol.config import SpecParams
     from specmesh.router.core import RouterConfig
     from specmesh.router.engine import Engine
 

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from specmesh.draft_service.runtime import DRAFT_KINDS
+from specmesh.protocol.config import DRAFT_KINDS
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -11,7 +11,7 @@ import argparse
 import asyncio
 
 from specmesh.cmd_generate import add_spec_args
-from specmesh.draft_service.runtime import DRAFT_KINDS, DraftConfig
+from specmesh.protocol.config import DRAFT_KINDS, DraftConfig, TargetConfig
 from specmesh.router.core import RouterConfig
 from specmesh.router.limits import RouterLimits
 from specmesh.rpc.metrics import add_metrics_port_arg
@@ -31,7 +31,6 @@ from specmesh.serve_args import (
     config_default,
     int_list,
 )
-from specmesh.target_service.runtime import TargetConfig
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -199,8 +198,8 @@ def run_target(args: argparse.Namespace) -> int:
 def run_draft(args: argparse.Namespace) -> int:
     apply_threads(args)
     from specmesh.draft_service import server
-    from specmesh.draft_service.drafter import SpecParams
     from specmesh.draft_service.runtime import load_draft
+    from specmesh.protocol.config import SpecParams
     from specmesh.rpc.service_common import serve_model
     from specmesh.v1 import draft_pb2_grpc
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from specmesh.protocol.codec import GRPC_MAX_MESSAGE_BYTES
+from specmesh.protocol.config import TargetConfig
 from specmesh.router.policy import MODES as SPECULATION_MODES
 from specmesh.rpc.security import add_tls_args
-from specmesh.runtime.codec import GRPC_MAX_MESSAGE_BYTES
-from specmesh.target_service.runtime import TargetConfig
 
 BACKENDS = ("torch", "triton", "flashinfer")
 PORTS = {"router": 50051, "target": 50052, "draft": 50053}

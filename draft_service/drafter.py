@@ -26,6 +26,7 @@ import torch
 
 from specmesh.kernels.common import kernel_impl
 from specmesh.kernels.tree_build import build_tree
+from specmesh.protocol.config import SpecParams
 from specmesh.runtime.attention.base import AttentionBackend
 from specmesh.runtime.draft_sizes import DraftSizes
 from specmesh.runtime.kv_cache import KVCache
@@ -35,26 +36,6 @@ from specmesh.runtime.tree import Tree
 
 if TYPE_CHECKING:
     from specmesh.draft_service.step_graphs import DraftStepGraphs
-
-
-@dataclass(frozen=True)
-class SpecParams:
-    num_steps: int = 3
-    topk: int = 1
-    num_draft_tokens: int = 4
-
-    def validate(self) -> None:
-        if self.num_steps < 1 or self.topk < 1 or self.num_draft_tokens < 2:
-            raise ValueError(
-                f"need num_steps >= 1, topk >= 1, num_draft_tokens >= 2; got {self.num_steps}, "
-                f"{self.topk}, {self.num_draft_tokens}"
-            )
-        pool = self.topk + (self.num_steps - 1) * self.topk**2
-        if self.num_draft_tokens - 1 > pool:
-            raise ValueError(
-                f"num_draft_tokens {self.num_draft_tokens} needs {self.num_draft_tokens - 1} "
-                f"draft nodes but (num_steps={self.num_steps}, topk={self.topk}) proposes {pool}"
-            )
 
 
 @dataclass

@@ -12,10 +12,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specmesh.draft_service.drafter import RootState, SpecParams, TreeDrafter, forward_draft
-from specmesh.draft_service.steps import ExtendInput
+from specmesh.draft_service.drafter import RootState, TreeDrafter, forward_draft
+from specmesh.protocol.config import SpecParams
 from specmesh.protocol.errors import InvalidRequestError
 from specmesh.protocol.features import Feature, FeatureSpec
+from specmesh.protocol.steps import ExtendInput
 from specmesh.runtime.attention.base import AttentionBackend
 from specmesh.runtime.kv_cache import KVCache
 from specmesh.runtime.model_runner import BatchItem

@@ -6,7 +6,8 @@ import torch
 
 from specmesh.draft_service.drafter import TreeDrafter
 from specmesh.draft_service.feature_drafter import FeatureDrafter
-from specmesh.draft_service.runtime import DraftConfig, Drafter
+from specmesh.draft_service.runtime import Drafter
+from specmesh.protocol.config import DraftConfig
 from specmesh.protocol.features import Feature, FeatureSpec
 from specmesh.runtime.attention.torch_backend import make_backend
 from specmesh.runtime.config import parse_dtype

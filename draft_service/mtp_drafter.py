@@ -37,11 +37,12 @@ from __future__ import annotations
 
 import torch
 
-from specmesh.draft_service.drafter import RootState, SpecParams, TreeDrafter, forward_draft
+from specmesh.draft_service.drafter import RootState, TreeDrafter, forward_draft
 from specmesh.draft_service.feature_drafter import check_features, rotated_rows
 from specmesh.draft_service.models.mtp import MTPDraft
-from specmesh.draft_service.steps import ExtendInput
+from specmesh.protocol.config import SpecParams
 from specmesh.protocol.features import Feature, FeatureSpec
+from specmesh.protocol.steps import ExtendInput
 from specmesh.runtime.attention.base import AttentionBackend
 from specmesh.runtime.kv_cache import KVCache
 from specmesh.runtime.model_runner import BatchItem

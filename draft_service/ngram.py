@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import torch
 
-from specmesh.draft_service.drafter import SpecParams
-from specmesh.draft_service.steps import ExtendInput
+from specmesh.protocol.config import SpecParams
 from specmesh.protocol.errors import InvalidRequestError, UnknownRequestError
 from specmesh.protocol.features import FeatureSpec
+from specmesh.protocol.steps import ExtendInput
 from specmesh.runtime.tree import Tree
 
 MAX_NGRAM = 3

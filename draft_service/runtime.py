@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Protocol
 
 import torch
 
-from specmesh.draft_service.drafter import SpecParams, TreeDrafter
-from specmesh.draft_service.steps import DraftInfo, DraftStepResult, ExtendInput
+from specmesh.draft_service.drafter import TreeDrafter
+from specmesh.protocol.config import DRAFT_KINDS, DraftConfig, SpecParams
 from specmesh.protocol.errors import (
     DuplicateRequestError,
     InvalidRequestError,
@@ -31,13 +31,13 @@ from specmesh.protocol.errors import (
     as_specmesh_error,
 )
 from specmesh.protocol.features import FeatureSpec
+from specmesh.protocol.steps import DraftInfo, DraftStepResult, ExtendInput
+from specmesh.protocol.trees import DraftTree
 from specmesh.runtime.config import ModelConfig, resolve_max_context
 from specmesh.runtime.graph_runner import graphs_enabled
 from specmesh.runtime.tree import Tree
 
 log = logging.getLogger(__name__)
-
-DRAFT_KINDS = ("eagle3", "eagle", "mtp", "standalone", "ngram")
 
 
 class Drafter(Protocol):
@@ -49,23 +49,6 @@ class Drafter(Protocol):
 
     def propose(self, rids: list[str], roots: list[int]) -> list[Tree]: ...
     def release(self, rid: str) -> None: ...
-
-
-@dataclass(frozen=True)
-class DraftConfig:
-    kind: str
-    draft_dir: str | None  # None for ngram
-    target_dir: str  # embeddings / LM head / tokenizer come from the target checkpoint
-    spec: SpecParams = SpecParams()
-    dtype: str | None = None
-    device: str = "cpu"
-    attention_backend: str = "torch"
-    num_kv_slots: int = 65536
-    max_requests: int = 256
-    max_context: int | None = None  # None = the target's max_position_embeddings
-    aux_convention: str = "output"  # how the checkpoint numbers eagle_aux_hidden_state_layer_ids
-    cuda_graph: bool = True  # draft decode steps in CUDA graphs (CUDA + triton/flashinfer only)
-    cuda_graph_max_bs: int = 32  # largest captured batch; bigger batches run eagerly
 
 
 class DraftRuntime:
@@ -121,7 +104,7 @@ class DraftRuntime:
             return
         try:
             trees = self.drafter.propose([i.rid for i in ok], [i.next_token for i in ok])
-            result.trees.update({i.rid: t for i, t in zip(ok, trees, strict=True)})
+            result.trees.update({i.rid: _wire(t) for i, t in zip(ok, trees, strict=True)})
         except Exception as e:
             self._fail(ok, e, result.errors)
 
@@ -184,6 +167,11 @@ class DraftRuntime:
             return False
         self.drafter.release(rid)
         return True
+
+
+def _wire(tree: Tree) -> DraftTree:
+    """The drafter's tree as it leaves the service: tokens and parents, nothing derived."""
+    return DraftTree.of(tree.tokens.tolist(), tree.parents.tolist())
 
 
 def load_draft(cfg: DraftConfig, target_model: torch.nn.Module | None = None) -> DraftRuntime:

@@ -11,16 +11,17 @@ import torch
 
 from specmesh import __version__
 from specmesh.draft_service.runtime import DraftRuntime
-from specmesh.draft_service.steps import DraftStepResult, ExtendInput
+from specmesh.protocol.codec import CodecError
 from specmesh.protocol.errors import InvalidRequestError
 from specmesh.protocol.features import Feature
+from specmesh.protocol.steps import DraftStepResult, ExtendInput
+from specmesh.protocol.trees import DraftTree
 from specmesh.rpc.ownership import StreamOwner
 from specmesh.rpc.security import model_name
 from specmesh.rpc.service_common import ModelServicer, ServiceHost
 from specmesh.rpc.wire import needs_to_pb, status_pb
-from specmesh.runtime.codec import DTYPE_NAMES, DTYPES, TensorError, join_hidden_states
+from specmesh.runtime.codec import DTYPE_NAMES, DTYPES, join_hidden_states
 from specmesh.runtime.config import parse_dtype
-from specmesh.runtime.tree import Tree
 from specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name
@@ -144,15 +145,13 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServicer):
         return tuple(None if t is None else t.to(dev) for t in (features, mm))
 
     def _result(
-        self, rid: str, error: Exception | None, tree: Tree | None
+        self, rid: str, error: Exception | None, tree: DraftTree | None
     ) -> draft_pb2.DraftResult:
         if error is not None:
             return draft_pb2.DraftResult(request_id=rid, status=status_pb(error))
         result = draft_pb2.DraftResult(request_id=rid)
         if tree is not None:
-            result.tree.CopyFrom(
-                common_pb2.DraftTree(tokens=tree.tokens.tolist(), parents=tree.parents.tolist())
-            )
+            result.tree.CopyFrom(common_pb2.DraftTree(tokens=tree.tokens, parents=tree.parents))
         return result
 
     def _check_params(self, params: draft_pb2.ProposeParams) -> None:
@@ -180,10 +179,10 @@ def _check_rows(
     if t is None:
         return
     if t.dim() != 2 or t.shape[1] != width:
-        raise TensorError(f"tensor '{name}': shape {list(t.shape)}, expected [rows, {width}]")
+        raise CodecError(f"tensor '{name}': shape {list(t.shape)}, expected [rows, {width}]")
     if t.dtype not in dtypes:
         want = " or ".join(sorted(DTYPE_NAMES[d] for d in dtypes))
-        raise TensorError(
+        raise CodecError(
             f"tensor '{name}': dtype {DTYPE_NAMES[t.dtype]}, expected the target's {want}"
         )
     if bool(torch.isfinite(t.sum(dtype=torch.float32))):  # one pass; else find the rows
@@ -193,7 +192,7 @@ def _check_rows(
         return
     bounds = torch.tensor(rows).cumsum(0)
     positions = torch.searchsorted(bounds, bad_rows, right=True).unique().tolist()
-    raise TensorError(
+    raise CodecError(
         f"tensor '{name}': {len(bad_rows)} of {t.shape[0]} rows hold NaN or Inf, in the "
         f"requests at batch positions {positions[:8]}"
     )

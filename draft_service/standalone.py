@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import torch
 
-from specmesh.draft_service.drafter import RootState, SpecParams, TreeDrafter
-from specmesh.draft_service.steps import ExtendInput
+from specmesh.draft_service.drafter import RootState, TreeDrafter
+from specmesh.protocol.config import SpecParams
 from specmesh.protocol.errors import InvalidRequestError
 from specmesh.protocol.features import FeatureSpec
+from specmesh.protocol.steps import ExtendInput
 from specmesh.runtime.attention.base import AttentionBackend
 from specmesh.runtime.kv_cache import KVCache
 from specmesh.runtime.model_runner import BatchItem, run_batch

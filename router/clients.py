@@ -9,23 +9,18 @@ split costs. Both speak the same protocol: a handshake (`configure`), steps, and
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
-from specmesh.draft_service.steps import DraftInfo, DraftStepResult, ExtendInput
 from specmesh.protocol.features import FeatureSpec
-from specmesh.target_service.steps import PrefillInput, StepOutput, VerifyInput
-
-__all__ = ["DraftClient", "DraftInfo", "TargetClient", "TargetInfo"]
-
-
-@dataclass(frozen=True)
-class TargetInfo:
-    model: str
-    vocab_size: int
-    max_context: int
-    eos_token_ids: tuple[int, ...]
-    hidden_size: int
+from specmesh.protocol.steps import (
+    DraftInfo,
+    DraftStepResult,
+    ExtendInput,
+    PrefillInput,
+    StepOutput,
+    TargetInfo,
+    VerifyInput,
+)
 
 
 class TargetClient(Protocol):

@@ -35,7 +35,8 @@ from specmesh.protocol.errors import (
     SpecmeshError,
 )
 from specmesh.protocol.features import FeatureSpec
-from specmesh.router.clients import DraftClient, TargetClient, TargetInfo
+from specmesh.protocol.steps import TargetInfo
+from specmesh.router.clients import DraftClient, TargetClient
 from specmesh.router.faults import StepDeadline
 from specmesh.router.limits import check_stop_rules
 from specmesh.router.metrics import RouterMetrics

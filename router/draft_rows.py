@@ -1,16 +1,15 @@
 """Feature rows on their way from the target to the draft: cut per request out of a step's
 output, and the extends a request holds back while the policy plans plain decoding, joined into
 one when it speculates again. Rows are tensor slices in process and the target's bytes in the
-gRPC router (`specmesh.rpc.rows`): the router never decodes them."""
+gRPC router (`specmesh.protocol.codec`): the router never decodes them."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Union
 
-from specmesh.draft_service.steps import ExtendInput
+from specmesh.protocol.codec import RowBlock, join_rows
+from specmesh.protocol.steps import ExtendInput, StepOutput
 from specmesh.router.request import Request
-from specmesh.rpc.rows import RowBlock, join_rows
-from specmesh.target_service.steps import StepOutput
 
 if TYPE_CHECKING:
     import torch
@@ -24,7 +23,7 @@ MAX_BACKLOG_ROWS = 64
 
 def split_rows(out: StepOutput) -> dict[str, tuple[Rows | None, Rows | None]]:
     """Cut the batch's feature rows (and multimodal embeddings) back into per-request rows
-    (tensors in process, the target's bytes in the gRPC router: `rpc.rows`); rows follow the
+    (tensors in process, the target's bytes in the gRPC router: `protocol.codec`); rows follow the
     order of ``out.row_counts`` (the batch's order)."""
     rows, start = {}, 0
     for rid, n in out.row_counts.items():

@@ -11,16 +11,17 @@ import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from specmesh.draft_service.drafter import SpecParams
-from specmesh.draft_service.runtime import DraftConfig, load_draft
+from specmesh.draft_service.runtime import load_draft
+from specmesh.protocol.config import DraftConfig, SpecParams, TargetConfig
 from specmesh.protocol.sampling import SamplingParams
+from specmesh.protocol.steps import Logprob
 from specmesh.router.core import RouterConfig, RouterCore
 from specmesh.router.detokenizer import Detokenizer
 from specmesh.router.in_process import InProcessDraft, InProcessTarget
 from specmesh.router.policy import SpeculationPolicy
-from specmesh.router.request import Request, TokenLogprob
-from specmesh.runtime.tokenizer import load_tokenizer, resolve_seed
-from specmesh.target_service.runtime import TargetConfig, TargetRuntime
+from specmesh.router.request import Request
+from specmesh.router.tokenizer import load_tokenizer, resolve_seed
+from specmesh.target_service.runtime import TargetRuntime
 
 
 @dataclass
@@ -34,8 +35,8 @@ class GenerationResult:
     num_draft_tokens: int = 0  # draft tree nodes verified, roots excluded
     # Set when the request asked for them (`SamplingParams.logprobs` / ``prompt_logprobs``), as
     # the core streamed them: one per token_ids entry; one per prompt token (None for the first).
-    logprobs: list[TokenLogprob] | None = None
-    prompt_logprobs: list[TokenLogprob | None] | None = None
+    logprobs: list[Logprob] | None = None
+    prompt_logprobs: list[Logprob | None] | None = None
 
     @property
     def mean_accept_len(self) -> float:

@@ -19,13 +19,28 @@ import logging
 
 import grpc
 
-from specmesh.draft_service.steps import DraftInfo, DraftStepResult, ExtendInput
+from specmesh.protocol.codec import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    RowBlock,
+    join_rows,
+    join_state_rows,
+    split_state_rows,
+)
 from specmesh.protocol.errors import ServiceDownError
 from specmesh.protocol.features import FeatureSpec
-from specmesh.router.clients import TargetInfo
+from specmesh.protocol.steps import (
+    DraftInfo,
+    DraftStepResult,
+    ExtendInput,
+    Logprob,
+    PrefillInput,
+    StepOutput,
+    TargetInfo,
+    VerifyInput,
+)
+from specmesh.protocol.trees import DraftTree
 from specmesh.router.metrics import STEP_BYTES_RECEIVED, STEP_BYTES_SENT
 from specmesh.router.step_stream import CountingChannel, StepStream
-from specmesh.rpc.rows import RowBlock, join_rows, join_state_rows, split_state_rows
 from specmesh.rpc.service_common import channel_options
 from specmesh.rpc.wire import (
     error_from_rpc,
@@ -35,9 +50,6 @@ from specmesh.rpc.wire import (
     needs_to_pb,
     sampling_to_pb,
 )
-from specmesh.runtime.codec import DEFAULT_MAX_MESSAGE_BYTES
-from specmesh.runtime.tree import Tree
-from specmesh.target_service.steps import Logprob, PrefillInput, StepOutput, VerifyInput
 from specmesh.v1 import (
     common_pb2,
     draft_pb2,
@@ -168,9 +180,7 @@ class GrpcTargetClient(_GrpcClient):
         requests = [
             target_pb2.VerifyRequest(
                 request_id=i.rid,
-                tree=common_pb2.DraftTree(
-                    tokens=i.tree.tokens.tolist(), parents=i.tree.parents.tolist()
-                ),
+                tree=common_pb2.DraftTree(tokens=i.tree.tokens, parents=i.tree.parents),
             )
             for i in inputs
         ]
@@ -247,9 +257,7 @@ class GrpcDraftClient(_GrpcClient):
             if result.status.code:
                 out.errors[rid] = error_from_status(result.status.code, result.status.message)
             elif result.HasField("tree"):
-                out.trees[rid] = Tree.from_parents(
-                    list(result.tree.tokens), list(result.tree.parents)
-                )
+                out.trees[rid] = DraftTree.of(result.tree.tokens, result.tree.parents)
         return out
 
     def _rows(self, extends: list[ExtendInput]) -> dict[str, RowBlock | None]:

@@ -11,11 +11,16 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
 from specmesh.draft_service.runtime import DraftRuntime
-from specmesh.draft_service.steps import DraftStepResult, ExtendInput
 from specmesh.protocol.features import Feature, FeatureSpec
-from specmesh.router.clients import TargetInfo
+from specmesh.protocol.steps import (
+    DraftStepResult,
+    ExtendInput,
+    PrefillInput,
+    StepOutput,
+    TargetInfo,
+    VerifyInput,
+)
 from specmesh.target_service.runtime import TargetRuntime
-from specmesh.target_service.steps import PrefillInput, StepOutput, VerifyInput
 
 
 class _Worker:

@@ -22,12 +22,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from specmesh.protocol.errors import InvalidRequestError, SpecmeshError
-from specmesh.protocol.sampling import SamplingParams
-from specmesh.target_service.multimodal import (
+from specmesh.protocol.images import (
     MAX_IMAGE_BYTES,
     MAX_IMAGES_PER_REQUEST,
     check_image_sizes,
 )
+from specmesh.protocol.sampling import SamplingParams
 from specmesh.v1 import generation_pb2
 
 

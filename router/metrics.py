@@ -33,10 +33,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 if TYPE_CHECKING:
+    from specmesh.protocol.steps import StepOutput, VerifyInput
     from specmesh.router.clients import TargetClient
     from specmesh.router.core import RouterCore
     from specmesh.router.request import Request
-    from specmesh.target_service.steps import StepOutput, VerifyInput
 
 REGISTRY = CollectorRegistry()  # the router's own: never prometheus_client's global one
 

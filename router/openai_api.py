@@ -30,6 +30,7 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response
 
 from specmesh.protocol.sampling import SamplingParams
+from specmesh.protocol.steps import Logprob
 from specmesh.router.chat import ChatRenderer, read_template
 from specmesh.router.openai_schema import (
     ChatBody,
@@ -47,7 +48,6 @@ from specmesh.router.openai_stream import (
     unless_disconnected,
 )
 from specmesh.router.openai_views import ChatView, Choice, CompletionView
-from specmesh.router.request import TokenLogprob
 from specmesh.rpc.security import model_name
 from specmesh.v1 import generation_pb2
 
@@ -160,7 +160,7 @@ class OpenAIService:
         tok = self.servicer.tokenizer
         return tok.decode([token_id]) if tok is not None else f"token_id:{token_id}"
 
-    def entries(self, pairs: list[tuple[int, TokenLogprob | None]]) -> list[TokenEntry]:
+    def entries(self, pairs: list[tuple[int, Logprob | None]]) -> list[TokenEntry]:
         return [
             (
                 self.token_text(tid),

@@ -8,8 +8,9 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from specmesh.protocol.steps import Logprob
 from specmesh.router.openai_schema import chat_logprobs, completion_logprobs, usage
-from specmesh.router.request import Chunk, Request, TokenLogprob
+from specmesh.router.request import Chunk, Request
 
 if TYPE_CHECKING:
     from specmesh.router.openai_api import OpenAIService
@@ -23,8 +24,8 @@ class Choice:
     req: Request
     echo: str = ""  # the prompt's text, returned before the completion (``echo``)
     text: str = ""
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    prompt_logprobs: list[TokenLogprob | None] | None = None
+    logprobs: list[Logprob] = field(default_factory=list)
+    prompt_logprobs: list[Logprob | None] | None = None
     finish_reason: str | None = None
 
     def add(self, chunk: Chunk) -> None:
@@ -53,9 +54,7 @@ class CompletionView:
     def usage(self, choices: list[Choice]) -> dict:
         return usage_of(choices)
 
-    def logprobs(
-        self, c: Choice, ids: list[int], lps: list[TokenLogprob], offset: int
-    ) -> dict | None:
+    def logprobs(self, c: Choice, ids: list[int], lps: list[Logprob], offset: int) -> dict | None:
         if not self.want_logprobs:
             return None
         pairs = list(zip(ids, lps, strict=False))
@@ -107,7 +106,7 @@ class ChatView:
     def usage(self, choices: list[Choice]) -> dict:
         return usage_of(choices)
 
-    def logprobs(self, ids: list[int], lps: list[TokenLogprob]) -> dict | None:
+    def logprobs(self, ids: list[int], lps: list[Logprob]) -> dict | None:
         if not self.want_logprobs:
             return None
         return chat_logprobs(self.api.entries(list(zip(ids, lps, strict=False))))

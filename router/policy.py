@@ -9,7 +9,7 @@ the target verifies a bare root, which is plain decoding) yields ``b`` tokens in
 their features and extends the draft over them, in one step, when speculation resumes).
 
 Cutting. The draft lists a tree's nodes parents first (depth by depth, best-ranked parents and
-children first), so the first ``k`` nodes form a valid tree: `cut_tree`. The target verifies
+children first), so the first ``k`` nodes form a valid tree: `DraftTree.cut`. The target verifies
 whatever tree it is given and samples along it, so output is lossless for every ``k``.
 
 Estimates, all deterministic given the measurements (tests inject them):
@@ -36,7 +36,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from specmesh.runtime.tree import Tree
+from specmesh.protocol.trees import DraftTree
 
 MODES = ("adaptive", "always", "never")
 COST_SMOOTHING = 0.2  # weight of a new cost measurement in its moving average
@@ -52,29 +52,6 @@ class Plan:
     @property
     def speculate(self) -> bool:
         return self.tree_size > 1
-
-
-def cut_tree(tree: Tree, k: int) -> Tree:
-    """The first ``k`` nodes of ``tree`` (parents come before their children, so they are a
-    tree with the same root)."""
-    if k >= tree.num_nodes:
-        return tree
-    return Tree.from_parents(tree.tokens[:k], tree.parents[:k])
-
-
-def accepted_path(tree: Tree, tokens: Sequence[int]) -> list[int]:
-    """Tree indices of the draft nodes a round accepted: ``tokens`` (the round's output, the
-    last one the bonus token) followed down from the root, child by child."""
-    parents, ids = tree.parents.tolist(), tree.tokens.tolist()
-    path, node = [], 0
-    for tok in tokens[:-1]:
-        node = next(
-            (i for i in range(node + 1, len(ids)) if parents[i] == node and ids[i] == tok), -1
-        )
-        if node < 0:
-            break
-        path.append(node)
-    return path
 
 
 @dataclass
@@ -174,9 +151,11 @@ class SpeculationPolicy:
         key = (draft, bucket(batch_size))
         self.draft_costs[key] = _smooth(self.draft_costs.get(key), seconds)
 
-    def observe_round(self, draft: str, request: Acceptance, tree: Tree, tokens: list[int]) -> None:
+    def observe_round(
+        self, draft: str, request: Acceptance, tree: DraftTree, tokens: list[int]
+    ) -> None:
         """A verified tree and the tokens its round yielded, for the request and its draft."""
-        path = accepted_path(tree, tokens)
+        path = tree.accepted_path(tokens)
         request.observe(path, tree.num_nodes)
         self.drafts.setdefault(draft, Acceptance()).observe(path, tree.num_nodes)
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from specmesh.protocol.sampling import SamplingParams
+from specmesh.protocol.steps import PrefillInput
 from specmesh.router.request import Request
-from specmesh.target_service.steps import PrefillInput
 
 
 def plan_pieces(reqs: list[Request], budget: int) -> dict[str, int]:

@@ -17,25 +17,15 @@ from specmesh.router.detokenizer import Detokenizer
 from specmesh.router.policy import Acceptance
 
 if TYPE_CHECKING:
-    from specmesh.draft_service.steps import ExtendInput
+    from specmesh.protocol.steps import ExtendInput, Logprob
+    from specmesh.protocol.trees import DraftTree
     from specmesh.router.placement import Placement
-    from specmesh.runtime.tree import Tree
 
 
 class Phase(Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """One token's log-probability under the target's processed distribution, with the top
-    alternatives asked for (``SamplingParams.logprobs`` / ``prompt_logprobs``)."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most probable first
 
 
 @dataclass
@@ -45,9 +35,9 @@ class Chunk:
     token_ids: list[int]
     text: str
     finish_reason: str | None = None
-    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when asked for
+    logprobs: list[Logprob] | None = None  # one per token_ids entry, when asked for
     # With the first chunk, when asked for: one per prompt token (None for the first).
-    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs: list[Logprob | None] | None = None
 
 
 @dataclass
@@ -69,7 +59,7 @@ class Request:
     # Set by the router core: pinned replicas (its `Balancer` changes them), the next tree,
     # failovers so far.
     placement: Placement | None = None
-    tree: Tree | None = None
+    tree: DraftTree | None = None
     replays: int = 0
     worker: int | None = None  # the micro-batch worker running it
     # Set by the round while the request is prefilled (`specmesh.router.prefill_plan`): context
@@ -103,8 +93,8 @@ class Request:
         tokens: list[int],
         *,
         tree_size: int | None = None,
-        logprobs: list[TokenLogprob] | None = None,
-        prompt_logprobs: list[TokenLogprob | None] | None = None,
+        logprobs: list[Logprob] | None = None,
+        prompt_logprobs: list[Logprob | None] | None = None,
     ) -> Chunk:
         """Append the tokens a step produced, stopping at the first stop condition; their
         ``logprobs`` (one per token) are cut at the same place.

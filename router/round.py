@@ -23,19 +23,18 @@ from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
-from specmesh.draft_service.steps import ExtendInput
 from specmesh.protocol.errors import (
     KVCacheFullError,
     ServiceDownError,
     SpecmeshError,
     UnknownRequestError,
 )
+from specmesh.protocol.steps import ExtendInput, Logprob, PrefillInput, StepOutput, VerifyInput
+from specmesh.protocol.trees import DraftTree
 from specmesh.router.draft_rows import MAX_BACKLOG_ROWS, held_back, split_rows
-from specmesh.router.policy import Plan, SpeculationPolicy, cut_tree
+from specmesh.router.policy import Plan, SpeculationPolicy
 from specmesh.router.prefill_plan import next_context_token, plan_pieces, prefill_piece
-from specmesh.router.request import Request, TokenLogprob
-from specmesh.runtime.tree import Tree
-from specmesh.target_service.steps import Logprob, PrefillInput, StepOutput, VerifyInput
+from specmesh.router.request import Request
 
 if TYPE_CHECKING:
     from specmesh.router.core import RouterCore
@@ -66,7 +65,7 @@ class RoundRunner:
     async def _round(self, reqs: list[Request]) -> None:
         """verify -> emit -> propose, for requests pinned to one target."""
         roots = {r.rid: r.output_ids[-1] for r in reqs}
-        trees = [VerifyInput(r.rid, r.tree or Tree.chain([roots[r.rid]])) for r in reqs]
+        trees = [VerifyInput(r.rid, r.tree or DraftTree.chain([roots[r.rid]])) for r in reqs]
         verify = self.core.metrics.timed_target(lambda target: target.verify(trees))
         target, started = reqs[0].placement.target, time.monotonic()
         placed = self.core.replicas.num_placed(target)  # before the step: who may hold KV
@@ -186,7 +185,7 @@ class RoundRunner:
                 chunk = r.emit(
                     out.tokens[r.rid],
                     tree_size=None if tree_sizes is None else tree_sizes[r.rid],
-                    logprobs=_logprobs(out.logprobs.get(r.rid)),
+                    logprobs=out.logprobs.get(r.rid),
                     prompt_logprobs=_prompt_logprobs(out.prompt_logprobs.get(r.rid)),
                 )
                 if r.finished:  # free the state before the client hears the end
@@ -280,7 +279,7 @@ class RoundRunner:
                 await self._on_draft_error(r, res.errors.get(r.rid))
             else:
                 tree = res.trees.get(r.rid)
-                r.tree = None if tree is None else cut_tree(tree, plan.tree_size)
+                r.tree = None if tree is None else tree.cut(plan.tree_size)
 
     async def _on_draft_error(self, r: Request, error: Exception | None) -> None:
         """The draft dropped this request. Lost state (the draft restarted: NOT_FOUND) is
@@ -305,15 +304,9 @@ def _steady(extends: list[ExtendInput], num_draft_tokens: int) -> bool:
     return all(not e.new and len(e.committed_ids) <= num_draft_tokens for e in extends)
 
 
-def _logprobs(entries: list[Logprob] | None) -> list[TokenLogprob] | None:
-    return (
-        None if entries is None else [TokenLogprob(e.token_id, e.logprob, e.top) for e in entries]
-    )
-
-
-def _prompt_logprobs(entries: list[Logprob] | None) -> list[TokenLogprob | None] | None:
+def _prompt_logprobs(entries: list[Logprob] | None) -> list[Logprob | None] | None:
     """The target sends one per prompt token after the first; the first token has none."""
-    return None if entries is None else [None, *_logprobs(entries)]
+    return None if entries is None else [None, *entries]
 
 
 def _by_target(reqs: list[Request]) -> list[list[Request]]:

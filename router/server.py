@@ -20,6 +20,7 @@ from pathlib import Path
 import grpc
 
 from specmesh import __version__
+from specmesh.protocol.codec import GRPC_MAX_MESSAGE_BYTES
 from specmesh.protocol.errors import InvalidRequestError, SpecmeshError
 from specmesh.protocol.sampling import SamplingParams
 from specmesh.router.core import RouterConfig, RouterCore
@@ -33,12 +34,11 @@ from specmesh.router.limits import (
     check_stop_rules,
 )
 from specmesh.router.request import Chunk, Request
+from specmesh.router.tokenizer import load_tokenizer, resolve_seed
 from specmesh.rpc.malformed import add_servicer
 from specmesh.rpc.security import TlsFiles, api_key_interceptors, model_name
 from specmesh.rpc.service_common import ServiceHost
 from specmesh.rpc.wire import abort_with, logprobs_to_pb, sampling_from_pb
-from specmesh.runtime.codec import GRPC_MAX_MESSAGE_BYTES
-from specmesh.runtime.tokenizer import load_tokenizer, resolve_seed
 from specmesh.v1 import generation_pb2, generation_pb2_grpc
 
 log = logging.getLogger(__name__)

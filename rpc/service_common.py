@@ -23,11 +23,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from specmesh.protocol.codec import GRPC_MAX_MESSAGE_BYTES, grpc_message_options
 from specmesh.protocol.errors import SpecmeshError
 from specmesh.rpc.metrics import ServiceMetrics
 from specmesh.rpc.ownership import Ownership, StreamOwner
 from specmesh.rpc.wire import abort_with, frame, status_pb, step_batches
-from specmesh.runtime.codec import GRPC_MAX_MESSAGE_BYTES, grpc_message_options
 from specmesh.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -149,6 +149,13 @@ class StreamRefusedError(SpecmeshError):
     """The stream's handshake cannot be served: the stream ends with this status."""
 
     grpc_code = "FAILED_PRECONDITION"
+
+
+class HandshakeInvalidError(StreamRefusedError):
+    """The handshake asks for what this service can never serve (aux layers outside the
+    model): the stream ends with INVALID_ARGUMENT; the service serves other streams on."""
+
+    grpc_code = "INVALID_ARGUMENT"
 
 
 class ModelServicer:

@@ -11,11 +11,11 @@ from typing import Protocol
 import torch
 
 from specmesh.protocol.errors import SpecmeshError, as_specmesh_error
+from specmesh.protocol.steps import Logprob, PrefillInput, StepOutput
 from specmesh.runtime.attention.base import AttentionBackend
 from specmesh.runtime.kv_cache import KVCache
 from specmesh.runtime.model_runner import BatchItem, run_batch
 from specmesh.runtime.models.causal_lm import CausalLM, ModelOutput
-from specmesh.target_service.steps import PrefillInput, StepOutput, pick_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ def run_isolated(
                 log.exception("target step failed for request %r", rid)
             undo(rid)
             return StepOutput(errors={rid: as_specmesh_error(e, rid)})
-    return StepOutput.merge([run_isolated([i], run, undo) for i in items])
+    return merge_outputs([run_isolated([i], run, undo) for i in items])
 
 
 def extend_chunked(
@@ -107,3 +107,32 @@ def prompt_logprobs(
             lp = torch.log_softmax(model.compute_logits(hidden[start + a : start + b]).float(), -1)
             entries += pick_logprobs(lp, inp.input_ids[a + 1 : b + 1], inp.params.prompt_logprobs)
         out.prompt_logprobs[inp.rid] = entries
+
+
+def merge_outputs(parts: list[StepOutput]) -> StepOutput:
+    """One output from the outputs of consecutive sub-batches, rows kept in order."""
+    cat = lambda ts: None if any(t is None for t in ts) or not ts else torch.cat(ts)
+    out = StepOutput(
+        features=cat([p.features for p in parts if p.tokens]),
+        mm_input_embeds=cat([p.mm_input_embeds for p in parts if p.tokens]),
+    )
+    for p in parts:
+        out.tokens.update(p.tokens)
+        out.prompt_ids.update(p.prompt_ids)
+        out.row_counts.update(p.row_counts)
+        out.logprobs.update(p.logprobs)
+        out.prompt_logprobs.update(p.prompt_logprobs)
+        out.errors.update(p.errors)
+    return out
+
+
+def pick_logprobs(logprobs: torch.Tensor, tokens: list[int], num_top: int) -> list[Logprob]:
+    """Row i of ``logprobs`` ``[rows, vocab]`` is the distribution ``tokens[i]`` was drawn
+    from: its log-probability and the ``num_top`` most probable alternatives."""
+    chosen = logprobs.gather(-1, torch.tensor(tokens, device=logprobs.device)[:, None])[:, 0]
+    top = logprobs.topk(num_top, -1) if num_top else None
+    top_vals, top_ids = (top.values.tolist(), top.indices.tolist()) if top else ([], [])
+    return [
+        Logprob(t, lp, tuple(zip(top_ids[i], top_vals[i], strict=True)) if num_top else ())
+        for i, (t, lp) in enumerate(zip(tokens, chosen.tolist(), strict=True))
+    ]

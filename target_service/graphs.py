@@ -2,10 +2,11 @@
 size for verify (``num_draft_tokens`` rows per request, tree mask). All of them are captured when
 the runtime is built, before the service reports ready; a batch of another shape runs eagerly.
 
-CUDA graphs are captured with the EAGLE-3 aux layers switched on, so one capture serves every
-feature the drafts ask for (aux states, final hidden, or none): the replay always fills
-``aux_hidden`` and the runtime picks what a batch needs. Nothing is captured again when a draft
-comes or goes.
+CUDA graphs are captured with the target's EAGLE-3 aux layers switched on when it has them
+(``TargetConfig.aux_layer_ids``, or a handshake's), so one capture serves every feature the
+drafts ask for (aux states, final hidden, or none): the replay fills ``aux_hidden`` and the
+runtime picks what a batch needs. A target with none captures without them (any depth: no
+default layers are guessed); the runtime captures again only when a handshake changes them.
 """
 
 from __future__ import annotations

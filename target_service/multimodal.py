@@ -17,7 +17,7 @@ re-sends the images with it; expansion is deterministic, so any replica rebuilds
 When one request of a batch has images, every request gets ``input_embeds`` (text-only ones their
 token embeddings), so ``mm_input_embeds`` covers the whole batch and splits by row counts.
 
-Limits (`ImageLimits`, flags of ``specmesh target``), per request and before anything is decoded:
+Limits (`specmesh.protocol.images.ImageLimits`, flags of ``specmesh target``), per request and before anything is decoded:
 the number of images and their encoded bytes, then every image's width x height from its header
 (``Image.open`` is lazy). Only then are the images decoded and preprocessed, one at a time, so at
 most one full-size decoded image is held. A request over a limit fails alone, INVALID_ARGUMENT.
@@ -27,30 +27,23 @@ from __future__ import annotations
 
 import io
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from specmesh.protocol.errors import InvalidRequestError, SpecmeshError
+from specmesh.protocol.images import (
+    IMAGE_FORMATS,
+    MAX_IMAGE_PIXELS,
+    ImageLimits,
+    check_image_sizes,
+)
 
 if TYPE_CHECKING:
+    from specmesh.protocol.steps import PrefillInput
     from specmesh.target_service.llava import ImageEncoder
-    from specmesh.target_service.steps import PrefillInput
-
-IMAGE_FORMATS = ("PNG", "JPEG")
-# Limits, all checked before an image is decoded (the router checks count and bytes too).
-MAX_IMAGES_PER_REQUEST = 8
-MAX_IMAGE_BYTES = 10 << 20  # encoded
-MAX_IMAGE_PIXELS = 4096 * 4096  # width x height, read from the header
-
-
-@dataclass(frozen=True)
-class ImageLimits:
-    max_images_per_request: int = MAX_IMAGES_PER_REQUEST
-    max_image_bytes: int = MAX_IMAGE_BYTES
-    max_image_pixels: int = MAX_IMAGE_PIXELS
 
 
 @dataclass
@@ -58,21 +51,6 @@ class MergedBatch:
     inputs: list[PrefillInput]  # ready to run; input_embeds set on all when any has images
     prompt_ids: dict[str, list[int]] = field(default_factory=dict)  # only where expanded
     errors: dict[str, SpecmeshError] = field(default_factory=dict)
-
-
-def check_image_sizes(rid: str, images: Sequence[bytes], max_images: int, max_bytes: int) -> None:
-    """The limits readable without opening an image: how many, how many encoded bytes each."""
-    if len(images) > max_images:
-        raise InvalidRequestError(
-            f"request {rid!r}: {len(images)} images exceed the limit of {max_images} per "
-            f"request (--max-images-per-request)"
-        )
-    for k, data in enumerate(images):
-        if len(data) > max_bytes:
-            raise InvalidRequestError(
-                f"request {rid!r}: image {k} of {len(data)} bytes exceeds the limit of "
-                f"{max_bytes} (--max-image-bytes)"
-            )
 
 
 def open_image(rid: str, index: int, data: bytes, max_pixels: int = MAX_IMAGE_PIXELS) -> Any:

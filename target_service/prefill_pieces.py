@@ -25,10 +25,10 @@ import torch
 
 from specmesh.protocol.errors import InvalidRequestError, SpecmeshError, UnknownRequestError
 from specmesh.protocol.sampling import SamplingParams
+from specmesh.protocol.steps import Logprob, PrefillInput, StepOutput
 from specmesh.runtime.kv_cache import KVCache
 from specmesh.runtime.models.causal_lm import CausalLM
 from specmesh.target_service.batching import prompt_logprobs
-from specmesh.target_service.steps import Logprob, PrefillInput, StepOutput
 
 
 @dataclass

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from specmesh.kernels.common import kernel_impl
+from specmesh.protocol.config import TargetConfig
 from specmesh.protocol.errors import (
     DuplicateRequestError,
     InvalidRequestError,
@@ -29,6 +30,9 @@ from specmesh.protocol.errors import (
     UnknownRequestError,
 )
 from specmesh.protocol.features import AuxLayers, Feature, FeatureSpec
+from specmesh.protocol.images import ImageLimits
+from specmesh.protocol.steps import PrefillInput, StepOutput, VerifyInput
+from specmesh.protocol.trees import DraftTree
 from specmesh.runtime.attention.torch_backend import make_backend
 from specmesh.runtime.config import parse_dtype, resolve_max_context
 from specmesh.runtime.graph_runner import graphs_enabled
@@ -39,18 +43,14 @@ from specmesh.runtime.sampling import (
     processed_logprobs,
     sample_tokens,
 )
-from specmesh.target_service.batching import extend_chunked, run_isolated
+from specmesh.target_service.batching import extend_chunked, pick_logprobs, run_isolated
 from specmesh.target_service.graphs import TargetGraphs
 from specmesh.target_service.llava import ImageEncoder, is_llava_checkpoint, load_llava
-from specmesh.target_service.multimodal import (
-    ImageLimits,
-    merge_images,
-)
+from specmesh.target_service.multimodal import merge_images
 from specmesh.target_service.prefill_pieces import PartialPrefills
-from specmesh.target_service.state import TargetConfig, TargetRequest
-from specmesh.target_service.steps import PrefillInput, StepOutput, VerifyInput, pick_logprobs
+from specmesh.target_service.state import TargetRequest
 from specmesh.target_service.tp_model import start_tensor_parallel
-from specmesh.target_service.verify import one_node_tree, verify_trees
+from specmesh.target_service.verify import verify_trees
 
 log = logging.getLogger(__name__)
 
@@ -69,10 +69,13 @@ class TargetRuntime:
         self.model_config = mc
         limit = resolve_max_context(cfg.max_context, mc.max_position, cfg.model_dir)
         self.cfg = cfg = replace(cfg, max_context=limit)
-        ids = cfg.aux_layer_ids
-        self.aux_layers = (
-            AuxLayers(ids, cfg.aux_convention) if ids else AuxLayers.default(mc.num_layers)
-        )
+        # Invariant: None, or layers that fit this model (checked where they are named: here
+        # for `TargetConfig.aux_layer_ids`, in `resolve_aux` for a handshake's). The default
+        # [2, L//2, L-3] is resolved only for a draft that reads aux states: any depth serves.
+        self.aux_layers: AuxLayers | None = None
+        if cfg.aux_layer_ids:
+            self.aux_layers = AuxLayers(cfg.aux_layer_ids, cfg.aux_convention)
+            self.aux_layers.capture_points(mc.num_layers)  # ValueError names the ids and depth
         self.cache = KVCache(
             num_layers=mc.num_layers,
             num_slots=cfg.num_kv_slots,
@@ -108,18 +111,35 @@ class TargetRuntime:
     def from_dir(model_dir: str | Path, **kw: object) -> TargetRuntime:
         return TargetRuntime(TargetConfig(model_dir=str(model_dir), **kw))  # type: ignore[arg-type]
 
-    def configure(self, needs: FeatureSpec) -> None:
-        """Serve what a draft reads: for EAGLE-3, capture its aux layers (its own ids, or the
-        default) from now on; CUDA graphs, which bake the captured layers in, are captured
-        again when they change. Other features need no configuration."""
+    def resolve_aux(self, needs: FeatureSpec) -> AuxLayers | None:
+        """The aux layers a draft reading ``needs`` makes this target capture: None unless it
+        reads `Feature.AUX_HIDDEN`; else its own ids, or the target's (its config's
+        ``aux_layer_ids`` or an earlier handshake's), or the default. ValueError, naming the
+        ids and the model's depth, when they do not fit; nothing changes."""
         if needs.feature is not Feature.AUX_HIDDEN:
-            return
-        aux = needs.aux or self.aux_layers
+            return None
         n = self.model_config.num_layers
-        changed = aux.capture_points(n) != self.aux_layers.capture_points(n)
+        aux = needs.aux or self.aux_layers or AuxLayers.default(n)
+        aux.capture_points(n)
+        return aux
+
+    @property
+    def aux_points(self) -> tuple[int, ...]:
+        """Layer inputs the aux states concatenate (`TargetInfo.aux_layer_ids`); () for none."""
+        aux = self.aux_layers
+        return () if aux is None else aux.capture_points(self.model_config.num_layers)
+
+    def configure(self, needs: FeatureSpec) -> None:
+        """Serve what a draft reads: for EAGLE-3, capture `resolve_aux`'s layers from now on;
+        CUDA graphs, which bake the captured layers in, are captured again when they change.
+        Other features need no configuration (and resolve no aux layers)."""
+        aux = self.resolve_aux(needs)
+        if aux is None:
+            return
+        before = self.aux_points
         self.aux_layers = aux
         self.model.set_aux_layers(aux)
-        if changed and self.graphs is not None:
+        if self.aux_points != before and self.graphs is not None:
             self.graphs = self._capture_graphs()
 
     def holds(self, rid: str) -> bool:
@@ -255,7 +275,7 @@ class TargetRuntime:
         """Plain decoding: one token per request."""
         known = [rid for rid in rids if rid in self.requests]
         out = self.verify(
-            [VerifyInput(r, one_node_tree(self.requests[r].pending)) for r in known], feature
+            [VerifyInput(r, DraftTree.chain([self.requests[r].pending])) for r in known], feature
         )
         for rid in set(rids) - set(known):
             out.errors[rid] = UnknownRequestError(f"unknown request id {rid!r}")

@@ -13,17 +13,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specmesh import __version__
+from specmesh.protocol.codec import DEFAULT_MAX_MESSAGE_BYTES
 from specmesh.protocol.errors import InvalidRequestError, SpecmeshError
 from specmesh.protocol.features import Feature, FeatureSpec
 from specmesh.protocol.sampling import SamplingParams
+from specmesh.protocol.steps import PrefillInput, StepOutput, VerifyInput
+from specmesh.protocol.trees import DraftTree
 from specmesh.rpc.ownership import StreamOwner
 from specmesh.rpc.security import model_name
-from specmesh.rpc.service_common import ModelServicer, ServiceHost, StreamRefusedError
+from specmesh.rpc.service_common import (
+    HandshakeInvalidError,
+    ModelServicer,
+    ServiceHost,
+    StreamRefusedError,
+)
 from specmesh.rpc.wire import logprobs_to_pb, needs_from_pb, sampling_from_pb, status_pb
-from specmesh.runtime.codec import DEFAULT_MAX_MESSAGE_BYTES, DTYPE_NAMES, split_hidden_states
-from specmesh.runtime.tree import Tree
+from specmesh.runtime.codec import DTYPE_NAMES, split_hidden_states
 from specmesh.target_service.runtime import TargetRuntime
-from specmesh.target_service.steps import PrefillInput, StepOutput, VerifyInput
 from specmesh.v1 import target_pb2, target_pb2_grpc
 
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["Target"].full_name
@@ -85,7 +91,7 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServicer):
         if work == "decode":
             return runtime.decode([r.request_id for r in requests], feature)
         trees = [
-            VerifyInput(r.request_id, Tree.from_parents(list(r.tree.tokens), list(r.tree.parents)))
+            VerifyInput(r.request_id, DraftTree.of(r.tree.tokens, r.tree.parents))
             for r in requests
             if len(r.tree.tokens) <= MAX_DRAFT_TOKENS  # checked before any mask is built
         ]
@@ -100,8 +106,14 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServicer):
         return out
 
     def _open(self, runtime: TargetRuntime, stream: StreamOwner, needs: FeatureSpec) -> None:
-        """The handshake: serve ``needs`` unless another open stream reads different aux layers
-        (graphs bake one set in)."""
+        """The handshake: serve ``needs`` unless its aux layers do not fit the model
+        (INVALID_ARGUMENT) or another open stream reads different ones (FAILED_PRECONDITION:
+        graphs bake one set in). Either refusal ends this stream alone."""
+        try:
+            aux = runtime.resolve_aux(needs)  # None unless the drafts read aux states
+        except ValueError as e:
+            raise HandshakeInvalidError(f"cannot serve {needs.describe()}: {e}") from None
+        needs = FeatureSpec(needs.feature, aux)  # stored resolved: clashes compare real layers
         num_layers = runtime.model_config.num_layers
         points = lambda n: None if n.aux is None else n.aux.capture_points(num_layers)
         live = {sid: n for sid, n in self.needs.items() if sid in self.owners.streams}
@@ -115,10 +127,7 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServicer):
                 f"this target serves {clash[0].describe()} to another router stream; it cannot "
                 f"also serve {needs.describe()} (one set of aux layers per target)"
             )
-        try:
-            runtime.configure(needs)
-        except ValueError as e:
-            raise StreamRefusedError(f"cannot serve {needs.describe()}: {e}") from None
+        runtime.configure(needs)
         self.needs = {**live, stream.id: needs}
 
     def info(self, runtime: TargetRuntime) -> target_pb2.TargetInfo:
@@ -130,7 +139,7 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServicer):
             vocab_size=mc.vocab_size,
             hidden_size=mc.hidden_size,
             num_layers=mc.num_layers,
-            aux_layer_ids=runtime.aux_layers.capture_points(mc.num_layers),
+            aux_layer_ids=runtime.aux_points,  # empty until a flag or handshake names them
             max_context_len=cfg.max_context,
             max_batch_size=cfg.max_requests,
             max_tokens_per_batch=cfg.max_prefill_tokens,

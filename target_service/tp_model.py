@@ -31,7 +31,7 @@ from specmesh.target_service.llava import is_llava_checkpoint
 from specmesh.target_service.tp_workers import RankSpec, WorkerGroup, free_port
 
 if TYPE_CHECKING:
-    from specmesh.target_service.runtime import TargetConfig
+    from specmesh.protocol.config import TargetConfig
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

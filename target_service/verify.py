@@ -16,13 +16,14 @@ from specmesh.kernels.compaction import compact_accepted
 from specmesh.protocol.errors import InvalidRequestError, KVCacheFullError, SpecmeshError
 from specmesh.protocol.features import Feature
 from specmesh.protocol.sampling import SamplingParams
+from specmesh.protocol.steps import StepOutput, VerifyInput
+from specmesh.protocol.trees import DraftTree
 from specmesh.runtime.model_runner import BatchItem, run_batch
 from specmesh.runtime.models.causal_lm import ModelOutput
 from specmesh.runtime.sampling import TokenHistory
 from specmesh.runtime.tree import Tree
 from specmesh.target_service.acceptance import accept_trees, padded_row_index
-from specmesh.target_service.batching import run_isolated
-from specmesh.target_service.steps import StepOutput, VerifyInput, pick_logprobs
+from specmesh.target_service.batching import pick_logprobs, run_isolated
 
 if TYPE_CHECKING:
     from specmesh.target_service.runtime import TargetRuntime
@@ -66,13 +67,13 @@ def verify_trees(
 
 def _verify_row(rt: TargetRuntime, inp: VerifyInput) -> VerifyRow:
     req = rt._get(inp.rid)
-    tokens = inp.tree.tokens.tolist()
-    if tokens[0] != req.pending:
+    tokens = list(inp.tree.tokens)
+    if not tokens or tokens[0] != req.pending:
         raise InvalidRequestError(
             f"request {inp.rid!r}: tree root {tokens[0]} is not the pending token {req.pending}"
         )
     rt.check_ids(inp.rid, tokens, what="draft tree")
-    return VerifyRow(inp.rid, inp.tree, req.params, req.next_offset, req.history)
+    return VerifyRow(inp.rid, tree_of(inp.tree), req.params, req.next_offset, req.history)
 
 
 def _verify_item(rt: TargetRuntime, row: VerifyRow, demand: dict[str, int]) -> BatchItem:
@@ -141,6 +142,14 @@ def one_node_tree(token: int) -> Tree:
     """The tree plain decoding verifies: the pending token alone. Shared between requests and
     steps (a `Tree` is never written to), so a decode step builds no tensors per request."""
     return Tree.chain([token])
+
+
+def tree_of(draft: DraftTree) -> Tree:
+    """The tree as the target verifies it: its derived fields (depths, ancestor mask, sibling
+    links) built and checked here, once; a bare root comes from `one_node_tree`."""
+    if draft.num_nodes == 1:
+        return one_node_tree(draft.tokens[0])
+    return Tree.from_parents(draft.tokens, draft.parents)
 
 
 def _plain_greedy(params: SamplingParams) -> bool:

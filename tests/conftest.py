@@ -59,7 +59,7 @@ def rss_mb() -> float:
 
 def tiny_engine(tiny_dir: Path, speculate: bool):
     """The in-process engine on the tiny target, with its EAGLE-3 draft when ``speculate``."""
-    from specmesh.draft_service.drafter import SpecParams
+    from specmesh.protocol.config import SpecParams
     from specmesh.router.engine import Engine
 
     if not speculate:

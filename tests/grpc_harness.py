@@ -12,15 +12,15 @@ from types import SimpleNamespace
 
 from specmesh.client import GenerationClient
 from specmesh.draft_service import server as draft_server
-from specmesh.draft_service.drafter import SpecParams
-from specmesh.draft_service.runtime import DraftConfig, DraftRuntime, load_draft
+from specmesh.draft_service.runtime import DraftRuntime, load_draft
+from specmesh.protocol.config import DraftConfig, SpecParams, TargetConfig
 from specmesh.protocol.sampling import SamplingParams
 from specmesh.router.core import RouterConfig
 from specmesh.router.server import RouterService, RouterSettings
 from specmesh.rpc.security import TlsFiles
 from specmesh.rpc.service_common import start_model
 from specmesh.target_service import server as target_server
-from specmesh.target_service.runtime import TargetConfig, TargetRuntime
+from specmesh.target_service.runtime import TargetRuntime
 from specmesh.v1 import draft_pb2_grpc, target_pb2_grpc
 
 

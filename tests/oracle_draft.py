@@ -18,8 +18,8 @@ from pathlib import Path
 
 from conftest import hf_greedy
 
-from specmesh.draft_service.drafter import SpecParams
-from specmesh.draft_service.runtime import DraftConfig, DraftRuntime
+from specmesh.draft_service.runtime import DraftRuntime
+from specmesh.protocol.config import DraftConfig, SpecParams
 from specmesh.protocol.features import AuxLayers, Feature, FeatureSpec
 from specmesh.router.engine import Engine
 from specmesh.runtime.config import load_model_config

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from specmesh.draft_service.drafter import SpecParams
+from specmesh.protocol.config import SpecParams
 from specmesh.protocol.sampling import SamplingParams
+from specmesh.protocol.steps import StepOutput, VerifyInput
 from specmesh.router.core import RouterConfig
 from specmesh.router.engine import Engine
-from specmesh.target_service.steps import StepOutput, VerifyInput
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
@@ -207,6 +207,7 @@ def test_bf16_static_runners_equal_bf16_eager_on_cuda(pair, backend: str) -> Non
                              pair["eagle3"], spec, dtype="bf16", max_batch_size=1)  # fmt: skip
         t = engine.target
         if static and backend == "torch":
+            t.configure(engine.draft.info().needs)  # the handshake first: it names the layers
             t.graphs = TargetGraphs(
                 t.model, t.cache, t.backend, mode="eager-static",
                 max_bs=t.cfg.cuda_graph_max_bs, tree_sizes=(spec.num_draft_tokens,), aux=t.aux_layers,

@@ -26,9 +26,10 @@ from grpc_harness import (
 from procs import is_empty, occupancy
 
 from specmesh.client import GenerationClient
-from specmesh.draft_service.runtime import DraftConfig, load_draft
+from specmesh.draft_service.runtime import load_draft
+from specmesh.protocol.config import DraftConfig, TargetConfig
 from specmesh.protocol.sampling import SamplingParams
-from specmesh.target_service.runtime import TargetConfig, TargetRuntime
+from specmesh.target_service.runtime import TargetRuntime
 
 LONG = list(range(10, 50))
 PROMPTS = [LONG, [11, 12, 13], list(range(100, 120)), [7] * 9]

@@ -11,14 +11,13 @@ import torch
 from grpc_harness import collect, greedy, serve_router
 
 from specmesh.client import GenerationClient
-from specmesh.draft_service.steps import DraftInfo, ExtendInput
+from specmesh.protocol.codec import CodecError, RowBlock, join_rows, join_state_rows
 from specmesh.protocol.features import AuxLayers, Feature, FeatureSpec
+from specmesh.protocol.steps import DraftInfo, ExtendInput, VerifyInput
+from specmesh.protocol.trees import DraftTree
 from specmesh.router import grpc_clients
 from specmesh.router.draft_rows import split_rows
-from specmesh.rpc.rows import RowBlock, RowError, join_rows, join_state_rows
 from specmesh.runtime import codec
-from specmesh.runtime.tree import Tree
-from specmesh.target_service.steps import VerifyInput
 from specmesh.v1 import common_pb2, target_pb2
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [40, 41, 42, 43, 44, 45, 46, 47, 48]]
@@ -58,7 +57,7 @@ def _through_router(rows: dict[str, int], live: list[str], chunk_bytes: int):
         draft.info = DraftInfo("eagle3", needs, 3, 1, 4)
         target.stream, draft.stream = FakeStream(answer), FakeStream([SimpleNamespace(
             status=common_pb2.Status(), results=[])])  # fmt: skip
-        out = await target.verify([VerifyInput(rid, Tree.chain([1])) for rid in rows])
+        out = await target.verify([VerifyInput(rid, DraftTree.chain([1])) for rid in rows])
         cut = split_rows(out)
         extends = [ExtendInput(rid, [7] * rows[rid], 7, cut[rid][0]) for rid in live]
         await draft.step(extends)
@@ -113,13 +112,13 @@ def test_rows_chunked_on_both_hops_arrive_whole() -> None:
 
 def test_malformed_rows_are_refused_with_the_numbers() -> None:
     bad = common_pb2.HiddenStates(row_counts=[2])
-    bad.aux_hidden.CopyFrom(codec.encode_tensor(torch.zeros(3, WIDTH)))
-    with pytest.raises(RowError, match="3 rows but row_counts"):
+    codec.rows_of(torch.zeros(3, WIDTH)).write_to(bad.aux_hidden)
+    with pytest.raises(CodecError, match="3 rows but row_counts"):
         join_state_rows([bad])
     short = common_pb2.HiddenStates(row_counts=[2])
     short.aux_hidden.dtype, short.aux_hidden.data = "fp32", b"\0" * 7
     short.aux_hidden.shape[:] = [2, WIDTH]
-    with pytest.raises(RowError, match="7 bytes but shape"):
+    with pytest.raises(CodecError, match="7 bytes but shape"):
         join_state_rows([short])
 
 

@@ -17,10 +17,10 @@ from grpc_harness import (
 )
 
 from specmesh.client import GenerationClient
-from specmesh.draft_service.drafter import SpecParams
-from specmesh.draft_service.runtime import DraftConfig, load_draft
+from specmesh.draft_service.runtime import load_draft
+from specmesh.protocol.config import DraftConfig, SpecParams, TargetConfig
 from specmesh.runtime.tiny_drafts import make_tiny_draft
-from specmesh.target_service.runtime import TargetConfig, TargetRuntime
+from specmesh.target_service.runtime import TargetRuntime
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7], [11, 12, 13], [40, 41, 42, 43]]
 

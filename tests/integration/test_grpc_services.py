@@ -31,10 +31,10 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from oracle_draft import mean_accept, oracle_draft_runtime
 
 from specmesh.client import GenerationClient
-from specmesh.draft_service.drafter import SpecParams
-from specmesh.draft_service.runtime import DraftConfig, load_draft
+from specmesh.draft_service.runtime import load_draft
+from specmesh.protocol.config import DraftConfig, SpecParams, TargetConfig
 from specmesh.rpc.health import check_health
-from specmesh.target_service.runtime import TargetConfig, TargetRuntime
+from specmesh.target_service.runtime import TargetRuntime
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [40, 41, 42, 43, 44, 45, 46, 47, 48], [90]]
 CODE = grpc.StatusCode
@@ -59,7 +59,7 @@ def test_greedy_through_router_matches_transformers(stack, speculate: bool) -> N
 
 
 def test_text_prompt_is_tokenized_and_detokenized(stack) -> None:
-    from specmesh.runtime.tokenizer import load_tokenizer
+    from specmesh.router.tokenizer import load_tokenizer
 
     tok = load_tokenizer(stack.dirs.target)
     prompt = "def add(a, b):"

@@ -9,9 +9,10 @@ import pytest
 from grpc_harness import collect, greedy, serve_router, serve_target, wait_until
 
 from specmesh.client import GenerationClient
+from specmesh.protocol.config import TargetConfig
 from specmesh.protocol.sampling import SamplingParams
 from specmesh.runtime.codec import split_hidden_states
-from specmesh.target_service.runtime import TargetConfig, TargetRuntime
+from specmesh.target_service.runtime import TargetRuntime
 from specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [40, 41, 42, 43, 44, 45, 46, 47, 48], [90]]
@@ -170,7 +171,7 @@ def test_draft_step_statuses_and_malformed_tensors(stack) -> None:
         assert codes == [3, 3, 3, 5, 5, 0, 6, 3, 3, 0, 0, 0]
         assert "bytes but shape" in out[0].status.message
         assert "unknown dtype 'fp8'" in out[1].status.message
-        assert "expected [rows, 192]" in out[2].status.message
+        assert "shape [2, 3, 64], expected [rows, width]" in out[2].status.message
         assert "mm_input_embeds" in out[8].results[0].status.message
         assert out[5].results[0].tree.tokens[0] == 8 and out[9].results[0].tree.tokens[0] == 10
     runtime = stack.draft.runtime  # the ended stream's "z" is freed with it

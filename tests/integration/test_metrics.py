@@ -21,8 +21,8 @@ from grpc_harness import collect, greedy, serve_draft, serve_router, wait_until
 from prometheus_client import generate_latest
 
 from specmesh.client import GenerationClient
-from specmesh.draft_service.drafter import SpecParams
-from specmesh.draft_service.runtime import DraftConfig, load_draft
+from specmesh.draft_service.runtime import load_draft
+from specmesh.protocol.config import DraftConfig, SpecParams
 from specmesh.router.metrics import REGISTRY
 
 ROOT = Path(__file__).resolve().parents[2]

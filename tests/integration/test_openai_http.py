@@ -20,7 +20,7 @@ from procs import is_empty, occupancy
 
 from specmesh.router.limits import RouterLimits
 from specmesh.router.server import RouterService, RouterSettings
-from specmesh.runtime.tokenizer import load_tokenizer
+from specmesh.router.tokenizer import load_tokenizer
 
 TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"

@@ -33,11 +33,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from specmesh.client import GenerationClient
-from specmesh.draft_service.runtime import DraftConfig, load_draft
+from specmesh.draft_service.runtime import load_draft
+from specmesh.protocol.config import DraftConfig, TargetConfig
 from specmesh.rpc.health import check_health
 from specmesh.rpc.security import TlsFiles, client_channel
 from specmesh.rpc.service_common import ServiceHost
-from specmesh.target_service.runtime import TargetConfig, TargetRuntime
+from specmesh.target_service.runtime import TargetRuntime
 from specmesh.v1 import draft_pb2_grpc, generation_pb2, generation_pb2_grpc, target_pb2_grpc
 
 KEY = "s3cret-key"

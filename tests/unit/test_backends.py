@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from specmesh.draft_service.drafter import SpecParams
 from specmesh.kernels.testing import cpu_triton
+from specmesh.protocol.config import SpecParams
 from specmesh.protocol.sampling import SamplingParams
 from specmesh.router.engine import Engine
 from specmesh.runtime.attention.base import AttentionBackend

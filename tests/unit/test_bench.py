@@ -25,8 +25,8 @@ from specmesh.bench.probes import CallLog
 from specmesh.bench.runners import RunSpec
 from specmesh.bench.suite import BenchSettings, Side, comparisons, interleave, plan
 from specmesh.defaults import ModelChoice
-from specmesh.draft_service.drafter import SpecParams
 from specmesh.main import main
+from specmesh.protocol.config import SpecParams
 
 
 def test_acceptance_per_position_counts_rounds_reaching_each_position() -> None:

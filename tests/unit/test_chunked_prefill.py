@@ -14,7 +14,7 @@ import torch
 from conftest import assert_speculated, reorder_tolerance
 from oracle_draft import oracle_engine
 
-from specmesh.draft_service.drafter import SpecParams
+from specmesh.protocol.config import SpecParams, TargetConfig
 from specmesh.protocol.errors import (
     InvalidRequestError,
     ServiceDownError,
@@ -22,14 +22,14 @@ from specmesh.protocol.errors import (
 )
 from specmesh.protocol.features import Feature
 from specmesh.protocol.sampling import SamplingParams
+from specmesh.protocol.steps import PrefillInput, VerifyInput
+from specmesh.protocol.trees import DraftTree
 from specmesh.router.core import RouterConfig, RouterCore
 from specmesh.router.engine import Engine
 from specmesh.router.in_process import InProcessDraft, InProcessTarget
 from specmesh.router.prefill_plan import plan_pieces
 from specmesh.router.request import Request
-from specmesh.runtime.tree import Tree
-from specmesh.target_service.runtime import TargetConfig, TargetRuntime
-from specmesh.target_service.steps import PrefillInput, VerifyInput
+from specmesh.target_service.runtime import TargetRuntime
 
 LONG = list(range(10, 50))  # 40 tokens: 6 pieces of at most 7
 PROMPTS = [LONG, [11, 12, 13], list(range(100, 120)), [7] * 9, [90]]
@@ -132,7 +132,7 @@ def test_target_refuses_bad_pieces_and_drops_their_request(tiny_dir: Path) -> No
     assert not rt.holds("a") and rt.cache.num_used_slots == 0
     assert isinstance(cont("never", 3).errors["never"], UnknownRequestError)
     start("b")
-    out = rt.verify([VerifyInput("b", Tree.chain([1]))])
+    out = rt.verify([VerifyInput("b", DraftTree.chain([1]))])
     assert "still being prefilled" in str(out.errors["b"]) and not rt.holds("b")
     img = rt.prefill([PrefillInput("c", [5], SamplingParams(), images=[b"x"], more_input=True)])
     assert "one piece" in str(img.errors["c"]) and rt.num_requests == 0

@@ -1,22 +1,24 @@
-"""runtime/codec.py: tensor round trips, validation messages, row chunking."""
+"""The one wire codec: `specmesh.protocol.codec` (rows as bytes, torch-free) and its torch edge
+`specmesh.runtime.codec` (tensors in and out): round trips, validation messages, chunking."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from specmesh.runtime.codec import (
+from specmesh.protocol.codec import (
     DEFAULT_MAX_MESSAGE_BYTES,
-    DTYPES,
     GRPC_MAX_MESSAGE_BYTES,
-    TensorError,
-    concat_rows,
-    decode_tensor,
-    encode_tensor,
+    CodecError,
+    RowBlock,
     grpc_message_options,
+)
+from specmesh.runtime.codec import (
+    DTYPES,
     join_hidden_states,
+    rows_of,
     split_hidden_states,
-    split_rows,
+    tensor_of,
 )
 from specmesh.v1 import common_pb2, tensor_pb2
 
@@ -30,151 +32,92 @@ def _sample(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     return torch.randint(-(2**30), 2**30, shape, generator=g, dtype=dtype)
 
 
-def _wire(msg: tensor_pb2.Tensor) -> tensor_pb2.Tensor:
-    """Serialize and parse, as the network does."""
+def _wire(block: RowBlock) -> tensor_pb2.Tensor:
+    """Written into a message, serialized and parsed, as the network does."""
+    msg = tensor_pb2.Tensor()
+    block.write_to(msg)
     return tensor_pb2.Tensor.FromString(msg.SerializeToString())
 
 
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
-@pytest.mark.parametrize("shape", [(), (1,), (3, 5), (2, 3, 4), (0,), (4, 0, 2)])
-def test_round_trip_every_dtype_and_shape(dtype_name: str, shape: tuple[int, ...]) -> None:
+@pytest.mark.parametrize("shape", [(1, 1), (3, 5), (0, 4)])
+def test_round_trip_every_dtype_and_shape(dtype_name: str, shape: tuple[int, int]) -> None:
     t = _sample(DTYPES[dtype_name], shape)
-    msg = _wire(encode_tensor(t))
-    assert msg.dtype == dtype_name
-    assert list(msg.shape) == list(shape)
-    out = decode_tensor(msg, expected_dtype=dtype_name, expected_rank=len(shape))
-    assert out.dtype == t.dtype and out.shape == t.shape
-    assert torch.equal(out, t)
+    msg = _wire(rows_of(t))
+    assert msg.dtype == dtype_name and list(msg.shape) == list(shape)
+    out = tensor_of(RowBlock.from_pb(msg))
+    assert out.dtype == t.dtype and out.shape == t.shape and torch.equal(out, t)
 
 
 def test_encoding_is_row_major_little_endian() -> None:
-    msg = encode_tensor(torch.tensor([[1, 2], [3, 256]], dtype=torch.int32))
-    assert msg.data == bytes([1, 0, 0, 0, 2, 0, 0, 0, 3, 0, 0, 0, 0, 1, 0, 0])
-    assert encode_tensor(torch.tensor([1.0], dtype=torch.bfloat16)).data == b"\x80\x3f"
-    assert encode_tensor(torch.tensor([True, False])).data == b"\x01\x00"
+    block = rows_of(torch.tensor([[1, 2], [3, 256]], dtype=torch.int32))
+    assert block.tobytes() == bytes([1, 0, 0, 0, 2, 0, 0, 0, 3, 0, 0, 0, 0, 1, 0, 0])
+    assert rows_of(torch.tensor([[1.0]], dtype=torch.bfloat16)).tobytes() == b"\x80\x3f"
+    assert rows_of(torch.tensor([[True, False]])).tobytes() == b"\x01\x00"
 
 
 def test_non_contiguous_input_is_encoded_in_logical_order() -> None:
     t = torch.arange(12, dtype=torch.int64).reshape(3, 4)
-    assert torch.equal(decode_tensor(encode_tensor(t.T)), t.T.contiguous())
-    assert torch.equal(decode_tensor(encode_tensor(t[:, 1::2])), t[:, 1::2].contiguous())
+    assert torch.equal(tensor_of(rows_of(t.T)), t.T.contiguous())
+    assert torch.equal(tensor_of(rows_of(t[:, 1::2])), t[:, 1::2].contiguous())
 
 
-def test_decode_writable_owns_its_memory() -> None:
-    msg = encode_tensor(torch.zeros(4, dtype=torch.float32))
-    out = decode_tensor(msg, writable=True)
-    out += 1
-    assert torch.equal(decode_tensor(msg), torch.zeros(4))
-    assert decode_tensor(msg).data_ptr() % 4 == 0
+def test_a_window_decodes_without_copying_and_writable_owns_its_memory() -> None:
+    block = rows_of(torch.arange(12, dtype=torch.float32).reshape(6, 2))
+    window = block[2:5]
+    view = tensor_of(window)
+    assert torch.equal(view, torch.arange(4, 10, dtype=torch.float32).reshape(3, 2))
+    owned = tensor_of(window, writable=True)
+    owned += 1
+    assert torch.equal(tensor_of(window), view) and view.data_ptr() % 4 == 0
 
 
-def test_unsupported_dtype_on_encode() -> None:
-    with pytest.raises(TensorError, match=r"'x'.*torch\.float64"):
-        encode_tensor(torch.zeros(2, dtype=torch.float64), name="x")
+def test_unsupported_dtype_and_rank_on_encode() -> None:
+    with pytest.raises(CodecError, match=r"'x'.*torch\.float64"):
+        rows_of(torch.zeros(2, 2, dtype=torch.float64), name="x")
+    with pytest.raises(CodecError, match=r"'x': shape \[2, 2, 2\], expected \[rows, width\]"):
+        rows_of(torch.zeros(2, 2, 2), name="x")
 
 
 def test_wrong_byte_length_names_the_numbers() -> None:
     msg = tensor_pb2.Tensor(dtype="fp32", shape=[10, 32], data=bytes(1000))
-    with pytest.raises(TensorError) as err:
-        decode_tensor(msg, name="aux_hidden")
+    with pytest.raises(CodecError) as err:
+        RowBlock.from_pb(msg, name="aux_hidden")
     assert str(err.value) == "tensor 'aux_hidden': 1000 bytes but shape [10, 32] of fp32 needs 1280"
 
 
 @pytest.mark.parametrize(
     ("msg", "pattern"),
     [
-        (tensor_pb2.Tensor(dtype="fp64", shape=[1], data=bytes(8)), r"unknown dtype 'fp64'"),
-        (tensor_pb2.Tensor(dtype="", shape=[1], data=bytes(4)), r"unknown dtype ''"),
+        (tensor_pb2.Tensor(dtype="fp64", shape=[1, 1], data=bytes(8)), r"unknown dtype 'fp64'"),
+        (tensor_pb2.Tensor(dtype="", shape=[1, 1], data=bytes(4)), r"unknown dtype ''"),
+        (tensor_pb2.Tensor(dtype="fp32", shape=[2, -3]), r"shape \[2, -3\], expected \[rows"),
+        (tensor_pb2.Tensor(dtype="fp32", shape=[4]), r"shape \[4\], expected \[rows, width\]"),
+        (tensor_pb2.Tensor(dtype="fp32", shape=[4, 0]), r"shape \[4, 0\], expected \[rows"),
+        (tensor_pb2.Tensor(dtype="bf16", shape=[1, 3], data=bytes(8)), r"8 bytes but .* needs 6"),
+        (tensor_pb2.Tensor(dtype="int64", shape=[1, 2]), r"0 bytes but shape \[1, 2\] of int64"),
+        (tensor_pb2.Tensor(dtype="bool", shape=[0, 1], data=b"\x01"), r"1 bytes but .* needs 0"),
         (
-            tensor_pb2.Tensor(dtype="fp32", shape=[2, -3], data=b""),
-            r"negative dimension.*\[2, -3\]",
-        ),
-        (
-            tensor_pb2.Tensor(dtype="bf16", shape=[3], data=bytes(8)),
-            r"8 bytes but .*\[3\].*needs 6",
-        ),
-        (tensor_pb2.Tensor(dtype="int64", shape=[2]), r"0 bytes but shape \[2\] of int64 needs 16"),
-        (tensor_pb2.Tensor(dtype="bool", shape=[0], data=b"\x01"), r"1 bytes but .* needs 0"),
-        (tensor_pb2.Tensor(dtype="bool", shape=[2], data=b"\x01\x02"), r"other than 0 and 1"),
-        (
-            tensor_pb2.Tensor(dtype="fp16", shape=[1], shm=tensor_pb2.SharedMemoryRef(region="r")),
+            tensor_pb2.Tensor(
+                dtype="fp16", shape=[1, 1], shm=tensor_pb2.SharedMemoryRef(region="r")
+            ),
             r"shared-memory",
         ),
     ],
 )
 def test_malformed_messages(msg: tensor_pb2.Tensor, pattern: str) -> None:
-    with pytest.raises(TensorError, match=pattern):
-        decode_tensor(_wire(msg), name="t")
+    with pytest.raises(CodecError, match=pattern):
+        RowBlock.from_pb(tensor_pb2.Tensor.FromString(msg.SerializeToString()), name="t")
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "pattern"),
-    [
-        ({"expected_dtype": "bf16"}, r"'h': dtype fp32, expected bf16"),
-        ({"expected_dtype": torch.int64}, r"dtype fp32, expected int64"),
-        ({"expected_rank": 3}, r"rank 2 \(shape \[4, 6\]\), expected rank 3"),
-        ({"expected_shape": (4, 7)}, r"shape \[4, 6\], expected \[4, 7\]"),
-        ({"expected_shape": (None, 8)}, r"shape \[4, 6\], expected \['\*', 8\]"),
-        ({"expected_shape": (4,)}, r"shape \[4, 6\], expected \[4\]"),
-    ],
-)
-def test_expectations(kwargs: dict, pattern: str) -> None:
-    msg = encode_tensor(torch.zeros(4, 6))
-    with pytest.raises(TensorError, match=pattern):
-        decode_tensor(msg, name="h", **kwargs)
+def test_bool_rows_hold_only_zero_and_one() -> None:
+    block = RowBlock.from_pb(tensor_pb2.Tensor(dtype="bool", shape=[1, 2], data=b"\x01\x02"))
+    with pytest.raises(CodecError, match="other than 0 and 1"):
+        tensor_of(block, name="t")
 
 
-def test_expectations_that_match() -> None:
-    msg = encode_tensor(torch.zeros(4, 6, dtype=torch.bfloat16))
-    out = decode_tensor(
-        msg, expected_dtype=torch.bfloat16, expected_rank=2, expected_shape=(None, 6)
-    )
-    assert out.shape == (4, 6)
-
-
-def test_tensor_error_is_value_error() -> None:
-    assert issubclass(TensorError, ValueError)
-
-
-def test_split_and_concat_larger_than_budget() -> None:
-    t = _sample(torch.bfloat16, (100, 48))  # 96 bytes per row, 9600 in all
-    parts = split_rows(t, 1000, name="aux_hidden")
-    assert len(parts) == 10  # 10 rows (960 bytes) per part
-    assert all(p.numel() * 2 <= 1000 for p in parts)
-    msgs = [_wire(encode_tensor(p)) for p in parts]
-    assert all(len(m.data) <= 1000 for m in msgs)
-    out = concat_rows(msgs, name="aux_hidden", expected_dtype="bf16", expected_shape=(100, 48))
-    assert torch.equal(out, t)
-
-
-def test_split_fits_in_one_part() -> None:
-    t = torch.zeros(4, 4)
-    assert len(split_rows(t, 64)) == 1
-    assert len(split_rows(torch.zeros(0, 4), 8)) == 1
-    assert len(split_rows(torch.tensor(3.0), 4)) == 1
-
-
-def test_split_oversized_single_row() -> None:
-    with pytest.raises(TensorError) as err:
-        split_rows(torch.zeros(3, 300, dtype=torch.float16), 512, name="hidden")
-    assert str(err.value) == (
-        "tensor 'hidden': one row of shape [300] of fp16 is 600 bytes, over the message budget "
-        "of 512 bytes"
-    )
-
-
-def test_concat_rejects_inconsistent_parts() -> None:
-    a = encode_tensor(torch.zeros(2, 4))
-    with pytest.raises(TensorError, match=r"part 1 is bf16 \[2, 4\] but part 0 is fp32 \[2, 4\]"):
-        concat_rows([a, encode_tensor(torch.zeros(2, 4, dtype=torch.bfloat16))], name="h")
-    with pytest.raises(TensorError, match=r"part 2 is fp32 \[1, 5\] but part 0 is fp32 \[2, 4\]"):
-        concat_rows([a, a, encode_tensor(torch.zeros(1, 5))], name="h")
-    with pytest.raises(TensorError, match=r"'h\[part 1\]': 3 bytes"):
-        concat_rows([a, tensor_pb2.Tensor(dtype="fp32", shape=[1, 4], data=b"abc")], name="h")
-    with pytest.raises(TensorError, match=r"shape \[4, 4\], expected \[5, 4\]"):
-        concat_rows([a, a], name="h", expected_shape=(5, 4))
-    with pytest.raises(TensorError, match="no parts"):
-        concat_rows([], name="h")
+def test_codec_error_is_value_error() -> None:
+    assert issubclass(CodecError, ValueError)
 
 
 def test_hidden_states_chunking_round_trip() -> None:
@@ -197,17 +140,18 @@ def test_hidden_states_chunking_round_trip() -> None:
 
 
 def test_hidden_states_errors() -> None:
-    with pytest.raises(TensorError, match=r"'hidden': shape \[5, 4\] but row_counts sum to 6"):
+    with pytest.raises(CodecError, match=r"'hidden': 5 rows for row_counts summing to 6"):
         split_hidden_states([3, 3], {"hidden": torch.zeros(5, 4)})
-    with pytest.raises(TensorError, match=r"one row of .* is 1600 bytes, over the message budget"):
+    with pytest.raises(CodecError, match=r"one row of .* is 1600 bytes, over the message budget"):
         split_hidden_states([1], {"hidden": torch.zeros(1, 400)}, max_bytes=1000)
-    with pytest.raises(TensorError, match="not a HiddenStates field"):
+    with pytest.raises(CodecError, match=r"'logits'.*\(fields: "):
         split_hidden_states([1], {"logits": torch.zeros(1, 4)})
-    bad = common_pb2.HiddenStates(row_counts=[2, 2], hidden=encode_tensor(torch.zeros(3, 4)))
-    with pytest.raises(TensorError, match=r"shape \[3, 4\] but row_counts \[2, 2\] sum to 4 rows"):
+    bad = common_pb2.HiddenStates(row_counts=[2, 2])
+    rows_of(torch.zeros(3, 4)).write_to(bad.hidden)
+    with pytest.raises(CodecError, match=r"'hidden': 3 rows but row_counts \[2, 2\] sum to 4"):
         join_hidden_states([bad])
     late = common_pb2.HiddenStates(row_counts=[1])
-    with pytest.raises(TensorError, match="row_counts set in chunk 1"):
+    with pytest.raises(CodecError, match="row_counts set after chunk 0"):
         join_hidden_states([late, late])
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from specmesh.defaults import REPO_MODELS, default_models
-from specmesh.draft_service.drafter import SpecParams
+from specmesh.protocol.config import SpecParams
 from specmesh.protocol.sampling import SamplingParams
 from specmesh.router.engine import Engine
 

@@ -15,18 +15,17 @@ import pytest
 import torch
 from conftest import assert_speculated
 
-from specmesh.draft_service.drafter import SpecParams
 from specmesh.draft_service.ngram import NgramDrafter, find_continuations
-from specmesh.draft_service.runtime import DraftConfig, load_draft
-from specmesh.draft_service.steps import ExtendInput
+from specmesh.draft_service.runtime import load_draft
+from specmesh.protocol.config import DraftConfig, SpecParams
 from specmesh.protocol.features import Feature
 from specmesh.protocol.sampling import SamplingParams
+from specmesh.protocol.steps import ExtendInput, PrefillInput
 from specmesh.router.engine import Engine
 from specmesh.runtime.loader import load_tensors
 from specmesh.runtime.tiny import make_tiny_target
 from specmesh.runtime.tiny_drafts import make_tiny_draft
 from specmesh.target_service.runtime import TargetRuntime
-from specmesh.target_service.steps import PrefillInput
 
 KINDS = ("eagle3", "eagle", "mtp", "standalone", "ngram")
 SPECS = ((1, 1, 2), (3, 1, 4), (3, 4, 8), (5, 4, 16), (2, 8, 10))

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import torch
 
-from specmesh.draft_service.drafter import SpecParams
-from specmesh.draft_service.runtime import DraftConfig, load_draft
-from specmesh.draft_service.steps import ExtendInput
+from specmesh.draft_service.runtime import load_draft
+from specmesh.protocol.config import DraftConfig, SpecParams
 from specmesh.protocol.errors import InvalidRequestError
+from specmesh.protocol.steps import ExtendInput
 
 
 def test_bad_extend_is_isolated(tiny_dir: Path) -> None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from specmesh.draft_service.drafter import SpecParams
-from specmesh.draft_service.runtime import DraftConfig, load_draft
-from specmesh.draft_service.steps import ExtendInput
+from specmesh.draft_service.runtime import load_draft
+from specmesh.protocol.config import DraftConfig, SpecParams
+from specmesh.protocol.steps import ExtendInput
 from specmesh.runtime.draft_sizes import DraftSizes
 from specmesh.runtime.tiny import make_tiny_target
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import assert_speculated, make_small_vocab_pair
 
-from specmesh.draft_service.drafter import SpecParams
+from specmesh.protocol.config import SpecParams
 from specmesh.protocol.sampling import SamplingParams
 from specmesh.router.core import RouterConfig
 from specmesh.router.engine import Engine

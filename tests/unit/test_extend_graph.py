@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from specmesh.draft_service.drafter import SpecParams
-from specmesh.draft_service.runtime import DraftConfig, load_draft
-from specmesh.draft_service.steps import ExtendInput
+from specmesh.draft_service.runtime import load_draft
+from specmesh.protocol.config import DraftConfig, SpecParams
+from specmesh.protocol.steps import ExtendInput
 from specmesh.runtime.tiny import make_tiny_target
 from specmesh.runtime.tiny_drafts import make_tiny_draft
 

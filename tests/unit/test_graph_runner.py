@@ -12,9 +12,9 @@ import pytest
 import torch
 from conftest import reorder_tolerance
 
-from specmesh.draft_service.drafter import SpecParams
-from specmesh.draft_service.runtime import DraftConfig, load_draft
+from specmesh.draft_service.runtime import load_draft
 from specmesh.kernels.testing import cpu_triton
+from specmesh.protocol.config import DraftConfig, SpecParams
 from specmesh.protocol.features import Feature, FeatureSpec
 from specmesh.runtime.attention.torch_backend import make_backend
 from specmesh.runtime.graph_runner import (
@@ -153,7 +153,7 @@ def test_cuda_graphs_are_never_used_on_cpu(target) -> None:
 def test_draft_step_through_static_buffers(tiny_dir: Path, topk: int) -> None:
     """EAGLE-3 draft decode steps (topk rows per request, tree mask): the step runner's outputs
     equal the eager step, and a whole proposal is unchanged."""
-    from specmesh.draft_service.steps import ExtendInput
+    from specmesh.protocol.steps import ExtendInput
 
     spec = SpecParams(num_steps=3, topk=topk, num_draft_tokens=4)
     cfg = DraftConfig("eagle3", str(tiny_dir / "draft"), str(tiny_dir / "target"), spec,
@@ -203,6 +203,7 @@ def test_engine_through_static_paths_equals_transformers(tiny_dir: Path, oracle)
     t = engine.target
     assert t.graphs is None and t.cfg.cuda_graph  # enabled, but never on CPU
     assert t.cfg.cuda_graph_tree_sizes == (4,)  # the engine's num_draft_tokens
+    t.configure(engine.draft.info().needs)  # the handshake first: it names the aux layers
     t.graphs = TargetGraphs(t.model, t.cache, t.backend, mode="eager-static", max_bs=4,
                             tree_sizes=t.cfg.cuda_graph_tree_sizes, aux=t.aux_layers)  # fmt: skip
     drafter = engine.draft.drafter
@@ -235,8 +236,9 @@ def test_target_graphs_are_captured_up_front_with_aux_states(tiny_dir: Path) -> 
     seen: list[tuple] = []
     forward = t.model.forward
     t.model.forward = lambda *a, **k: seen.append(t.model.aux_points) or forward(*a, **k)
+    aux = AuxLayers.default(t.model_config.num_layers)
     graphs = TargetGraphs(t.model, t.cache, t.backend, mode="eager-static", max_bs=2,
-                          tree_sizes=(4, 6), aux=t.aux_layers)  # fmt: skip
+                          tree_sizes=(4, 6), aux=aux)  # fmt: skip
     assert sorted(graphs.verify) == [4, 6]
     assert len(seen) == 3 * 2 and all(points for points in seen)  # 3 runners x buckets {1, 2}
     assert t.model.aux_points == ()  # the feature in force before is back
@@ -253,7 +255,7 @@ def test_target_graphs_are_captured_up_front_with_aux_states(tiny_dir: Path) -> 
 def test_every_draft_kind_proposes_the_same_through_step_runners(tmp_path: Path, kind: str) -> None:
     """One runner per step network: EAGLE-1 and standalone share one across steps, MTP has one per
     layer (each over its own pool, invariant 4); proposals are unchanged (topk > 1)."""
-    from specmesh.draft_service.steps import ExtendInput
+    from specmesh.protocol.steps import ExtendInput
     from specmesh.runtime.tiny import make_tiny_target
     from specmesh.runtime.tiny_drafts import make_tiny_draft
 
@@ -305,17 +307,22 @@ def test_disable_cuda_graph_flags() -> None:
 
 def test_new_aux_layers_capture_the_target_graphs_again(tiny_dir: Path, monkeypatch) -> None:
     """An in-process EAGLE-3 draft with its own aux layer ids: the eager path captures them at
-    once and CUDA graphs (which bake the layers in) are captured again, only when they change."""
+    once and CUDA graphs (which bake the layers in) are captured again, only when they change.
+    A draft that reads no aux states resolves no layers and captures nothing again."""
     from specmesh.target_service.runtime import TargetRuntime
 
     t = TargetRuntime.from_dir(tiny_dir / "target", dtype="fp32", max_context=32)
     captured: list[AuxLayers] = []
     monkeypatch.setattr(t, "_capture_graphs", lambda: captured.append(t.aux_layers) or "graphs")
     t.graphs = "graphs"  # as on a GPU
-    same = AuxLayers(t.aux_layers.layer_ids, t.aux_layers.convention)
+    t.configure(FeatureSpec(Feature.HIDDEN))
+    assert captured == [] and t.aux_layers is None and t.aux_points == ()
+    n = t.model_config.num_layers
+    t.configure(FeatureSpec(Feature.AUX_HIDDEN))  # no ids: the default, resolved now
+    assert captured == [AuxLayers.default(n)]
+    same = AuxLayers((1, n // 2 - 1, n - 4), "output")  # the default's points, other numbering
     t.configure(FeatureSpec(Feature.AUX_HIDDEN, same))
-    assert captured == []  # the same capture points: nothing to do
+    assert len(captured) == 1  # the same capture points: nothing to do
     new = AuxLayers((0, 1), "input")
     t.configure(FeatureSpec(Feature.AUX_HIDDEN, new))
-    n = t.model_config.num_layers
-    assert captured == [new] and t.model.aux_points == new.capture_points(n)
+    assert captured[1:] == [new] and t.model.aux_points == new.capture_points(n)

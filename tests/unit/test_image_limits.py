@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 from conftest import rss_mb
 
+from specmesh.protocol.config import TargetConfig
 from specmesh.protocol.sampling import SamplingParams
+from specmesh.protocol.steps import PrefillInput
 from specmesh.runtime.tiny_llava import make_tiny_llava, tiny_image
-from specmesh.target_service.runtime import TargetConfig, TargetRuntime
-from specmesh.target_service.steps import PrefillInput
+from specmesh.target_service.runtime import TargetRuntime
 
 FAST_S = 5.0  # generous: a refusal takes milliseconds
 MAX_RSS_GROWTH_MB = 200

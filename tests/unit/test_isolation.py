@@ -8,15 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from specmesh.draft_service.drafter import SpecParams
-from specmesh.draft_service.runtime import DraftConfig, load_draft
-from specmesh.draft_service.steps import ExtendInput
+from specmesh.draft_service.runtime import load_draft
+from specmesh.protocol.config import DraftConfig, SpecParams, TargetConfig
 from specmesh.protocol.sampling import SamplingParams
-from specmesh.runtime.tree import Tree
+from specmesh.protocol.steps import ExtendInput, PrefillInput, VerifyInput
+from specmesh.protocol.trees import DraftTree
 from specmesh.target_service import batching
 from specmesh.target_service import verify as target_verify
-from specmesh.target_service.runtime import TargetConfig, TargetRuntime
-from specmesh.target_service.steps import PrefillInput, VerifyInput
+from specmesh.target_service.runtime import TargetRuntime
 
 
 def _raise_for(rid: str, inner):
@@ -83,7 +82,7 @@ def test_target_verify_row_whose_forward_raises_fails_alone(
 ) -> None:
     target.prefill([PrefillInput(r, [5, 6, 7], SamplingParams()) for r in ("a", "bad")])
     _break_row(monkeypatch, "bad")
-    trees = [VerifyInput(r, Tree.chain([target.requests[r].pending, 9])) for r in ("a", "bad")]
+    trees = [VerifyInput(r, DraftTree.chain([target.requests[r].pending, 9])) for r in ("a", "bad")]
     out = target.verify(trees)
     assert set(out.tokens) == {"a"} and out.errors["bad"].grpc_code == "INTERNAL"
     assert set(target.requests) == set(target.cache.requests) == {"a"}

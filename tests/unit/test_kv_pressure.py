@@ -12,16 +12,17 @@ import pytest
 from conftest import assert_speculated
 from oracle_draft import mean_accept, oracle_engine
 
-from specmesh.draft_service.drafter import SpecParams
+from specmesh.protocol.config import SpecParams, TargetConfig
 from specmesh.protocol.errors import KVCacheFullError
 from specmesh.protocol.sampling import SamplingParams
+from specmesh.protocol.steps import PrefillInput, StepOutput, VerifyInput
+from specmesh.protocol.trees import DraftTree
 from specmesh.router.core import RouterConfig, RouterCore
 from specmesh.router.engine import Engine
 from specmesh.router.in_process import InProcessTarget
 from specmesh.router.request import Request
 from specmesh.runtime.tree import Tree
-from specmesh.target_service.runtime import TargetConfig, TargetRuntime
-from specmesh.target_service.steps import PrefillInput, StepOutput, VerifyInput
+from specmesh.target_service.runtime import TargetRuntime
 
 CASES = ("eagle3", "oracle", "failing_draft", "no_speculation")
 
@@ -129,10 +130,10 @@ def test_verify_that_does_not_fit_fails_alone(tiny_dir: Path) -> None:
     rt = TargetRuntime(TargetConfig(str(tiny_dir / "target"), num_kv_slots=24))
     rt.prefill([PrefillInput("a", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], SamplingParams()),
                 PrefillInput("b", [1, 2, 3], SamplingParams())])  # fmt: skip
-    big = Tree.chain(
+    big = DraftTree.chain(
         [rt.requests["a"].pending, *range(20, 32)]
     )  # 13 nodes: more than the 11 slots left
-    small = Tree.chain([rt.requests["b"].pending, 20])
+    small = DraftTree.chain([rt.requests["b"].pending, 20])
     out = rt.verify([VerifyInput("a", big), VerifyInput("b", small)])
     assert isinstance(out.errors["a"], KVCacheFullError) and "13-node tree" in str(out.errors["a"])
     assert len(out.tokens["b"]) >= 1 and "a" not in rt.requests  # a failed request is dropped

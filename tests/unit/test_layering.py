@@ -1,5 +1,5 @@
 """Package layering: no import cycles between the project's packages, and a router process in
-gRPC mode does not import the model stack."""
+gRPC mode imports no torch (DESIGN.md §1: the router imports only `protocol` and `rpc`)."""
 
 from __future__ import annotations
 
@@ -50,12 +50,17 @@ def test_no_import_cycles_between_packages() -> None:
         visit(name)
 
 
-def test_grpc_router_does_not_import_the_model_stack() -> None:
+def test_grpc_router_imports_no_torch_and_no_service_package() -> None:
+    """A router process (its CLI path, its gRPC server and clients) loads only `protocol`, `rpc`
+    and the router: no torch, no transformers, no runtime, kernels or model service."""
     code = (
-        "import sys, specmesh.router.server, specmesh.router.grpc_clients\n"
-        "heavy = ('specmesh.runtime.models', 'specmesh.target_service.runtime',\n"
-        "         'specmesh.draft_service.runtime', 'specmesh.kernels')\n"
-        "print([m for m in sys.modules if m.startswith(heavy)])\n"
+        "import sys\n"
+        "from specmesh.main import build_parser\n"
+        "build_parser('router').parse_args(['router', '--target', 'a:1', '--draft', 'b:2'])\n"
+        "import specmesh.router.server, specmesh.router.grpc_clients\n"
+        "heavy = ('torch', 'transformers', 'specmesh.runtime', 'specmesh.target_service',\n"
+        "         'specmesh.draft_service', 'specmesh.kernels')\n"
+        "print(sorted(m for m in sys.modules if m.startswith(heavy)))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from specmesh.draft_service.drafter import SpecParams
 from specmesh.draft_service.mtp_drafter import MTPDrafter
-from specmesh.draft_service.runtime import DraftConfig, load_draft
-from specmesh.draft_service.steps import ExtendInput
+from specmesh.draft_service.runtime import load_draft
+from specmesh.protocol.config import DraftConfig, SpecParams
 from specmesh.protocol.features import Feature
+from specmesh.protocol.steps import ExtendInput
 from specmesh.runtime.tiny import make_tiny_target
 from specmesh.runtime.tiny_drafts import make_tiny_draft
 

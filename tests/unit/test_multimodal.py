@@ -10,16 +10,15 @@ import pytest
 import torch
 from conftest import assert_speculated, llava_greedy
 
-from specmesh.draft_service.drafter import SpecParams
-from specmesh.draft_service.runtime import DraftConfig, load_draft
-from specmesh.draft_service.steps import ExtendInput
+from specmesh.draft_service.runtime import load_draft
+from specmesh.protocol.config import DraftConfig, SpecParams, TargetConfig
 from specmesh.protocol.errors import InvalidRequestError
 from specmesh.protocol.sampling import SamplingParams
+from specmesh.protocol.steps import ExtendInput, PrefillInput
 from specmesh.router.core import RouterConfig
 from specmesh.router.engine import Engine
 from specmesh.runtime.tiny_llava import make_tiny_llava, make_tiny_llava_eagle3, tiny_image
-from specmesh.target_service.runtime import TargetConfig, TargetRuntime
-from specmesh.target_service.steps import PrefillInput
+from specmesh.target_service.runtime import TargetRuntime
 
 SPEC = SpecParams(num_steps=3, topk=2, num_draft_tokens=5)
 IMAGES = [tiny_image(0), tiny_image(1, (30, 17), "JPEG"), tiny_image(2, (16, 16))]

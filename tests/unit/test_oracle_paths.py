@@ -49,6 +49,7 @@ def test_out_of_order_acceptance_through_static_runners(tiny_dir: Path, oracle) 
 
     engine = oracle_engine(tiny_dir / "target")
     t = engine.target
+    t.configure(engine.draft.info().needs)  # the handshake first: it names the aux layers
     t.graphs = TargetGraphs(t.model, t.cache, t.backend, mode="eager-static", max_bs=4,
                             tree_sizes=t.cfg.cuda_graph_tree_sizes, aux=t.aux_layers)  # fmt: skip
     verify, used = t.graphs.verify[t.cfg.cuda_graph_tree_sizes[0]], []

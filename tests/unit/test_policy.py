@@ -9,21 +9,19 @@ from pathlib import Path
 import pytest
 from conftest import make_small_vocab_pair
 
-from specmesh.draft_service.drafter import SpecParams
+from specmesh.protocol.config import SpecParams
 from specmesh.protocol.sampling import SamplingParams
+from specmesh.protocol.trees import DraftTree
 from specmesh.router.core import RouterConfig
 from specmesh.router.engine import Engine
 from specmesh.router.policy import (
     Acceptance,
     Plan,
     SpeculationPolicy,
-    accepted_path,
     best_tree_size,
     bucket,
-    cut_tree,
     interpolate_costs,
 )
-from specmesh.runtime.tree import Tree
 
 N = 8  # the draft's tree size
 
@@ -31,7 +29,7 @@ N = 8  # the draft's tree size
 def _records(policy: SpeculationPolicy, accepted: int, batch: int = 1) -> list[Acceptance]:
     """Requests whose chain trees always had their first ``accepted`` draft nodes accepted, as
     the round reports them (the draft's record grows with them)."""
-    chain = Tree.chain(list(range(N)))
+    chain = DraftTree.chain(list(range(N)))
     records = [Acceptance() for _ in range(batch)]
     for _ in range(30):
         for record in records:
@@ -48,17 +46,17 @@ def _policy(verify: dict[int, float], draft: float, batch: int = 1) -> Speculati
 
 
 def test_tree_is_cut_to_its_first_nodes_and_stays_valid() -> None:
-    tree = Tree.from_parents([9, 1, 2, 3, 4, 5], [-1, 0, 0, 1, 1, 3])
-    cut = cut_tree(tree, 4)
-    assert cut.tokens.tolist() == [9, 1, 2, 3] and cut.parents.tolist() == [-1, 0, 0, 1]
-    assert cut_tree(tree, 1).num_nodes == 1 and cut_tree(tree, 99) is tree
+    tree = DraftTree.of([9, 1, 2, 3, 4, 5], [-1, 0, 0, 1, 1, 3])
+    cut = tree.cut(4)
+    assert cut.tokens == (9, 1, 2, 3) and cut.parents == (-1, 0, 0, 1)
+    assert tree.cut(1).num_nodes == 1 and tree.cut(99) is tree
 
 
 def test_accepted_path_follows_the_output_tokens_down_the_tree() -> None:
-    tree = Tree.from_parents([9, 1, 2, 3, 4, 5], [-1, 0, 0, 1, 1, 3])
-    assert accepted_path(tree, [1, 4, 7]) == [1, 4]  # node 4 (token 4) under node 1, bonus 7
-    assert accepted_path(tree, [1, 3, 5, 8]) == [1, 3, 5]
-    assert accepted_path(tree, [2, 6]) == [2] and accepted_path(tree, [7]) == []
+    tree = DraftTree.of([9, 1, 2, 3, 4, 5], [-1, 0, 0, 1, 1, 3])
+    assert tree.accepted_path([1, 4, 7]) == [1, 4]  # node 4 (token 4) under node 1, bonus 7
+    assert tree.accepted_path([1, 3, 5, 8]) == [1, 3, 5]
+    assert tree.accepted_path([2, 6]) == [2] and tree.accepted_path([7]) == []
 
 
 def test_acceptance_counts_what_each_cut_would_have_yielded() -> None:
@@ -112,7 +110,7 @@ def test_tree_size_trades_acceptance_for_verify_cost() -> None:
 def test_new_requests_lean_on_their_drafts_record() -> None:
     policy = _policy({1: 0.010, N: 0.012}, draft=0.008)
     for _ in range(50):
-        policy.observe_round("d", Acceptance(), Tree.chain(list(range(N))), [0, 9])
+        policy.observe_round("d", Acceptance(), DraftTree.chain(list(range(N))), [0, 9])
     assert not policy.plan("t", "d", 1, [Acceptance()], N).speculate  # the draft never hits
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import make_small_vocab_pair, tiny_engine
 
-from specmesh.draft_service.drafter import SpecParams
+from specmesh.protocol.config import SpecParams
 from specmesh.protocol.errors import InvalidRequestError
 from specmesh.protocol.sampling import SamplingParams
 from specmesh.router.core import RouterConfig

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specmesh.draft_service.drafter import SpecParams
+from specmesh.protocol.config import SpecParams
 from specmesh.protocol.sampling import SamplingParams
 from specmesh.router.engine import Engine
 

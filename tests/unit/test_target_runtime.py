@@ -12,15 +12,17 @@ import torch
 from conftest import reorder_tolerance
 from transformers import AutoModelForCausalLM
 
+from specmesh.protocol.config import TargetConfig
 from specmesh.protocol.errors import KVCacheFullError, UnknownRequestError
 from specmesh.protocol.features import Feature, FeatureSpec
 from specmesh.protocol.sampling import SamplingParams
+from specmesh.protocol.steps import PrefillInput, VerifyInput
+from specmesh.protocol.trees import DraftTree
 from specmesh.runtime.config import CheckpointError
 from specmesh.runtime.models.causal_lm import AuxLayers, load_causal_lm
 from specmesh.runtime.tiny import make_tiny_target
 from specmesh.runtime.tree import Tree
-from specmesh.target_service.runtime import TargetConfig, TargetRuntime
-from specmesh.target_service.steps import PrefillInput, VerifyInput
+from specmesh.target_service.runtime import TargetRuntime
 
 LLAMA3_ROPE = {
     "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -116,7 +118,7 @@ def test_verify_keeps_accepted_path_kv_by_length(tiny_dir: Path, oracle) -> None
     rt = _runtime(target)
     rt.prefill([PrefillInput("r0", prompt, SamplingParams())])
     wrong = (ref[1] + 1) % 300
-    tree = Tree.from_parents([ref[0], wrong, ref[1], ref[2], 7], [-1, 0, 0, 2, 1])
+    tree = DraftTree.of([ref[0], wrong, ref[1], ref[2], 7], [-1, 0, 0, 2, 1])
     out = rt.verify([VerifyInput("r0", tree)])
     assert out.tokens["r0"] == ref[1:4]
     assert rt.cache.get("r0").committed_len == len(prompt) + 3

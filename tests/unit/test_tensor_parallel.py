@@ -12,8 +12,10 @@ import pytest
 import torch
 from conftest import hf_greedy, reorder_tolerance
 
+from specmesh.protocol.config import TargetConfig
 from specmesh.protocol.features import AuxLayers
 from specmesh.protocol.sampling import SamplingParams
+from specmesh.protocol.steps import PrefillInput
 from specmesh.runtime.config import ModelConfig
 from specmesh.runtime.model_runner import BatchItem, run_batch
 from specmesh.runtime.parallel import (
@@ -24,8 +26,7 @@ from specmesh.runtime.parallel import (
 )
 from specmesh.runtime.shard_loader import shard_of
 from specmesh.runtime.tiny import make_tiny_target
-from specmesh.target_service.runtime import TargetConfig, TargetRuntime
-from specmesh.target_service.steps import PrefillInput
+from specmesh.target_service.runtime import TargetRuntime
 
 SMALL = {"num_hidden_layers": 4, "hidden_size": 32, "intermediate_size": 64}
 CASES = {

@@ -1,8 +1,17 @@
-"""Feature rows as the wire carries them, passed from the target's answer to the draft's request
-without decoding: a `RowBlock` is the payload of a ``[rows, width]`` Tensor message (dtype name,
-row width, bytes), sliced and joined by byte offsets. No torch here: the router moves the
-target's features (aux hidden states, ``mm_input_embeds``) as bytes, and only the draft service
-decodes them (`specmesh.runtime.codec`).
+"""The one bytes codec: tensors and per-token rows on the wire, torch-free.
+
+Format (protos/specmesh/v1/tensor.proto): a ``Tensor`` message holds ``dtype`` (one of
+``ITEMSIZE``' names), ``shape`` and ``data``, the elements in C order, little-endian (bf16 as its
+raw 16-bit patterns, bool as one byte). Never ``repeated float``. Everything that crosses a hop
+is rows, ``[rows, width]``: a `RowBlock` is such a message's payload (dtype, width, bytes),
+sliced and joined by byte offsets. A ``HiddenStates`` batch (aux hidden states, final hidden
+states, ``mm_input_embeds``) travels as chunks of at most ``DEFAULT_MAX_MESSAGE_BYTES``, each
+holding the same row range of every field, ``row_counts`` in the first only
+(`split_state_rows` / `join_state_rows`).
+
+Who converts. The target's service encodes its tensors into blocks and the draft's decodes them
+(`specmesh.runtime.codec`: the only torch on this path); the router forwards the target's blocks
+to the draft without decoding (`specmesh.router.draft_rows`).
 
 Copies. Reading a message's ``data`` yields a fresh ``bytes`` (protobuf's copy); a block's rows
 are a window on it, so slicing copies nothing, and joining windows that lie back to back on one
@@ -17,12 +26,26 @@ The in-process path keeps torch tensors; both kinds slice with ``rows[start:stop
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from specmesh.runtime.row_chunks import chunk_rows
 from specmesh.v1 import common_pb2, tensor_pb2
+
+# Payload budget per stream message; above it a batch is split into chunks.
+DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+# gRPC max send/receive message size for every specmesh channel and server (both ends):
+# well above the chunk budget so a chunk plus its non-tensor fields always fits.
+GRPC_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+def grpc_message_options(max_bytes: int = GRPC_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """Channel/server options raising gRPC's 4 MiB default on both send and receive."""
+    return [
+        ("grpc.max_send_message_length", max_bytes),
+        ("grpc.max_receive_message_length", max_bytes),
+    ]
+
 
 # Bytes per element of each wire dtype (tensor.proto).
 ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4, "int32": 4, "int64": 8, "bool": 1}
@@ -30,8 +53,10 @@ ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4, "int32": 4, "int64": 8, "bool": 1}
 ROW_FIELDS = ("aux_hidden", "hidden", "mm_input_embeds")
 
 
-class RowError(ValueError):
-    """A rows message that does not describe ``[rows, width]`` of a known dtype."""
+class CodecError(ValueError):
+    """A tensor or rows message that does not describe ``[rows, width]`` of a known dtype, or
+    rows that do not fit a message; the message names the tensor and the numbers (servers map
+    it to INVALID_ARGUMENT)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -87,18 +112,18 @@ class RowBlock:
     def from_pb(msg: tensor_pb2.Tensor, *, name: str = "rows") -> RowBlock:
         """A ``[rows, width]`` Tensor message's payload, its size checked against its shape."""
         if msg.dtype not in ITEMSIZE:
-            raise RowError(
+            raise CodecError(
                 f"tensor '{name}': unknown dtype '{msg.dtype}' (one of {list(ITEMSIZE)})"
             )
         shape = list(msg.shape)
-        if len(shape) != 2 or min(shape) < 0:
-            raise RowError(f"tensor '{name}': shape {shape}, expected [rows, width]")
+        if len(shape) != 2 or shape[0] < 0 or shape[1] < 1:
+            raise CodecError(f"tensor '{name}': shape {shape}, expected [rows, width]")
         if msg.WhichOneof("payload") == "shm":
-            raise RowError(f"tensor '{name}': shared-memory payloads are not supported yet")
+            raise CodecError(f"tensor '{name}': shared-memory payloads are not supported yet")
         data = msg.data
         needed = shape[0] * shape[1] * ITEMSIZE[msg.dtype]
         if len(data) != needed:
-            raise RowError(
+            raise CodecError(
                 f"tensor '{name}': {len(data)} bytes but shape {shape} of {msg.dtype} needs {needed}"
             )
         return RowBlock(msg.dtype, shape[1], data)
@@ -110,7 +135,7 @@ class RowBlock:
         first = blocks[0]
         for b in blocks[1:]:
             if (b.dtype, b.width) != (first.dtype, first.width):
-                raise RowError(
+                raise CodecError(
                     f"tensor '{name}': cannot join rows of {b.dtype} x {b.width} to rows of "
                     f"{first.dtype} x {first.width}"
                 )
@@ -144,10 +169,10 @@ def join_state_rows(
     """A HiddenStates batch's chunks as ``(row_counts, {field: RowBlock})`` (fields present only),
     each field's rows checked to total ``sum(row_counts)``. Nothing is decoded."""
     if not chunks:
-        raise RowError("hidden states: no chunks to join")
+        raise CodecError("hidden states: no chunks to join")
     row_counts = list(chunks[0].row_counts)
     if any(c.row_counts for c in chunks[1:]):
-        raise RowError("hidden states: row_counts set after chunk 0")
+        raise CodecError("hidden states: row_counts set after chunk 0")
     blocks = {}
     for key in ROW_FIELDS:
         parts = [
@@ -158,7 +183,7 @@ def join_state_rows(
         if parts:
             blocks[key] = RowBlock.join(parts, name=key)
             if blocks[key].num_rows != sum(row_counts):
-                raise RowError(
+                raise CodecError(
                     f"tensor '{key}': {blocks[key].num_rows} rows but row_counts {row_counts} "
                     f"sum to {sum(row_counts)}"
                 )
@@ -174,10 +199,36 @@ def split_state_rows(
     num_rows = sum(row_counts)
     for key, b in present.items():
         if key not in ROW_FIELDS or b.num_rows != num_rows:
-            raise RowError(
+            raise CodecError(
                 f"tensor '{key}': {b.num_rows} rows for row_counts summing to {num_rows} "
                 f"(fields: {ROW_FIELDS})"
             )
     row_bytes = sum(b.row_bytes for b in present.values())
     write = lambda field, _key, rows: rows.write_to(field)
-    return chunk_rows(row_counts, present, row_bytes, max_bytes, write, RowError)
+    return _chunk_rows(row_counts, present, row_bytes, max_bytes, write)
+
+
+def _chunk_rows(
+    row_counts: Sequence[int],
+    present: Mapping[str, RowBlock],
+    row_bytes: int,
+    max_bytes: int,
+    write: Callable[[tensor_pb2.Tensor, str, RowBlock], None],
+) -> list[common_pb2.HiddenStates]:
+    """HiddenStates chunks of at most ``max_bytes`` of payload each (``row_bytes`` per row over
+    all fields), every chunk holding the same row range of every field; ``row_counts`` in the
+    first chunk only. A single row over the budget raises `CodecError`."""
+    if row_bytes > max_bytes:
+        raise CodecError(
+            f"hidden states: one row of {sorted(present)} is {row_bytes} bytes, over the message "
+            f"budget of {max_bytes} bytes"
+        )
+    num_rows = sum(row_counts)
+    per_chunk = max(1, max_bytes // row_bytes) if row_bytes else max(1, num_rows)
+    chunks = []
+    for start in range(0, max(num_rows, 1), per_chunk):
+        msg = common_pb2.HiddenStates(row_counts=row_counts if start == 0 else ())
+        for key, rows in present.items():
+            write(getattr(msg, key), key, rows[start : start + per_chunk])
+        chunks.append(msg)
+    return chunks

@@ -1,0 +1,74 @@
+"""The services' configuration, frozen and torch-free: the CLI reads its flags' defaults from
+these fields (`specmesh.serve_args`) without loading a model stack, and each runtime is built
+from one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specmesh.protocol.images import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, MAX_IMAGES_PER_REQUEST
+
+DRAFT_KINDS = ("eagle3", "eagle", "mtp", "standalone", "ngram")
+
+
+@dataclass(frozen=True)
+class SpecParams:
+    num_steps: int = 3
+    topk: int = 1
+    num_draft_tokens: int = 4
+
+    def validate(self) -> None:
+        if self.num_steps < 1 or self.topk < 1 or self.num_draft_tokens < 2:
+            raise ValueError(
+                f"need num_steps >= 1, topk >= 1, num_draft_tokens >= 2; got {self.num_steps}, "
+                f"{self.topk}, {self.num_draft_tokens}"
+            )
+        pool = self.topk + (self.num_steps - 1) * self.topk**2
+        if self.num_draft_tokens - 1 > pool:
+            raise ValueError(
+                f"num_draft_tokens {self.num_draft_tokens} needs {self.num_draft_tokens - 1} "
+                f"draft nodes but (num_steps={self.num_steps}, topk={self.topk}) proposes {pool}"
+            )
+
+
+@dataclass(frozen=True)
+class TargetConfig:
+    model_dir: str
+    dtype: str | None = None  # None = the checkpoint's dtype
+    device: str = "cpu"
+    attention_backend: str = "torch"
+    num_kv_slots: int = 65536
+    page_size: int = 1
+    max_requests: int = 256
+    max_context: int | None = None  # None = the model's max_position_embeddings
+    max_prefill_tokens: int = 8192  # chunk size of one extend
+    aux_layer_ids: tuple[int, ...] | None = None  # None = [2, L//2, L-3]
+    aux_convention: str = "input"
+    cuda_graph: bool = True  # decode / verify in CUDA graphs (CUDA + triton/flashinfer only)
+    cuda_graph_max_bs: int = 32  # largest captured batch; bigger batches run eagerly
+    # Verify trees captured before ready (the drafts' num_draft_tokens); other sizes run eagerly.
+    cuda_graph_tree_sizes: tuple[int, ...] = (8,)
+    # Image limits, checked per request before any image is decoded (`multimodal.ImageLimits`).
+    max_images_per_request: int = MAX_IMAGES_PER_REQUEST
+    max_image_bytes: int = MAX_IMAGE_BYTES  # encoded
+    max_image_pixels: int = MAX_IMAGE_PIXELS  # width x height, read from the header
+    # Ranks (processes, one device each) the model is split over (`runtime.parallel`); rank 0
+    # is this process and owns all request state. CUDA graphs run only at 1.
+    tensor_parallel_size: int = 1
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    kind: str
+    draft_dir: str | None  # None for ngram
+    target_dir: str  # embeddings / LM head / tokenizer come from the target checkpoint
+    spec: SpecParams = SpecParams()
+    dtype: str | None = None
+    device: str = "cpu"
+    attention_backend: str = "torch"
+    num_kv_slots: int = 65536
+    max_requests: int = 256
+    max_context: int | None = None  # None = the target's max_position_embeddings
+    aux_convention: str = "output"  # how the checkpoint numbers eagle_aux_hidden_state_layer_ids
+    cuda_graph: bool = True  # draft decode steps in CUDA graphs (CUDA + triton/flashinfer only)
+    cuda_graph_max_bs: int = 32  # largest captured batch; bigger batches run eagerly
