@@ -37,21 +37,26 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
     extra: dict = field(default_factory=dict, compare=False)
 
-    def validate(self, vocab_size: int | None = None) -> None:
-        """Range checks; ``vocab_size`` (where known) bounds the logit_bias ids."""
-        if self.max_new_tokens < 1:
-            raise InvalidRequestError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+    def __post_init__(self) -> None:
+        """Range checks, once, where the parameters are made: at a public API (the router's
+        gRPC and HTTP fronts, the `Engine`) and where the target reads them off the wire. A
+        `SamplingParams` that exists is in range; only its token ids wait for a vocabulary
+        (`check_vocab`)."""
+        if not 1 <= self.max_new_tokens < 2**31:
+            raise InvalidRequestError(
+                f"max_new_tokens must be in [1, 2**31), got {self.max_new_tokens}"
+            )
         if not 0.0 <= self.temperature <= 100.0:
             raise InvalidRequestError(f"temperature must be in [0, 100], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise InvalidRequestError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.top_k < 2**31:
+            raise InvalidRequestError(f"top_k must be in [0, 2**31), got {self.top_k}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise InvalidRequestError(f"seed must be in [0, 2**63), got {self.seed}")
-        self._validate_controls(vocab_size)
+        self._check_controls()
 
-    def _validate_controls(self, vocab_size: int | None) -> None:
+    def _check_controls(self) -> None:
         if not 0.0 <= self.min_p <= 1.0:
             raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}")
         if not 0.0 < self.repetition_penalty <= 100.0:
@@ -70,7 +75,11 @@ class SamplingParams:
             n = getattr(self, name)
             if n is not None and not 0 <= n <= MAX_LOGPROBS:
                 raise InvalidRequestError(f"{name} must be in [0, {MAX_LOGPROBS}], got {n}")
-        limit = vocab_size if vocab_size is not None else 2**31
+        self.check_vocab(2**31)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """The logit_bias ids exist in a ``vocab_size`` vocabulary (and their biases in range)."""
+        limit = vocab_size
         bad = [(t, b) for t, b in self.logit_bias if not (0 <= t < limit and -100 <= b <= 100)]
         if bad:
             raise InvalidRequestError(

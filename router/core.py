@@ -154,7 +154,6 @@ class RouterCore:
             raise InvalidRequestError(
                 f"prompt of {len(req.prompt_ids)} tokens exceeds the limit of {limit}"
             )
-        req.params.validate()
         check_stop_rules(req.params, info.vocab_size)
         if req.rid in self.requests:
             raise DuplicateRequestError(f"request id {req.rid!r} is already in use")

@@ -149,7 +149,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             )
         if params is None:
             params = sampling_from_pb(msg.sampling, self.settings.max_new_tokens)
-        params.validate()
         check_stop_rules(params, core.info.vocab_size)
         if msg.prompt_token_ids:
             ids = list(msg.prompt_token_ids)

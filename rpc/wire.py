@@ -126,8 +126,8 @@ async def step_batches(request_iterator, context: grpc.aio.ServicerContext) -> A
 
 # -- sampling ----------------------------------------------------------------------------------
 def sampling_from_pb(msg: generation_pb2.SamplingParams, default_max_new: int) -> SamplingParams:
-    """Wire -> runtime, applying the wire's zero defaults; range checks raise
-    `InvalidRequestError`."""
+    """Wire -> `SamplingParams`, applying the wire's zero defaults; its construction range-checks
+    every field (`InvalidRequestError`)."""
     if msg.top_k < -1:
         raise InvalidRequestError(f"top_k must be >= -1, got {msg.top_k}")
     params = SamplingParams(
@@ -147,8 +147,7 @@ def sampling_from_pb(msg: generation_pb2.SamplingParams, default_max_new: int) -
         min_tokens=msg.min_tokens,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
-    )
-    params.validate()
+    )  # range-checked as it is made
     return params
 
 

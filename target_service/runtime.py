@@ -253,7 +253,7 @@ class TargetRuntime:
         self.check_ids(inp.rid, inp.input_ids, what="prompt")
         if inp.input_start:
             inp = self.partial.resolve(inp, self.cache)
-        inp.params.validate(self.model_config.vocab_size)
+        inp.params.check_vocab(self.model_config.vocab_size)
         end, limit = inp.input_start + len(inp.input_ids), self.cfg.max_context - 1
         if end > limit:
             raise InvalidRequestError(

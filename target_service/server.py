@@ -139,7 +139,7 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServicer):
             vocab_size=mc.vocab_size,
             hidden_size=mc.hidden_size,
             num_layers=mc.num_layers,
-            aux_layer_ids=runtime.aux_points,  # empty until a flag or handshake names them
+            aux_layer_ids=runtime.aux_points,  # empty until its config or a handshake names them
             max_context_len=cfg.max_context,
             max_batch_size=cfg.max_requests,
             max_tokens_per_batch=cfg.max_prefill_tokens,

@@ -13,7 +13,14 @@ from specmesh.protocol.config import TargetConfig
 from specmesh.protocol.sampling import SamplingParams
 from specmesh.runtime.codec import split_hidden_states
 from specmesh.target_service.runtime import TargetRuntime
-from specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from specmesh.v1 import (
+    common_pb2,
+    draft_pb2,
+    draft_pb2_grpc,
+    generation_pb2,
+    target_pb2,
+    target_pb2_grpc,
+)
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [40, 41, 42, 43, 44, 45, 46, 47, 48], [90]]
 CODE = grpc.StatusCode
@@ -28,10 +35,10 @@ CODE = grpc.StatusCode
         ({"prompt_token_ids": [5, 320]}, CODE.INVALID_ARGUMENT),  # out of vocabulary
         ({"prompt_token_ids": [5] * 5000}, CODE.INVALID_ARGUMENT),  # over max_context
         (
-            {"prompt_token_ids": [5], "sampling": SamplingParams(temperature=-1.0)},
+            {"prompt_token_ids": [5], "sampling": generation_pb2.SamplingParams(temperature=-1.0)},
             CODE.INVALID_ARGUMENT,
         ),
-        ({"prompt_token_ids": [5], "sampling": SamplingParams(top_p=1.5)}, CODE.INVALID_ARGUMENT),
+        ({"prompt_token_ids": [5], "sampling": generation_pb2.SamplingParams(top_p=1.5)}, CODE.INVALID_ARGUMENT),
         (
             {"prompt_token_ids": [5], "sampling": SamplingParams(max_new_tokens=5000)},
             CODE.INVALID_ARGUMENT,

@@ -49,9 +49,11 @@ def test_logprobs_and_penalty_over_grpc(stack) -> None:
 def test_out_of_range_control_is_invalid_argument(stack) -> None:
     import grpc
 
-    for params in (
-        SamplingParams(presence_penalty=3.0),
-        SamplingParams(logit_bias=((10**6, 1.0),)),
+    from specmesh.v1 import generation_pb2
+
+    for params in (  # wire messages: a SamplingParams out of range cannot be made
+        generation_pb2.SamplingParams(presence_penalty=3.0),
+        generation_pb2.SamplingParams(logit_bias={10**6: 1.0}),
     ):
         with pytest.raises(grpc.RpcError) as err:
             list(stack.client.generate(prompt_token_ids=PROMPT, sampling=params, timeout=30))

@@ -111,8 +111,8 @@ def test_validation_names_the_bad_value() -> None:
         with pytest.raises(InvalidRequestError, match=next(iter(kw))):
             SamplingParams(**kw).validate()
     with pytest.raises(InvalidRequestError, match="logit_bias"):
-        SamplingParams(logit_bias=((320, 1.0),)).validate(vocab_size=320)
-    SamplingParams(logit_bias=((319, 1.0),), logprobs=20, min_tokens=64).validate(vocab_size=320)
+        SamplingParams(logit_bias=((320, 1.0),)).check_vocab(320)
+    SamplingParams(logit_bias=((319, 1.0),), logprobs=20, min_tokens=64).check_vocab(320)
 
 
 # -- distribution under speculation -------------------------------------------------------------
