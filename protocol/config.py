@@ -42,7 +42,9 @@ class TargetConfig:
     max_requests: int = 256
     max_context: int | None = None  # None = the model's max_position_embeddings
     max_prefill_tokens: int = 8192  # chunk size of one extend
-    aux_layer_ids: tuple[int, ...] | None = None  # None = [2, L//2, L-3]
+    # None: resolved in the handshake, only for a draft that reads aux states ([2, L//2, L-3]
+    # unless the draft names its own).
+    aux_layer_ids: tuple[int, ...] | None = None
     aux_convention: str = "input"
     cuda_graph: bool = True  # decode / verify in CUDA graphs (CUDA + triton/flashinfer only)
     cuda_graph_max_bs: int = 32  # largest captured batch; bigger batches run eagerly
