@@ -7,6 +7,7 @@ ARG EXTRAS=""
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
 WORKDIR /app
 COPY pyproject.toml README.md ./
+COPY specmesh specmesh
 COPY cli cli
 COPY protocol protocol
 COPY runtime runtime

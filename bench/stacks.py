@@ -6,18 +6,20 @@ starts them) reached through the router's public address.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from specmesh.bench.runners import ClusterBackend, RouterBackend
 from specmesh.defaults import ModelChoice
-from specmesh.draft_service.drafter import SpecParams
-from specmesh.draft_service.runtime import DraftConfig, load_draft
+from specmesh.draft_service.runtime import load_draft
+from specmesh.protocol.config import DraftConfig, SpecParams, TargetConfig
 from specmesh.router.in_process import InProcessDraft, InProcessTarget
-from specmesh.runtime.tokenizer import load_tokenizer
-from specmesh.target_service.runtime import TargetConfig, TargetRuntime
+from specmesh.router.tokenizer import load_tokenizer
+from specmesh.target_service.runtime import TargetRuntime
 
 READY_TIMEOUT_S = 600.0
+# (children, kind, flags) -> address: starts one service and appends its `Child` to children
+Spawn = Callable[[list, str, list[str]], str]
 TARGET_ONLY = ("tensor_parallel_size",)  # runtime settings the draft does not take
 
 
@@ -71,11 +73,14 @@ async def local_deployment(
     runtime: dict[str, Any],
     speculation: str = "always",
     router_args: Sequence[str] = (),
+    spawn: Spawn | None = None,
 ) -> AsyncIterator[ClusterBackend]:
     """Start target, draft and router processes on loopback ports; yield the router's public
     address as a backend. Each model service gets half the cores, the router one thread and
-    ``router_args`` besides."""
+    ``router_args`` besides. ``spawn`` starts each (default `specmesh.cluster.spawn_service`)."""
     from specmesh.cluster import model_threads, spawn_service, stop_all, wait_ready
+
+    spawn = spawn or spawn_service
 
     if models.draft_kind is None:
         raise ValueError("the gRPC benchmark needs a draft (--draft-kind)")
@@ -85,7 +90,7 @@ async def local_deployment(
     target_args, service_args = flags(runtime), flags(draft_runtime(runtime))
     try:
         tree_sizes = ["--cuda-graph-tree-sizes", str(spec.num_draft_tokens)]
-        target_addr = spawn_service(
+        target_addr = spawn(
             children, "target", ["--model", models.target, *tree_sizes, *threads, *target_args]
         )
         draft_flags = [
@@ -94,10 +99,10 @@ async def local_deployment(
             "--num-steps", str(spec.num_steps), "--topk", str(spec.topk),
             "--num-draft-tokens", str(spec.num_draft_tokens), *threads, *service_args,
         ]  # fmt: skip
-        draft_addr = spawn_service(children, "draft", draft_flags)
+        draft_addr = spawn(children, "draft", draft_flags)
         router_flags = ["--target", target_addr, "--draft", draft_addr, "--threads", "1",
                         "--speculation", speculation, *router_args]  # fmt: skip
-        router_addr = spawn_service(children, "router", router_flags)
+        router_addr = spawn(children, "router", router_flags)
         wait_ready(children, READY_TIMEOUT_S)
         yield ClusterBackend(router_addr, spec)
     finally:

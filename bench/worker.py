@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from specmesh.bench.runners import RunSpec
+from specmesh.protocol.config import SpecParams
 
 
 @dataclass(frozen=True)
@@ -35,13 +36,18 @@ class Job:
     threads: int  # torch threads of this process
     prompts: list[list[int]]
     pad_token_id: int
+    # The draft service a plain cluster run starts anyway (kind, its speculation parameters):
+    # the run's requests disable speculation, so it stands idle (`bench.hop`).
+    idle_draft: tuple[str, SpecParams] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "run": self.run.to_json()}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Job:
-        return cls(**{**data, "run": RunSpec.from_json(data["run"])})
+        idle = data.get("idle_draft")
+        idle_draft = (idle[0], SpecParams(**idle[1])) if idle else None
+        return cls(**{**data, "run": RunSpec.from_json(data["run"]), "idle_draft": idle_draft})
 
 
 def run_job(job: Job) -> dict[str, Any]:
@@ -67,9 +73,9 @@ async def _run_router_side(job: Job) -> dict[str, Any]:
     models = ModelChoice(job.target, job.draft, run.draft_kind)
     runtime = {**job.runtime, "dtype": run.dtype}
     if run.backend == "cluster":
-        if run.spec is None:
-            raise ValueError("the cluster side runs with its draft")
-        async with local_deployment(models, run.spec, runtime, run.speculation) as cluster:
+        kind, spec = _cluster_draft(job)
+        models = dataclasses.replace(models, draft_kind=kind)
+        async with local_deployment(models, spec, runtime, run.speculation) as cluster:
             return await cluster.run(run, job.prompts)
     if run.backend.startswith("engine:"):
         runtime = engine_runtime(runtime, run.backend.removeprefix("engine:"))
@@ -77,6 +83,16 @@ async def _run_router_side(job: Job) -> dict[str, Any]:
         raise ValueError(f"the worker runs no {run.backend!r} side")
     specs = (run.spec,) if run.spec else ()
     return await inprocess_backend(models, runtime, specs, name=run.backend).run(run, job.prompts)
+
+
+def _cluster_draft(job: Job) -> tuple[str, SpecParams]:
+    """The draft service a cluster run starts: the run's own, or a plain run's idle one."""
+    run = job.run
+    if run.spec is not None and run.draft_kind is not None:
+        return run.draft_kind, run.spec
+    if job.idle_draft is None:
+        raise ValueError("the cluster side runs with its draft (a plain run names an idle one)")
+    return job.idle_draft
 
 
 def main(argv: list[str] | None = None) -> int:

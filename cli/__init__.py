@@ -1,3 +1,2 @@
-"""specmesh: speculative-decoding LLM serving as gRPC microservices."""
-
-__version__ = "0.1.0"
+"""The ``specmesh`` command line: one module per subcommand (`main` dispatches lazily, so a
+command loads only what it runs; ``specmesh router`` and ``specmesh health`` load no torch)."""

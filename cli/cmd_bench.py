@@ -16,7 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from specmesh.cmd_generate import add_model_args
+from specmesh.cli.cmd_generate import add_model_args
 
 # Full run / --quick defaults for the flags left unset.
 FULL = {
@@ -220,7 +220,7 @@ def _gguf_default(target: str) -> Path:
 
 
 def _names(text: str) -> tuple[str, ...]:
-    from specmesh.serve_args import BACKENDS
+    from specmesh.cli.serve_args import BACKENDS
 
     names = _words(text)
     unknown = [n for n in names if n not in BACKENDS]

@@ -139,12 +139,7 @@ def parse_prompt(args: argparse.Namespace) -> str | list[int]:
 def run(args: argparse.Namespace) -> int:
     if not args.router and (args.api_key or tls_from_args(args)):
         raise ValueError("--api-key and --tls-* flags need --router")
-    if args.router:
-        from specmesh.client import generate_via_router
-
-        result = generate_via_router(args)
-    else:
-        result = generate_in_process(args)
+    result = generate_via_router(args) if args.router else generate_in_process(args)
     print(json.dumps(result) if args.json else result["text"])
     return 0 if result["finish_reason"] != "abort" else 1
 
@@ -207,3 +202,43 @@ def result_dict(
         "completion_tokens": len(token_ids),
         "num_draft_tokens": num_draft_tokens,
     }
+
+
+def generate_via_router(args: argparse.Namespace) -> dict[str, Any]:
+    """``specmesh generate --router HOST:PORT``: the same ``--json`` dict as in process."""
+    import grpc
+
+    from specmesh.client import GenerationClient
+    from specmesh.rpc.security import api_key_from_args
+    from specmesh.v1 import generation_pb2
+
+    prompt = parse_prompt(args)
+    images = [open(f, "rb").read() for f in args.image]  # noqa: SIM115
+    kw = {"prompt_token_ids": prompt} if isinstance(prompt, list) else {"prompt": prompt}
+    token_ids: list[int] = []
+    text, finish, stats = "", "abort", generation_pb2.RequestStats()
+    client = GenerationClient(args.router, api_key=api_key_from_args(args), tls=tls_from_args(args))
+    with client:
+        try:
+            for response in client.generate(
+                **kw,
+                sampling=sampling_from_args(args),
+                disable_speculation=args.disable_speculation,
+                images=images,
+                timeout=args.timeout,
+            ):
+                token_ids += response.token_ids
+                text += response.text
+                if response.finish_reason:
+                    finish, stats = response.finish_reason, response.stats
+        except grpc.RpcError as e:
+            raise SystemExit(f"specmesh generate: {e.code().name}: {e.details()}") from None
+    if not args.json:
+        print(
+            f"[{finish}, {len(token_ids)} tokens, mean accept {stats.mean_accept_len:.2f}]",
+            file=sys.stderr,
+        )
+    accept_lens = list(stats.accept_lens)
+    return result_dict(
+        token_ids, text, finish, accept_lens, stats.prompt_tokens, stats.num_draft_tokens
+    )

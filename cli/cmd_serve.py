@@ -10,13 +10,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from specmesh.cmd_generate import add_spec_args
-from specmesh.protocol.config import DRAFT_KINDS, DraftConfig, TargetConfig
-from specmesh.router.core import RouterConfig
-from specmesh.router.limits import RouterLimits
-from specmesh.rpc.metrics import add_metrics_port_arg
-from specmesh.rpc.security import add_api_key_arg, add_tls_args, api_key_from_args, tls_from_args
-from specmesh.serve_args import (
+from specmesh.cli.cmd_generate import add_spec_args
+from specmesh.cli.serve_args import (
     HTTP_PORT,
     IMAGE_LIMITS,
     PORTS,
@@ -31,6 +26,11 @@ from specmesh.serve_args import (
     config_default,
     int_list,
 )
+from specmesh.protocol.config import DRAFT_KINDS, DraftConfig, TargetConfig
+from specmesh.router.core import RouterConfig
+from specmesh.router.limits import RouterLimits
+from specmesh.rpc.metrics import add_metrics_port_arg
+from specmesh.rpc.security import add_api_key_arg, add_tls_args, api_key_from_args, tls_from_args
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -9,15 +9,15 @@ import sys
 
 # subcommand -> module (relative to the `specmesh` package) that defines add_parser(sub) / run(args)
 COMMANDS = {
-    "generate": "specmesh.cmd_generate",
-    "make-tiny": "specmesh.cmd_models",
-    "make-demo": "specmesh.cmd_models",
-    "target": "specmesh.cmd_serve",
-    "draft": "specmesh.cmd_serve",
-    "router": "specmesh.cmd_serve",
-    "up": "specmesh.cmd_serve",
-    "health": "specmesh.cmd_health",
-    "bench": "specmesh.cmd_bench",
+    "generate": "specmesh.cli.cmd_generate",
+    "make-tiny": "specmesh.cli.cmd_models",
+    "make-demo": "specmesh.cli.cmd_models",
+    "target": "specmesh.cli.cmd_serve",
+    "draft": "specmesh.cli.cmd_serve",
+    "router": "specmesh.cli.cmd_serve",
+    "up": "specmesh.cli.cmd_serve",
+    "health": "specmesh.cli.cmd_health",
+    "bench": "specmesh.cli.cmd_bench",
 }
 
 

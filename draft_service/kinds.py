@@ -12,7 +12,7 @@ from specmesh.protocol.features import Feature, FeatureSpec
 from specmesh.runtime.attention.torch_backend import make_backend
 from specmesh.runtime.config import parse_dtype
 from specmesh.runtime.kv_cache import KVCache
-from specmesh.target_service.llava import language_model_tensors, target_model_config
+from specmesh.runtime.llava_checkpoint import language_model_tensors, target_model_config
 
 
 def target_embedding(cfg: DraftConfig, target_model: torch.nn.Module | None) -> torch.nn.Embedding:

@@ -178,7 +178,7 @@ def load_draft(cfg: DraftConfig, target_model: torch.nn.Module | None = None) ->
     """Build the drafter for ``cfg.kind``. ``target_model`` (in-process) shares the target's
     embedding and head; otherwise they are read from ``cfg.target_dir``."""
     from specmesh.draft_service import kinds
-    from specmesh.target_service.llava import target_model_config
+    from specmesh.runtime.llava_checkpoint import target_model_config
 
     if cfg.kind not in DRAFT_KINDS:
         raise ValueError(f"unknown draft kind {cfg.kind!r}; choose from {', '.join(DRAFT_KINDS)}")

@@ -1,5 +1,5 @@
 """The services' configuration, frozen and torch-free: the CLI reads its flags' defaults from
-these fields (`specmesh.serve_args`) without loading a model stack, and each runtime is built
+these fields (`specmesh.cli.serve_args`) without loading a model stack, and each runtime is built
 from one."""
 
 from __future__ import annotations

@@ -82,7 +82,7 @@ def make_tiny_llava_eagle3(
 ) -> Path:
     """A random EAGLE-3 draft over the LLaVA's language model (its ``text_config`` dims);
     ``aux_layer_ids`` as in `make_tiny_eagle3`."""
-    from specmesh.target_service.llava import text_model_config
+    from specmesh.runtime.llava_checkpoint import text_model_config
 
     raw = json.loads((Path(llava_dir) / "config.json").read_text())
     text = dict(raw["text_config"])

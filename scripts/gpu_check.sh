@@ -36,7 +36,7 @@ if compgen -G "$WHEELS/*.whl" >/dev/null; then
     --target /tmp/specmesh-site "$WHEELS"/*.whl || exit 1
   export PYTHONPATH=/tmp/specmesh-site${PYTHONPATH:+:$PYTHONPATH}
 fi
-"$PY" -c "import specmesh.main" 2>/dev/null \
+"$PY" -c "import specmesh.cli.main" 2>/dev/null \
   || "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 1
 
 phase() {  # phase NAME DEFAULT_TIMEOUT COMMAND: run it if asked, log to OUT/NAME.log
@@ -137,7 +137,7 @@ train() {  # step 5: the GPU preset of the demo pair, then both pairs on the sam
   local - dir=${SPECMESH_TRAIN_DIR:-/tmp/specmesh-demo-gpu}
   set -o pipefail
   # The tokenizer encodes in parallel: undo the export above for this phase.
-  TOKENIZERS_PARALLELISM=true "$PY" -m specmesh.main make-demo "$dir" --preset gpu \
+  TOKENIZERS_PARALLELISM=true "$PY" -m specmesh.cli.main make-demo "$dir" --preset gpu \
     --device cuda --time-budget "${SPECMESH_TRAIN_BUDGET:-450}" | tr '\r' '\n' || return 1
   "$PY" -m specmesh.demo.compare models/demo "$dir" --device cuda \
     --out "$JSON/demo-compare.json" || return 1

@@ -37,6 +37,7 @@ from specmesh.runtime.attention.torch_backend import make_backend
 from specmesh.runtime.config import parse_dtype, resolve_max_context
 from specmesh.runtime.graph_runner import graphs_enabled
 from specmesh.runtime.kv_cache import KVCache
+from specmesh.runtime.llava_checkpoint import is_llava_checkpoint
 from specmesh.runtime.models.causal_lm import CausalLM, ModelOutput, load_causal_lm
 from specmesh.runtime.sampling import (
     TokenHistory,
@@ -45,7 +46,7 @@ from specmesh.runtime.sampling import (
 )
 from specmesh.target_service.batching import extend_chunked, pick_logprobs, run_isolated
 from specmesh.target_service.graphs import TargetGraphs
-from specmesh.target_service.llava import ImageEncoder, is_llava_checkpoint, load_llava
+from specmesh.target_service.llava import ImageEncoder, load_llava
 from specmesh.target_service.multimodal import merge_images
 from specmesh.target_service.prefill_pieces import PartialPrefills
 from specmesh.target_service.state import TargetRequest

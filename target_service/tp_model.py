@@ -23,11 +23,11 @@ from torch import nn
 from specmesh.protocol.features import AuxLayers
 from specmesh.runtime.attention.base import AttentionBackend
 from specmesh.runtime.config import ModelConfig, load_model_config
+from specmesh.runtime.llava_checkpoint import is_llava_checkpoint
 from specmesh.runtime.loader import load_tensors
 from specmesh.runtime.models.causal_lm import CausalLM, ModelOutput, load_causal_lm
 from specmesh.runtime.models.layers import KVPair
 from specmesh.runtime.parallel import check_tensor_parallel, new_group, rank_devices
-from specmesh.target_service.llava import is_llava_checkpoint
 from specmesh.target_service.tp_workers import RankSpec, WorkerGroup, free_port
 
 if TYPE_CHECKING:

@@ -16,9 +16,9 @@ from specmesh.client import GenerationClient
 from specmesh.protocol.features import AuxLayers
 from specmesh.protocol.sampling import SamplingParams
 from specmesh.runtime.config import load_model_config
+from specmesh.runtime.llava_checkpoint import target_model_config
 from specmesh.runtime.tiny import make_tiny_eagle3, make_tiny_target
 from specmesh.runtime.tiny_llava import make_tiny_llava, make_tiny_llava_eagle3, tiny_image
-from specmesh.target_service.llava import target_model_config
 from specmesh.v1 import generation_pb2, target_pb2_grpc
 
 pytestmark = pytest.mark.slow

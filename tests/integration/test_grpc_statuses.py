@@ -38,7 +38,10 @@ CODE = grpc.StatusCode
             {"prompt_token_ids": [5], "sampling": generation_pb2.SamplingParams(temperature=-1.0)},
             CODE.INVALID_ARGUMENT,
         ),
-        ({"prompt_token_ids": [5], "sampling": generation_pb2.SamplingParams(top_p=1.5)}, CODE.INVALID_ARGUMENT),
+        (
+            {"prompt_token_ids": [5], "sampling": generation_pb2.SamplingParams(top_p=1.5)},
+            CODE.INVALID_ARGUMENT,
+        ),
         (
             {"prompt_token_ids": [5], "sampling": SamplingParams(max_new_tokens=5000)},
             CODE.INVALID_ARGUMENT,

@@ -24,8 +24,8 @@ from specmesh.bench.metrics import (
 from specmesh.bench.probes import CallLog
 from specmesh.bench.runners import RunSpec
 from specmesh.bench.suite import BenchSettings, Side, comparisons, interleave, plan
+from specmesh.cli.main import main
 from specmesh.defaults import ModelChoice
-from specmesh.main import main
 from specmesh.protocol.config import SpecParams
 
 

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 from conftest import assert_speculated
 
-from specmesh.main import main
+from specmesh.cli.main import main
 
 
 def _generate(capsys: pytest.CaptureFixture, *args: str) -> dict:

@@ -13,13 +13,13 @@ import torch
 from safetensors import safe_open
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from specmesh.cli.main import build_parser
 from specmesh.demo import DemoReport, make_demo
 from specmesh.demo import compare as demo_compare
 from specmesh.demo.config import FULL, QUICK
 from specmesh.demo.corpus import is_heldout, list_py_files
 from specmesh.demo.draft_train import aux_hidden_indices, aux_layer_ids
 from specmesh.demo.eagle3 import DraftShape, Eagle3Draft, load_draft
-from specmesh.main import build_parser
 
 REPO = Path(__file__).resolve().parents[2]
 

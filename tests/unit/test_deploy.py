@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from specmesh.cli.main import build_parser
 from specmesh.draft_service.server import SERVICE_NAME as DRAFT_SERVICE
-from specmesh.main import build_parser
 from specmesh.router.server import SERVICE_NAME as ROUTER_SERVICE
 from specmesh.rpc.security import API_KEY_ENV, TLS_FLAGS
 from specmesh.target_service.server import SERVICE_NAME as TARGET_SERVICE

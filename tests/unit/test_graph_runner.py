@@ -285,7 +285,7 @@ def test_every_draft_kind_proposes_the_same_through_step_runners(tmp_path: Path,
 def test_disable_cuda_graph_flags() -> None:
     import argparse
 
-    from specmesh import cmd_generate, cmd_serve
+    from specmesh.cli import cmd_generate, cmd_serve
 
     p = argparse.ArgumentParser()
     sub = p.add_subparsers()

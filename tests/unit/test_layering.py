@@ -20,17 +20,35 @@ def _packages() -> dict[str, Path]:
 
 
 def _edges() -> dict[str, set[str]]:
-    """Module-level imports between packages (imports inside functions are lazy by design)."""
+    """Imports between packages, lazy ones (inside functions) included: a lazy import still
+    couples two packages. Imports under ``if TYPE_CHECKING:`` are types only and do not count."""
     packages = _packages()
     edges: dict[str, set[str]] = {name: set() for name in packages}
     for name, folder in packages.items():
         for path in folder.rglob("*.py"):
-            for node in ast.parse(path.read_text()).body:
-                if isinstance(node, ast.ImportFrom) and node.module:
-                    target = ".".join(node.module.split(".")[:2])
-                    if target in packages and target != name:
-                        edges[name].add(target)
+            for module in _imported(ast.parse(path.read_text())):
+                target = ".".join(module.split(".")[:2])
+                if target in packages and target != name:
+                    edges[name].add(target)
     return edges
+
+
+def _imported(tree: ast.AST) -> list[str]:
+    typing_only = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for n in ast.walk(node)
+    }
+    names = []
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.append(node.module)
+        elif isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+    return names
 
 
 def test_no_import_cycles_between_packages() -> None:
@@ -50,12 +68,17 @@ def test_no_import_cycles_between_packages() -> None:
         visit(name)
 
 
+def test_only_the_entry_point_imports_the_command_line() -> None:
+    """`specmesh.cli` is a leaf: libraries (bench, router, ...) never import it."""
+    assert not [name for name, targets in _edges().items() if "specmesh.cli" in targets]
+
+
 def test_grpc_router_imports_no_torch_and_no_service_package() -> None:
     """A router process (its CLI path, its gRPC server and clients) loads only `protocol`, `rpc`
     and the router: no torch, no transformers, no runtime, kernels or model service."""
     code = (
         "import sys\n"
-        "from specmesh.main import build_parser\n"
+        "from specmesh.cli.main import build_parser\n"
         "build_parser('router').parse_args(['router', '--target', 'a:1', '--draft', 'b:2'])\n"
         "import specmesh.router.server, specmesh.router.grpc_clients\n"
         "heavy = ('torch', 'transformers', 'specmesh.runtime', 'specmesh.target_service',\n"
@@ -70,7 +93,7 @@ def test_health_probe_imports_no_torch() -> None:
     """``specmesh health`` is what Kubernetes and compose run as an exec probe, every few seconds."""
     code = (
         "import sys\n"
-        "from specmesh.main import build_parser\n"
+        "from specmesh.cli.main import build_parser\n"
         "args = build_parser('health').parse_args(['health', '127.0.0.1:1'])\n"
         "args.run(args)\n"
         "print('torch' in sys.modules)\n"

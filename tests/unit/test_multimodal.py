@@ -246,7 +246,7 @@ def test_llava_tensor_layouts_load_the_same_model(
 
     from safetensors.torch import load_file, save_file
 
-    from specmesh.target_service.llava import language_model_tensors, target_model_config
+    from specmesh.runtime.llava_checkpoint import language_model_tensors, target_model_config
 
     src = llava / "target"
     shutil.copytree(src, tmp_path / "ckpt")

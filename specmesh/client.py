@@ -1,4 +1,4 @@
-"""A small typed client for the router's public API, and ``specmesh generate --router``.
+"""A small typed client for the router's public API.
 
     from specmesh.client import GenerationClient
     from specmesh.protocol.sampling import SamplingParams
@@ -19,15 +19,10 @@ request on the router. Errors raise ``grpc.RpcError`` with the router's status.
 
 from __future__ import annotations
 
-import argparse
-import sys
 from collections.abc import Sequence
-from typing import Any
-
-import grpc
 
 from specmesh.protocol.sampling import SamplingParams
-from specmesh.rpc.security import TlsFiles, api_key_from_args, client_channel, tls_from_args
+from specmesh.rpc.security import TlsFiles, client_channel
 from specmesh.rpc.service_common import channel_options
 from specmesh.rpc.wire import sampling_to_pb
 from specmesh.v1 import generation_pb2, generation_pb2_grpc
@@ -75,39 +70,3 @@ class GenerationClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def generate_via_router(args: argparse.Namespace) -> dict[str, Any]:
-    """``specmesh generate --router HOST:PORT``: the same ``--json`` dict as in process."""
-    from specmesh.cmd_generate import parse_prompt, result_dict, sampling_from_args
-
-    prompt = parse_prompt(args)
-    images = [open(f, "rb").read() for f in args.image]  # noqa: SIM115
-    kw = {"prompt_token_ids": prompt} if isinstance(prompt, list) else {"prompt": prompt}
-    token_ids: list[int] = []
-    text, finish, stats = "", "abort", generation_pb2.RequestStats()
-    client = GenerationClient(args.router, api_key=api_key_from_args(args), tls=tls_from_args(args))
-    with client:
-        try:
-            for response in client.generate(
-                **kw,
-                sampling=sampling_from_args(args),
-                disable_speculation=args.disable_speculation,
-                images=images,
-                timeout=args.timeout,
-            ):
-                token_ids += response.token_ids
-                text += response.text
-                if response.finish_reason:
-                    finish, stats = response.finish_reason, response.stats
-        except grpc.RpcError as e:
-            raise SystemExit(f"specmesh generate: {e.code().name}: {e.details()}") from None
-    if not args.json:
-        print(
-            f"[{finish}, {len(token_ids)} tokens, mean accept {stats.mean_accept_len:.2f}]",
-            file=sys.stderr,
-        )
-    accept_lens = list(stats.accept_lens)
-    return result_dict(
-        token_ids, text, finish, accept_lens, stats.prompt_tokens, stats.num_draft_tokens
-    )

@@ -1,0 +1,347 @@
+"""What the gRPC hop costs, as pure system cost: a near-free model (Llama, 4 layers, 64 wide,
+and a random EAGLE-3 head) served in process and as a cluster, batch 1.
+
+    python -m specmesh.bench.hop [--out DIR] [--repeats 3] [--profile]
+
+Four configurations, each (configuration, repeat) in a fresh `bench.worker` process, repeats
+interleaved (A1 B1 C1 D1 A2 ...): in process plain, cluster plain, in process EAGLE-3, cluster
+EAGLE-3 (`--speculation always`: every round drafts and verifies the full tree; acceptance does
+not matter). The cluster is `bench.stacks.local_deployment`: target, draft and router processes
+on loopback; its plain run keeps the draft service up, idle (the requests disable speculation).
+Requests run one at a time, greedy, ``PROMPT_LEN`` prompt tokens, ``MAX_NEW_TOKENS`` new ones.
+
+A round is one streamed chunk after the first (prefill's) token: a decode step, or one draft +
+verify. ms/round = (last chunk - first chunk) / rounds, over a run's requests.
+
+``--profile`` then runs the cluster once more per mode with each service under `cProfile`
+(`ServiceProfile`: every Python thread, merged), profiling exactly one run of requests (after
+a warm-up one), and prints each process's top functions by cumulative time, with their time
+per round. Writes ``OUT/hop.json`` and ``OUT/profile/<mode>-<service>.prof``; the models go to
+``OUT/models`` (built once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import cProfile
+import io
+import os
+import pstats
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from specmesh.bench.metrics import aggregate, ratio_spread, spread
+from specmesh.bench.report import write_json
+from specmesh.bench.runners import RunSpec
+from specmesh.bench.session import cpu_model
+from specmesh.bench.spawn import run_worker
+from specmesh.bench.suite import interleave
+from specmesh.bench.worker import Job
+from specmesh.defaults import ModelChoice
+from specmesh.protocol.config import SpecParams
+
+SPEC = SpecParams(num_steps=3, topk=2, num_draft_tokens=4)
+DRAFT_KIND, DTYPE, WORKLOAD = "eagle3", "fp32", "code"
+PROMPT_LEN, MAX_NEW_TOKENS, NUM_REQUESTS = 32, 64, 8
+TARGET_DIMS = {"num_hidden_layers": 4, "hidden_size": 64, "intermediate_size": 128}
+# SpecForge "output" numbering; the default [1, L/2 - 1, L - 4] is [1, 1, 0] at 4 layers
+AUX_LAYER_IDS = (0, 1, 2)
+WORKER = [sys.executable, "-m", "specmesh.bench.worker"]
+WORKER_TIMEOUT_S = 900.0
+PROFILE_FLAG, TOP_FUNCTIONS = "--profile-service", 15
+SIGNAL_SETTLE_S = 0.5  # for the services to handle a profile signal
+
+
+def build_models(root: Path) -> ModelChoice:
+    """The near-free target and its EAGLE-3 head under ``root`` (written once)."""
+    from specmesh.runtime.tiny import make_tiny_eagle3, make_tiny_target
+
+    target, draft = root / "target", root / DRAFT_KIND
+    if not (target / "config.json").exists():
+        make_tiny_target(target, **TARGET_DIMS)
+    if not (draft / "config.json").exists():
+        make_tiny_eagle3(draft, target, aux_layer_ids=AUX_LAYER_IDS)
+    return ModelChoice(str(target), str(draft), DRAFT_KIND)
+
+
+def plan(num_requests: int) -> list[RunSpec]:
+    """In process and cluster back to back, plain then EAGLE-3."""
+
+    def run(backend: str, spec: SpecParams | None) -> RunSpec:
+        kind = DRAFT_KIND if spec else None
+        return RunSpec(backend, WORKLOAD, 1, 0.0, spec, MAX_NEW_TOKENS, num_requests, DTYPE, kind)
+
+    return [run(backend, spec) for spec in (None, SPEC) for backend in ("inprocess", "cluster")]
+
+
+def label(res: dict[str, Any]) -> str:
+    """``<backend> <mode>`` of a worker's result."""
+    return f"{res['backend']} {DRAFT_KIND if res['speculative'] else 'plain'}"
+
+
+def num_rounds(res: dict[str, Any]) -> int:
+    """Rounds of a run: its verify rounds, or (plain) its tokens after each request's first."""
+    return res["num_rounds"] if res["speculative"] else res["generated_tokens"] - res["num_requests"]  # fmt: skip
+
+
+def ms_per_round(res: dict[str, Any]) -> float:
+    """Decode time (first chunk to last, summed over requests) per round."""
+    decode_s = res["tpot_s_mean"] * (res["generated_tokens"] - res["num_requests"])
+    return 1e3 * decode_s / num_rounds(res)
+
+
+def measure(models: ModelChoice, threads: int, repeats: int, num_requests: int) -> list[dict]:
+    """Every (configuration, repeat) in its own worker process; one aggregated entry each."""
+    from specmesh.bench.workloads import load_workload
+    from specmesh.router.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(models.target)
+    prompts = load_workload(WORKLOAD, tokenizer, num_requests, PROMPT_LEN).prompts
+    pad = tokenizer.pad_token_id or 0
+    by_label: dict[str, list[dict[str, Any]]] = {}
+    order = interleave(plan(num_requests), repeats)
+    for i, (repeat, run) in enumerate(order):
+        job = Job(run, models.target, models.draft, {}, threads, prompts, pad, (DRAFT_KIND, SPEC))
+        res = run_worker(WORKER, job.to_json(), threads, WORKER_TIMEOUT_S)
+        res |= {"repeat": repeat, "ms_per_round": ms_per_round(res)}
+        by_label.setdefault(label(res), []).append(res)
+        print(f"[hop {i + 1}/{len(order)}] {label(res)}: {res['tokens_per_s']:.1f} tok/s, "
+              f"{res['ms_per_round']:.2f} ms/round", file=sys.stderr, flush=True)  # fmt: skip
+    return [_config(runs) for runs in by_label.values()]
+
+
+def _config(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    ms = [r["ms_per_round"] for r in runs]
+    return aggregate(runs) | {"label": label(runs[0]), "ms_per_round": spread(ms), "ms_per_round_runs": ms}  # fmt: skip
+
+
+def compare(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per mode: cluster / in process tokens/s, and the milliseconds per round the hop adds."""
+    by_label = {c["label"]: c for c in configs}
+    out = []
+    for mode in ("plain", DRAFT_KIND):
+        cluster, local = by_label[f"cluster {mode}"], by_label[f"inprocess {mode}"]
+        extra = [a - b for a, b in zip(cluster["ms_per_round_runs"], local["ms_per_round_runs"], strict=True)]  # fmt: skip
+        median_extra = cluster["ms_per_round"]["median"] - local["ms_per_round"]["median"]
+        ratio = ratio_spread(cluster["tokens_per_s_runs"], local["tokens_per_s_runs"])
+        out.append({"mode": mode, **ratio, "extra_ms_per_round": median_extra,
+                    "extra_ms_per_round_min": min(extra), "extra_ms_per_round_max": max(extra)})  # fmt: skip
+    return out
+
+
+def format_tables(configs: list[dict[str, Any]], comparisons: list[dict[str, Any]]) -> str:
+    """Markdown: per configuration, then per mode (the hop)."""
+    head = "| configuration | tok/s median (min - max) | ms/round median (min - max) | tokens/round | TTFT ms |"  # fmt: skip
+    lines = [head, "|---|---|---|---|---|"]
+    for c in configs:
+        ms = c["ms_per_round"]
+        lines.append(
+            f"| {c['label']} | {c['tokens_per_s']:.1f} ({c['tokens_per_s_min']:.1f} - "
+            f"{c['tokens_per_s_max']:.1f}) | {ms['median']:.2f} ({ms['min']:.2f} - {ms['max']:.2f})"
+            f" | {c['mean_accept_len']:.2f} | {1e3 * c['ttft_s_mean']:.1f} |"
+        )
+    lines += ["", "| mode | cluster / in process, tok/s (min - max) | hop ms/round (min - max) |"]
+    lines.append("|---|---|---|")
+    for c in comparisons:
+        lines.append(
+            f"| {c['mode']} | {c['ratio']:.2f} ({c['ratio_min']:.2f} - {c['ratio_max']:.2f}) | "
+            f"{c['extra_ms_per_round']:+.2f} ({c['extra_ms_per_round_min']:.2f} - "
+            f"{c['extra_ms_per_round_max']:.2f}) |"
+        )
+    return "\n".join(lines)
+
+
+# -- --profile ----------------------------------------------------------------------------------
+
+
+class ServiceProfile:
+    """Every Python thread of this process under its own `cProfile` profiler (the model step
+    runs on a service's worker thread, not the event loop's). SIGUSR1 forgets what they saw so
+    far (the window opens); SIGUSR2, or the end of the process, writes their merged stats."""
+
+    def __init__(self, out_file: str) -> None:
+        self.out_file, self.written = out_file, False
+        self.profilers = [cProfile.Profile()]
+        threading.setprofile(self._start_thread)
+        signal.signal(signal.SIGUSR1, lambda *_: [p.clear() for p in self.profilers])
+        signal.signal(signal.SIGUSR2, lambda *_: self.write())
+        self.profilers[0].enable()
+
+    def _start_thread(self, *_: object) -> None:  # a new thread's first profile event
+        self.profilers.append(profiler := cProfile.Profile())
+        profiler.enable()
+
+    def write(self) -> None:
+        if self.written:
+            return
+        self.written = True
+        merged = pstats.Stats()
+        for profiler in self.profilers:
+            with contextlib.suppress(TypeError):  # a thread that ran nothing in the window
+                merged.add(profiler)
+        merged.dump_stats(self.out_file)
+
+
+def profile_service(out_file: str, argv: list[str]) -> int:
+    """``specmesh ARGV`` (a service) under `ServiceProfile`: the command's entry point run as a
+    program (``python -m specmesh``), as a service process runs it."""
+    import runpy
+
+    profile = ServiceProfile(out_file)
+    sys.argv = ["specmesh", *argv]
+    try:
+        runpy.run_module("specmesh", run_name="__main__", alter_sys=True)
+    except SystemExit as done:
+        return int(done.code or 0)
+    finally:
+        profile.write()
+    return 0
+
+
+@dataclass
+class ProfiledSpawn:
+    """A `bench.stacks.Spawn` that starts each service under `profile_service`."""
+
+    prof_dir: Path
+    tag: str
+    started: dict[str, tuple[subprocess.Popen, Path]] = field(default_factory=dict)
+
+    def __call__(self, children: list, kind: str, flags: list[str]) -> str:
+        from specmesh.cluster import LOOPBACK, Child, free_port
+
+        port, out = free_port(), self.prof_dir / f"{self.tag}-{kind}.prof"
+        service = [kind, "--host", LOOPBACK, "--port", str(port), *flags]
+        proc = subprocess.Popen([sys.executable, "-m", "specmesh.bench.hop", PROFILE_FLAG, str(out), *service])  # fmt: skip
+        children.append(Child(kind, f"{LOOPBACK}:{port}", proc))
+        self.started[kind] = (proc, out)
+        return f"{LOOPBACK}:{port}"
+
+    async def send_signal(self, signum: int) -> None:
+        for proc, _ in self.started.values():
+            proc.send_signal(signum)
+        await asyncio.sleep(SIGNAL_SETTLE_S)
+
+    def profiles(self) -> dict[str, Path]:
+        """service -> its profile, once every service has stopped (SIGTERM: a clean exit)."""
+        bad = {k: p.returncode for k, (p, out) in self.started.items() if p.returncode or not out.exists()}  # fmt: skip
+        if bad:
+            raise RuntimeError(f"services exited uncleanly or wrote no profile: {bad}")
+        return {kind: out for kind, (_, out) in self.started.items()}
+
+
+async def _profiled_run(models: ModelChoice, run: RunSpec, spawn: ProfiledSpawn) -> dict:
+    """One warm-up request, then ``run`` inside the profiles' window."""
+    from specmesh.bench.stacks import local_deployment
+    from specmesh.bench.workloads import load_workload
+    from specmesh.router.tokenizer import load_tokenizer
+
+    prompts = load_workload(WORKLOAD, load_tokenizer(models.target), run.num_requests, PROMPT_LEN)
+    async with local_deployment(models, SPEC, {"dtype": DTYPE}, spawn=spawn) as cluster:
+        await cluster.run(replace(run, num_requests=1), prompts.prompts)
+        await spawn.send_signal(signal.SIGUSR1)
+        res = await cluster.run(run, prompts.prompts)
+        await spawn.send_signal(signal.SIGUSR2)
+        return res
+
+
+def top_functions(path: Path, rounds: int) -> list[str]:
+    """`anatomy`, then the ``TOP_FUNCTIONS`` functions of a profile by cumulative time, with
+    their milliseconds per round."""
+    stats = pstats.Stats(str(path), stream=io.StringIO()).sort_stats("cumulative")
+    lines = [anatomy(stats, rounds), f"{'cum s':>7} {'own s':>7} {'calls':>7} {'cum ms/round':>12}  function"]  # fmt: skip
+    for func in stats.fcn_list[:TOP_FUNCTIONS]:
+        _, calls, own_s, cum_s, _ = stats.stats[func]
+        file, line, name = func
+        where = f"{Path(file).name}:{line}({name})" if line else name
+        lines.append(f"{cum_s:7.3f} {own_s:7.3f} {calls:7d} {1e3 * cum_s / rounds:12.3f}  {where}")
+    return lines
+
+
+def anatomy(stats: pstats.Stats, rounds: int) -> str:
+    """Per round: event-loop iterations, loop time busy and waiting in epoll, worker jobs."""
+
+    def calls_and_cum_s(file: str, name: str) -> tuple[int, float]:
+        hits = [v for (f, _, n), v in stats.stats.items() if f.endswith(file) and n == name]
+        return sum(v[1] for v in hits), sum(v[3] for v in hits)
+
+    loops, loop_s = calls_and_cum_s("asyncio/base_events.py", "_run_once")
+    _, wait_s = calls_and_cum_s("selectors.py", "select")
+    jobs, job_s = calls_and_cum_s("concurrent/futures/thread.py", "run")
+    ms = 1e3 / rounds
+    return (
+        f"per round: {loops / rounds:.1f} loop iterations, loop busy {ms * (loop_s - wait_s):.2f}"
+        f" ms, waiting {ms * wait_s:.2f} ms; {jobs / rounds:.2f} worker jobs, {ms * job_s:.2f} ms"
+    )
+
+
+def profile(models: ModelChoice, out: Path, num_requests: int) -> dict[str, Any]:
+    """Each cluster mode once with its services profiled; prints and returns their tops."""
+    report: dict[str, Any] = {}
+    for run in plan(num_requests)[1::2]:  # the cluster runs
+        spawn = ProfiledSpawn(out / "profile", run.mode)
+        spawn.prof_dir.mkdir(parents=True, exist_ok=True)
+        res = asyncio.run(_profiled_run(models, run, spawn))
+        rounds = num_rounds(res)
+        entry = report[run.mode] = {"rounds": rounds, "tokens_per_s": res["tokens_per_s"]}
+        for kind, path in spawn.profiles().items():
+            entry[kind] = {"profile": str(path), "top": top_functions(path, rounds)}
+            print(f"\n== cluster {run.mode}, {kind}: {rounds} rounds, {res['tokens_per_s']:.1f} "
+                  f"tok/s under the profiler ({path})", *entry[kind]["top"], sep="\n")  # fmt: skip
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == [PROFILE_FLAG]:  # a service of a --profile run (`ProfiledSpawn`)
+        return profile_service(argv[1], argv[2:])
+    parser = argparse.ArgumentParser(prog="python -m specmesh.bench.hop", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--out", help="models, hop.json, profiles (default: a new temp dir)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--num-requests", type=int, default=NUM_REQUESTS, help="per run")
+    parser.add_argument("--profile", action="store_true", help="profile the cluster services")
+    args = parser.parse_args(argv)
+    if min(args.repeats, args.num_requests) < 1:
+        parser.error("--repeats and --num-requests must be >= 1")
+    run_hop(Path(args.out or tempfile.mkdtemp(prefix="specmesh-hop-")), args)
+    return 0
+
+
+def run_hop(out: Path, args: argparse.Namespace) -> None:
+    from specmesh.cluster import model_threads
+
+    started = time.time()
+    models = build_models(out / "models")
+    threads = model_threads(2)  # what each cluster model service gets: the same in process
+    configs = measure(models, threads, args.repeats, args.num_requests)
+    comparisons = compare(configs)
+    print(format_tables(configs, comparisons))
+    results = {
+        "meta": {
+            "cpu_model": cpu_model(), "num_cpus": os.cpu_count(), "repeats": args.repeats,
+            "threads": {"inprocess": threads, "target": threads, "draft": threads, "router": 1},
+            "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+            "duration_s": time.time() - started, "target": TARGET_DIMS, "spec": asdict(SPEC),
+            "prompt_len": PROMPT_LEN, "max_new_tokens": MAX_NEW_TOKENS,
+            "num_requests": args.num_requests, "aux_layer_ids": AUX_LAYER_IDS,
+        },
+        "configs": configs,
+        "comparisons": comparisons,
+    }  # fmt: skip
+    if args.profile:
+        results["profile"] = profile(models, out, args.num_requests)
+    write_json(results, out / "hop.json")
+    print(f"\nwrote {out / 'hop.json'}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

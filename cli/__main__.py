@@ -1,5 +1,0 @@
-import sys
-
-from specmesh.main import main
-
-sys.exit(main())
