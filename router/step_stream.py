@@ -72,19 +72,33 @@ class StepStream:
 
     async def request(self, messages: list) -> list:
         batch_id = next(self.ids)
-        future = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
         self.pending[batch_id] = future
+        timer = None
+        if self.timeout_s is not None:  # a timer, not wait_for: no task or waiter per step
+            timer = loop.call_later(self.timeout_s, self._expire, future)
         try:
-            # Shielded: a caller that gives up (a draft deadline) never leaves half a batch.
-            await asyncio.shield(self._write(messages, batch_id, open_stream=True))
-            return await asyncio.wait_for(future, self.timeout_s)
+            write = self._write(messages, batch_id, open_stream=True)
+            # A caller that gives up (a draft deadline) must never leave half a batch: a batch
+            # of several chunks is written by a shielded task. One message is written whole or
+            # not at all, so it needs neither the task nor the shield.
+            await (write if len(messages) == 1 else asyncio.shield(write))
+            return await future
         except asyncio.TimeoutError:
             self._break(ServiceDownError(f"{self.peer}: no answer within {self.timeout_s:.0f} s"))
             raise ServiceDownError(f"{self.peer}: step timed out") from None
         finally:
+            if timer is not None:
+                timer.cancel()
             self.pending.pop(batch_id, None)
             if future.done() and not future.cancelled():
                 future.exception()  # mark retrieved: a failed write already raised the error
+
+    @staticmethod
+    def _expire(future: asyncio.Future) -> None:
+        if not future.done():
+            future.set_exception(asyncio.TimeoutError())
 
     async def send(self, messages: list) -> None:
         """Write a batch in order behind everything sent so far; no stream, nothing to do (the
