@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import time
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -158,6 +159,29 @@ class HandshakeInvalidError(StreamRefusedError):
     grpc_code = "INVALID_ARGUMENT"
 
 
+class InlineSteps:
+    """Whether a step may run on the event loop itself instead of the worker thread.
+
+    Handing a step to the worker and its answer back costs about 0.25 ms of thread wake-ups and
+    GIL hand-overs (bench/hop.py's profile), which for a small model is a good part of a round.
+    A step runs inline only when (1) the worker is idle (every job submitted before has finished
+    and been collected on this loop), so runtime work keeps its submission order and never runs
+    on two threads at once, and (2) the recent steps were short (an exponential average below
+    ``max_ms``), so the loop never stalls longer than that for health checks or other streams.
+    ``max_ms=0`` turns it off (a GPU service: its CUDA state belongs to the worker thread)."""
+
+    def __init__(self, max_ms: float = 2.0) -> None:
+        self.max_s = max_ms / 1000
+        self.avg_s: float | None = None  # unknown until a step ran: the first goes to the worker
+        self.num_submitted = 0  # jobs on the worker not yet collected
+
+    def allow(self) -> bool:
+        return self.num_submitted == 0 and self.avg_s is not None and self.avg_s < self.max_s
+
+    def observe(self, seconds: float) -> None:
+        self.avg_s = seconds if self.avg_s is None else 0.8 * self.avg_s + 0.2 * seconds
+
+
 class ModelServicer:
     """What the target and draft servicers share: the ready gate, request ownership and the
     Step loop (DESIGN.md §3).
@@ -165,9 +189,10 @@ class ModelServicer:
     Subclasses put their generated ``*Servicer`` base after this one and implement the hooks
     `info` and `run_batch` (a batch's chunks -> response messages). Every piece of runtime work
     (warm-up, each batch, each release, each stream's cleanup) runs on one worker thread, in the
-    order it was submitted; the event loop keeps reading streams and answering health checks. A
-    submitted job runs even if its stream is cancelled meanwhile, so the cleanup a stream's end
-    submits always runs after the work that stream sent before.
+    order it was submitted, or, when it is short and the worker idle, inline (`InlineSteps`);
+    the event loop keeps reading streams and answering health checks. A submitted job runs even
+    if its stream is cancelled meanwhile, so the cleanup a stream's end submits always runs
+    after the work that stream sent before.
     """
 
     response_type: type  # TargetStepResponse / DraftStepResponse
@@ -178,16 +203,36 @@ class ModelServicer:
         self.runtime = None  # set by `attach` once weights are loaded and warmed up
         self.owners = Ownership()
         self.worker = ThreadPoolExecutor(1, thread_name_prefix=host.service_name)
+        self.inline = InlineSteps()
         self.metrics = ServiceMetrics(self)  # its own registry; served with --metrics-port
 
     async def attach(self, runtime, warm_up=None) -> None:
         if warm_up is not None:
             await self._submit(warm_up, runtime)
+        if runtime.cfg.device != "cpu":  # CUDA state is per thread: keep one thread on a GPU
+            self.inline = InlineSteps(max_ms=0)
         self.runtime = runtime
         await self.host.set_ready()
 
     def _submit(self, fn, *args) -> asyncio.Future:
-        return asyncio.get_running_loop().run_in_executor(self.worker, fn, *args)
+        future = asyncio.get_running_loop().run_in_executor(self.worker, fn, *args)
+        self.inline.num_submitted += 1
+        future.add_done_callback(self._collected)
+        return future
+
+    def _collected(self, _future: asyncio.Future) -> None:
+        self.inline.num_submitted -= 1
+
+    async def _step(self, runtime, stream: StreamOwner, chunks: list):
+        """One batch's answer: inline when `InlineSteps` allows, else on the worker."""
+        timed = self.metrics.timed(self._answer)
+        started = time.perf_counter()
+        if self.inline.allow():
+            answer = timed(runtime, stream, chunks)
+        else:
+            answer = await self._submit(timed, runtime, stream, chunks)
+        self.inline.observe(time.perf_counter() - started)
+        return answer
 
     # -- hooks ---------------------------------------------------------------------------------
     def info(self, runtime):
@@ -216,8 +261,7 @@ class ModelServicer:
         try:
             async for chunks in step_batches(request_iterator, context):
                 async with self.host.work(context):
-                    timed = self.metrics.timed(self._answer)
-                    answer = await self._submit(timed, runtime, stream, chunks)
+                    answer = await self._step(runtime, stream, chunks)
                 if isinstance(answer, StreamRefusedError):
                     await abort_with(context, answer)
                 for msg in frame(answer, chunks[0].batch_id):
