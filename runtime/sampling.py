@@ -1,30 +1,41 @@
-"""Per-request sampling parameters and the math that turns logits into tokens.
+"""The math that turns logits into tokens under a request's `SamplingParams`.
 
-Randomness is a pure function of ``(seed, offset)`` where ``offset`` counts the tokens the request
-has generated so far, so a request samples the same way whatever batch it shares and on whichever
-replica it is replayed. Every sampled token is an inverse-CDF draw with one uniform, the same rule
-the tree sampler uses for its final token.
+The sampling contract (DESIGN.md §6). The token at output position ``p`` of a request is an
+inverse-CDF draw from the processed distribution there with ONE uniform, ``keyed_uniforms(seed,
+p)``: a hash of the request's seed and the position, not a stream that earlier draws advance.
+So a seeded request samples the same tokens whatever batch it shares, on whichever replica it is
+replayed, and whatever trees a draft proposed: verification (`target_service.acceptance`) draws
+each tree node's token the same way and accepts a child exactly when it is that token, so the
+accepted path plus the bonus token is what plain decoding would have drawn (lossless by
+construction, and identical for a seed).
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specmesh.protocol.sampling import SamplingParams
 
-_MIX = 0x9E3779B97F4A7C15
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
 
-def request_generator(seed: int, offset: int) -> torch.Generator:
-    return torch.Generator().manual_seed((seed * _MIX + offset) % 2**63)
-
-
-def uniforms(seed: int, offset: int, n: int) -> torch.Tensor:
-    """``n`` uniforms in [0, 1) owned by one request at one generation offset."""
-    return torch.rand(n, generator=request_generator(seed, offset))
+def keyed_uniforms(seeds: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
+    """One uniform in [0, 1) per (seed, output position), float64: splitmix64 of the pair, a
+    counter-based generator, so a draw depends on nothing but its key (no state, no order)."""
+    s = np.asarray(seeds, dtype=np.uint64)
+    p = np.asarray(positions, dtype=np.uint64)
+    with np.errstate(over="ignore"):  # uint64 arithmetic wraps by design
+        x = (s * _GOLDEN + p) * _GOLDEN + _GOLDEN
+        x = (x ^ (x >> np.uint64(30))) * _MIX1
+        x = (x ^ (x >> np.uint64(27))) * _MIX2
+        x = x ^ (x >> np.uint64(31))
+    return torch.from_numpy((x >> np.uint64(11)).astype(np.float64) * 2.0**-53)
 
 
 @dataclass
@@ -176,11 +187,19 @@ def sample_tokens(
     """One token per row of ``logits`` ``[rows, vocab]``: greedy rows by argmax of the processed
     logits, others by inverse CDF with the request's own uniform. ``offsets`` (tokens generated
     so far) seed the draws and drive min_tokens."""
-    logits = apply_history(logits, params, histories, offsets)
+    return draw_tokens(apply_history(logits, params, histories, offsets), params, offsets)
+
+
+def draw_tokens(
+    logits: torch.Tensor, params: list[SamplingParams], positions: list[int]
+) -> torch.Tensor:
+    """One token per row of history-processed ``logits`` ``[rows, vocab]``: the argmax for a
+    greedy row, else the inverse-CDF draw with the row's keyed uniform (``positions``: the output
+    position each row's token takes)."""
     tokens = logits.argmax(-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
         probs = processed_probs(logits[rows], [params[i] for i in rows])
-        u = torch.stack([uniforms(params[i].seed or 0, offsets[i], 1)[0] for i in rows])
-        tokens[rows] = inverse_cdf(probs, u.to(probs.device))
+        u = keyed_uniforms([params[i].seed or 0 for i in rows], [positions[i] for i in rows])
+        tokens[rows] = inverse_cdf(probs, u.to(probs.device, probs.dtype))
     return tokens

@@ -1,6 +1,10 @@
 """Which draft tokens the target accepts: pad every request's tree to one shape, process each
-node's logits (the tokens before a node count: per-node history for penalties), then run the
-greedy or the lossless sampling tree verifier (`specmesh.kernels.tree_verify`)."""
+node's logits (the tokens before a node count: per-node history for penalties), draw each node's
+token as plain decoding would at that output position (the argmax, or the keyed inverse-CDF
+draw: `runtime.sampling`), then follow the draws down the tree (`kernels.tree_verify`'s greedy
+verifier): a child is accepted exactly when it is its parent's draw, and the last accepted
+node's draw is the bonus token. Lossless by construction, and a seed fixes the output whatever
+the draft proposed."""
 
 from __future__ import annotations
 
@@ -10,13 +14,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specmesh.kernels.tree_verify import TreeVerifyResult, verify_tree_greedy, verify_tree_sampling
+from specmesh.kernels.tree_verify import TreeVerifyResult, verify_tree_greedy
 from specmesh.runtime.sampling import (
     TokenHistory,
     apply_history,
+    draw_tokens,
     processed_logprobs,
-    processed_probs,
-    uniforms,
 )
 
 if TYPE_CHECKING:
@@ -34,9 +37,8 @@ class Acceptance:
 def accept_trees(
     inputs: list[VerifyRow], logits: torch.Tensor, n_max: int, impl: str = "torch"
 ) -> Acceptance:
-    """Accept a path of every request's tree: greedy when every request is greedy, else by
-    lossless tree sampling with each request's own uniforms (seed, generation offset). ``impl``
-    picks the verifier kernel (`specmesh.kernels.common.kernel_impl`).
+    """Accept a path of every request's tree by following each node's draw (the module
+    docstring). ``impl`` picks the verifier kernel (`specmesh.kernels.common.kernel_impl`).
 
     Node i's logits predict the token after it, so its processors read the request's history
     plus the path root..i (the root, the pending token, is already in the history) and count
@@ -63,14 +65,10 @@ def accept_trees(
     lp = None
     if any(i.params.logprobs is not None for i in inputs):
         lp = processed_logprobs(padded, params).view(bs, n_max, -1)
-    if all(i.params.greedy for i in inputs):
-        target_ids = padded.argmax(-1).view(bs, n_max)
-        return Acceptance(verify_tree_greedy(*tree, target_ids, impl=impl), lp)
-    probs = processed_probs(padded, params).view(bs, n_max, -1)
-    rand = torch.stack([uniforms(i.params.seed or 0, i.sample_offset, n_max + 1) for i in inputs])
-    rand = rand.to(dev)
-    res = verify_tree_sampling(*tree, probs, rand[:, :n_max], rand[:, n_max], impl=impl)
-    return Acceptance(res, lp)
+    # Every node's token drawn as plain decoding would draw it at that position (the argmax,
+    # or the keyed inverse-CDF draw); a child is accepted exactly when it is its parent's draw.
+    target_ids = draw_tokens(padded, params, generated).view(bs, n_max)
+    return Acceptance(verify_tree_greedy(*tree, target_ids, impl=impl), lp)
 
 
 def node_histories(
