@@ -244,3 +244,16 @@ def llava_greedy(model_dir: str, prompt: str, image: bytes, n: int) -> list[int]
             **inputs, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
         )
     return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+def test_a_seed_fixes_the_output_through_the_cluster(stack) -> None:
+    """Four identical sampled requests with a seed give one output, the same as with
+    speculation off (the sampling contract: keyed draws, `test_seeded_sampling`)."""
+    from specmesh.protocol.sampling import SamplingParams
+
+    params = SamplingParams(max_new_tokens=16, temperature=0.8, seed=42, ignore_eos=True)
+    run = lambda **kw: tuple(
+        collect(stack.client.generate(prompt_token_ids=PROMPTS[0], sampling=params, **kw))[0]
+    )
+    outputs = {run() for _ in range(4)}
+    assert outputs == {run(disable_speculation=True)}
