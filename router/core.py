@@ -1,5 +1,5 @@
 """The router's scheduler and speculative loop, shared by the in-process `Engine` and the gRPC
-router. One round for a micro-batch reads like the algorithm:
+router. One round for a micro-batch reads like the algorithm (`specmesh.router.round`):
 
     trees  = proposals from the last draft step       (propose)
     out    = target.verify(trees)                      (verify: accept path + bonus)
@@ -9,7 +9,9 @@ router. One round for a micro-batch reads like the algorithm:
 ``num_micro_batches`` workers run rounds concurrently, so the target verifies one micro-batch
 while the draft extends and proposes for another. Requests join a micro-batch between rounds
 (continuous batching) and leave when finished. A request is pinned to one target and one draft
-replica (least loaded at admission, `specmesh.router.placement`).
+replica (least loaded at admission, `specmesh.router.placement`); each replica's connection,
+breaker and deadline live in a `specmesh.router.replica.Replica`. The core runs `Slot`s: a
+request (`Request`, the truth its client reads) with what the scheduler keeps to run it.
 
 Lifecycle. The worker running a request is the only code that creates or frees its state in
 the services: a client that cancels (or whose deadline passes) only marks the request aborted;
@@ -24,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from specmesh.protocol.errors import (
@@ -43,8 +45,10 @@ from specmesh.router.metrics import RouterMetrics
 from specmesh.router.placement import Balancer
 from specmesh.router.policy import MODES as SPECULATION_MODES
 from specmesh.router.policy import SpeculationPolicy
-from specmesh.router.request import Chunk, Phase, Request
+from specmesh.router.replica import DraftReplica, TargetReplica
+from specmesh.router.request import Chunk, Request
 from specmesh.router.round import RoundRunner
+from specmesh.router.slot import Slot
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +92,12 @@ class RouterConfig:
                 f"got {self.speculation!r}"
             )
 
+    def draft_deadline(self) -> StepDeadline:
+        """A fresh step deadline for one draft replica."""
+        return StepDeadline(
+            self.draft_timeout_s, self.draft_deadline_floor_s, self.draft_deadline_factor
+        )
+
 
 class RouterCore:
     def __init__(
@@ -102,19 +112,23 @@ class RouterCore:
             raise ValueError("the router needs at least one target")
         self.targets, self.drafts, self.cfg = targets, drafts, cfg
         self.policy = policy or SpeculationPolicy(cfg.speculation)
-        self.replicas = Balancer(targets, drafts, cfg.target_cooldown_s, cfg.draft_cooldown_s)
-        self.deadlines = {
-            d.name: StepDeadline(
-                cfg.draft_timeout_s, cfg.draft_deadline_floor_s, cfg.draft_deadline_factor
-            )
-            for d in drafts
-        }
-        self.waiting: asyncio.Queue[Request] = asyncio.Queue()
+        self.waiting: asyncio.Queue[Slot] = asyncio.Queue()
         self.streams: dict[str, asyncio.Queue] = {}
-        self.requests: dict[str, Request] = {}
-        self.rounds = RoundRunner(self)
+        self.slots: dict[str, Slot] = {}  # every request whose client is still listening
         self.metrics = RouterMetrics(self)  # records into the process's `metrics.REGISTRY`
+        self.replicas = Balancer(
+            [TargetReplica(t, cfg.target_cooldown_s, self.policy, self.metrics) for t in targets],
+            [DraftReplica(d, cfg.draft_cooldown_s, self.policy, self.metrics, cfg.draft_deadline())
+             for d in drafts],
+        )  # fmt: skip
+        self.rounds = RoundRunner(self)
         self._workers: list[asyncio.Task] = []
+        self.metrics.watch()  # the gauges read this core from now on
+
+    @property
+    def requests(self) -> dict[str, Request]:
+        """Every request whose client is still listening, by id."""
+        return {rid: s.request for rid, s in self.slots.items()}
 
     @property
     def num_live_targets(self) -> int:
@@ -155,7 +169,7 @@ class RouterCore:
                 f"prompt of {len(req.prompt_ids)} tokens exceeds the limit of {limit}"
             )
         check_stop_rules(req.params, info.vocab_size)
-        if req.rid in self.requests:
+        if req.rid in self.slots:
             raise DuplicateRequestError(f"request id {req.rid!r} is already in use")
         if self.waiting.qsize() >= self.cfg.max_waiting:
             raise KVCacheFullError(f"{self.waiting.qsize()} requests are waiting; try again later")
@@ -165,8 +179,9 @@ class RouterCore:
         iteration early aborts the request; its worker then frees its state in both services."""
         self.validate(req)
         stream: asyncio.Queue = asyncio.Queue()
-        self.streams[req.rid], self.requests[req.rid] = stream, req
-        self.waiting.put_nowait(req)
+        slot = Slot(req)
+        self.streams[req.rid], self.slots[req.rid] = stream, slot
+        self.waiting.put_nowait(slot)
         try:
             while True:
                 item = await stream.get()
@@ -180,7 +195,7 @@ class RouterCore:
                 req.abort()  # the worker that runs it sees this and has it leave
             self.metrics.on_finish(req)
             self.streams.pop(req.rid, None)
-            self.requests.pop(req.rid, None)
+            self.slots.pop(req.rid, None)
 
     def push(self, req: Request, item: Chunk | Exception) -> None:
         stream = self.streams.get(req.rid)
@@ -194,26 +209,38 @@ class RouterCore:
         self.push(req, error)
 
     # -- lifecycle (called by the worker that runs the request) ----------------------------------
-    async def leave(self, req: Request, *, requeue: bool = False) -> None:
-        """Release ``req`` in its replicas (in-band, behind its steps) and unpin it; with
+    async def leave(self, slot: Slot, *, requeue: bool = False) -> None:
+        """Release the request in its replicas (in-band, behind its steps) and unpin it; with
         ``requeue`` it then waits for admission again, to be replayed (prompt + emitted tokens)."""
-        placement, req.placement, req.tree = req.placement, None, None
-        req.prefill_sent, req.prefilled = 0, False  # a replay prefills its context again
+        placement = slot.unplaced()
         if placement is not None:
-            clients = [c for c in (placement.target, placement.draft) if c is not None]
-            await asyncio.gather(*(c.release([req.rid]) for c in clients))
+            await asyncio.gather(*(r.release([slot.rid]) for r in placement.replicas()))
             self.replicas.unplace(placement)
-        if requeue and not req.finished:
-            req.phase, req.worker = Phase.WAITING, None
-            self.waiting.put_nowait(req)
+        if requeue and not slot.request.finished:
+            slot.worker = None
+            self.waiting.put_nowait(slot)
 
-    async def drop_draft(self, req: Request, *, release: bool) -> None:
-        """Continue ``req`` without speculation (for now: `_resume_speculation` may replay it)."""
-        placement, req.tree = req.placement, None
+    async def failover(self, slots: list[Slot], target: str, error: ServiceDownError) -> None:
+        """``target`` is down: replay each request on another replica (prompt + emitted tokens),
+        up to ``max_replays`` times; tokens already streamed are never emitted again."""
+        self.metrics.on_target_down(target, [s.request for s in slots])
+        for s in slots:
+            r = s.request
+            r.replays += 1
+            if r.replays > self.cfg.max_replays:
+                gave_up = f"request {r.rid!r}: {error}; gave up after {r.replays - 1} replays"
+                self.fail(r, ServiceDownError(gave_up))
+            await self.leave(s, requeue=True)
+
+    async def drop_draft(self, slot: Slot, *, release: bool) -> None:
+        """Continue without speculation (for now: `_resume_speculation` may replay it);
+        ``release``: free what the draft may hold for it, in-band."""
+        slot.draft_dropped()
+        placement = slot.placement
         if placement is None or placement.draft is None:
             return
         if release:
-            await placement.draft.release([req.rid])
+            await placement.draft.release([slot.rid])
         self.replicas.unpin_draft(placement)
 
     # -- workers -------------------------------------------------------------------------------
@@ -221,7 +248,7 @@ class RouterCore:
         """Rounds of one micro-batch. Each round first sends the next prefill piece of the
         requests still prefilling (within the round's token budget), then verifies the running
         ones: a long prompt delays them by one piece per round, not by the whole prompt."""
-        batch: list[Request] = []  # admitted requests: prefilling, then running
+        batch: list[Slot] = []  # admitted requests: prefilling, then running
         while True:
             batch += self._admit(batch, index)
             prefilling = [r for r in batch if not r.prefilled]
@@ -239,55 +266,58 @@ class RouterCore:
             await self._resume_speculation([r for r in batch if r.prefilled])
             batch[:] = await self._retire(batch, index)
 
-    async def _retire(self, running: list[Request], index: int) -> list[Request]:
+    async def _retire(self, running: list[Slot], index: int) -> list[Slot]:
         """Requests still this worker's; the aborted ones leave their replicas."""
         kept = []
-        for r in running:
-            if r.finished and r.placement is not None:
-                await self.leave(r)
-            elif not r.finished and r.phase is Phase.RUNNING and r.worker == index:
-                kept.append(r)
+        for s in running:
+            if s.request.finished and s.placement is not None:
+                await self.leave(s)
+            elif not s.request.finished and s.worker == index:
+                kept.append(s)
         return kept
 
-    async def _resume_speculation(self, running: list[Request]) -> None:
+    async def _resume_speculation(self, running: list[Slot]) -> None:
         """Requests that continued without speculation after a draft failure get a draft back
         once one is proven healthy again (its breaker closed by a successful step): their draft
         state can only be rebuilt from target features of the whole context, so they are
         replayed like after a failover (nothing emitted is lost or repeated)."""
         if not self.replicas.any_draft_healthy():
             return
-        for r in running:
-            remaining = r.params.max_new_tokens - r.num_generated
-            lost_draft = r.speculate and r.placement is not None and r.placement.draft is None
+        for s in running:
+            remaining = s.request.params.max_new_tokens - s.request.num_generated
+            lost_draft = s.speculate and s.placement is not None and s.placement.draft is None
             if lost_draft and remaining >= self.cfg.resume_min_remaining:
-                await self.leave(r, requeue=True)
+                await self.leave(s, requeue=True)
 
-    async def _guarded(self, fn, reqs: list[Request], index: int) -> None:
+    async def _guarded(
+        self, fn: Callable[[list[Slot]], Awaitable[None]], slots: list[Slot], index: int
+    ) -> None:
         """A bug in one round fails that round's requests (INTERNAL), never the worker."""
         try:
-            await fn(reqs)
+            await fn(slots)
         except Exception as e:
-            log.exception("round failed for %d requests", len(reqs))
-            for r in reqs:
-                if r.worker != index:  # requeued meanwhile: no longer ours to touch
+            log.exception("round failed for %d requests", len(slots))
+            for s in slots:
+                if s.worker != index:  # requeued meanwhile: no longer ours to touch
                     continue
-                if not r.finished:
-                    self.fail(r, SpecmeshError(f"internal error: {type(e).__name__}: {e}"))
-                await self.leave(r)
+                if not s.request.finished:
+                    error = SpecmeshError(f"internal error: {type(e).__name__}: {e}")
+                    self.fail(s.request, error)
+                await self.leave(s)
 
-    def _admit(self, running: list[Request], index: int) -> list[Request]:
+    def _admit(self, running: list[Slot], index: int) -> list[Slot]:
         new = []
         while len(running) + len(new) < self.cfg.max_batch_size and not self.waiting.empty():
-            req = self.waiting.get_nowait()
-            if req.finished:
+            slot = self.waiting.get_nowait()
+            if slot.request.finished:
                 continue
             try:
-                req.placement = self.replicas.place(req.speculate)
+                slot.placement = self.replicas.place(slot.speculate)
             except ServiceDownError as e:
-                self.fail(req, e)
+                self.fail(slot.request, e)
                 continue
-            req.phase, req.worker = Phase.RUNNING, index
-            new.append(req)
+            slot.worker = index
+            new.append(slot)
         return new
 
 

@@ -9,10 +9,11 @@ from typing import TYPE_CHECKING, Union
 
 from specmesh.protocol.codec import RowBlock, join_rows
 from specmesh.protocol.steps import ExtendInput, StepOutput
-from specmesh.router.request import Request
 
 if TYPE_CHECKING:
     import torch
+
+    from specmesh.router.slot import Slot
 
 # Feature rows of one request: a tensor slice in process, the target's bytes over gRPC.
 Rows = Union["torch.Tensor", RowBlock]
@@ -33,21 +34,27 @@ def split_rows(out: StepOutput) -> dict[str, tuple[Rows | None, Rows | None]]:
     return rows
 
 
-def held_back(r: Request, extend: ExtendInput) -> ExtendInput:
-    """``extend`` preceded by the extends ``r`` held back while not speculating, as one extend
-    (their ids and rows in order; the root is the newest pending token; it starts the draft
-    state when the first did). A starting extend replaces them: the state they were for is
-    gone. A multimodal start is never held (its embeddings come with its prompt only)."""
-    held, r.draft_backlog = r.draft_backlog, []
-    parts = [extend] if extend.new else [*held, extend]
+def with_backlog(slot: Slot, extend: ExtendInput) -> ExtendInput:
+    """``extend`` preceded by the extends ``slot`` held back while not speculating, as one extend
+    (their ids and rows in order; the root is the newest pending token). It starts the request's
+    draft state when no extend has yet (`Slot.on_draft`): the backlog only ever holds extends
+    for the current placement (`Slot.unplaced`)."""
+    parts, slot.draft_backlog = [*slot.draft_backlog, extend], []
     if len(parts) == 1:
+        extend.new = not slot.on_draft
         return extend
     return ExtendInput(
-        r.rid,
+        slot.rid,
         [t for p in parts for t in p.committed_ids],
         extend.next_token,
         join_rows([p.features for p in parts]),
-        None,
+        None,  # a multimodal start is never held: its embeddings come with its prompt only
         parts[0].is_multimodal,
-        new=parts[0].new,
+        new=not slot.on_draft,
     )
+
+
+def must_send(extend: ExtendInput) -> bool:
+    """An extend that cannot wait for the next proposal: a multimodal start (its embeddings come
+    with the prompt only) or a backlog at its bound."""
+    return (extend.new and extend.is_multimodal) or len(extend.committed_ids) >= MAX_BACKLOG_ROWS

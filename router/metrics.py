@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -34,9 +33,9 @@ from prometheus_client.core import GaugeMetricFamily
 
 if TYPE_CHECKING:
     from specmesh.protocol.steps import StepOutput, VerifyInput
-    from specmesh.router.clients import TargetClient
     from specmesh.router.core import RouterCore
     from specmesh.router.request import Request
+    from specmesh.router.slot import Slot
 
 REGISTRY = CollectorRegistry()  # the router's own: never prometheus_client's global one
 
@@ -152,10 +151,12 @@ class _LiveCores:
         opened: dict[str, int] = {}
         sizes: dict[str, int] = {}
         for core in list(self.cores):
-            for req in list(core.requests.values()):
-                phases[req.phase.value] = phases.get(req.phase.value, 0) + 1
-            for name, b in list(core.replicas.breakers.items()):
-                opened[name] = max(opened.get(name, 0), int(not b.allows()))
+            for slot in list(core.slots.values()):
+                if not slot.request.finished:  # admitted to a worker, or waiting for one
+                    phase = "waiting" if slot.worker is None else "running"
+                    phases[phase] = phases.get(phase, 0) + 1
+            for replica in core.replicas.all:
+                opened[replica.name] = max(opened.get(replica.name, 0), int(not replica.live))
             sizes.update(dict(core.metrics.tree_sizes))
         running.add_metric([], phases.get("running", 0))
         waiting.add_metric([], phases.get("waiting", 0))
@@ -170,21 +171,6 @@ _LIVE = _LiveCores()
 REGISTRY.register(_LIVE)
 
 
-TargetCall = Callable[["TargetClient"], Awaitable["StepOutput"]]
-
-
-def _timed(histogram: Histogram, call: TargetCall) -> TargetCall:
-    """``call`` observed into ``histogram`` under the replica it runs on (failures excluded)."""
-
-    async def run(target: TargetClient) -> StepOutput:
-        started = time.monotonic()
-        out = await call(target)
-        histogram.labels(target.name).observe(time.monotonic() - started)
-        return out
-
-    return run
-
-
 @dataclass
 class _Cursor:
     """How much of a request's record is counted already."""
@@ -195,35 +181,36 @@ class _Cursor:
 
 
 class RouterMetrics:
-    """The recording API of one core. Hooks: `timed_target` / `timed_prefill` (wrap a target's
-    verify / prefill call), `on_round` (after a round's emit), `on_plan`, `on_draft_step`,
-    `on_draft_failure`, `on_target_down`, `on_finish` (when the request's client side ends:
-    every admitted request passes there once)."""
+    """The recording API of one core. Hooks: `on_prefill` / `on_verify` (a target step that
+    answered) and `on_draft_step` / `on_draft_failure` (fed by the `Replica`s), `on_round`
+    (after a round's emit), `on_plan`, `on_target_down`, `on_finish` (when the request's client
+    side ends: every admitted request passes there once)."""
 
     def __init__(self, core: RouterCore) -> None:
         self.core = core
         self._cursors: dict[str, _Cursor] = {}
         self.tree_sizes: dict[str, int] = {}  # per target replica: the policy's latest choice
-        _LIVE.cores.add(core)
 
-    def timed_target(self, call: TargetCall) -> TargetCall:
-        """``call`` (a verify) observed into the target step histogram of its replica."""
-        return _timed(TARGET_STEP, call)
+    def watch(self) -> None:
+        """Let the gauges read the core (once it is built)."""
+        _LIVE.cores.add(self.core)
 
-    def timed_prefill(self, call: TargetCall) -> TargetCall:
-        """``call`` (a prefill) observed into the target prefill histogram of its replica."""
-        return _timed(TARGET_PREFILL, call)
+    def on_prefill(self, replica: str, seconds: float) -> None:
+        TARGET_PREFILL.labels(replica).observe(seconds)
 
-    def on_round(self, reqs: list[Request], trees: list[VerifyInput], out: StepOutput) -> None:
+    def on_verify(self, replica: str, seconds: float) -> None:
+        TARGET_STEP.labels(replica).observe(seconds)
+
+    def on_round(self, slots: list[Slot], trees: list[VerifyInput], out: StepOutput) -> None:
         """After a verify round's emit: the trees verified, and what each request streamed."""
         now = time.monotonic()
-        for r, verified in zip(reqs, trees, strict=True):
+        for s, verified in zip(slots, trees, strict=True):
             nodes = verified.tree.num_nodes
-            if r.rid in out.tokens and nodes > 1:
+            if s.rid in out.tokens and nodes > 1:
                 NUM_DRAFTS.inc()
                 NUM_DRAFT_TOKENS.inc(nodes - 1)
-            if self.core.requests.get(r.rid) is r:  # else on_finish counted it already
-                self._advance(r, now)
+            if self.core.slots.get(s.rid) is s:  # else on_finish counted it already
+                self._advance(s.request, now)
 
     def on_plan(self, target: str, tree_size: int) -> None:
         """The speculation policy's plan for a micro-batch verified by ``target``."""
@@ -236,9 +223,8 @@ class RouterMetrics:
     def on_draft_failure(self, replica: str) -> None:
         DRAFT_FAILURES.labels(replica).inc()
 
-    def on_target_down(self, reqs: list[Request]) -> None:
+    def on_target_down(self, replica: str, reqs: list[Request]) -> None:
         """Before the failover: the requests that will be replayed (not those giving up)."""
-        replica = reqs[0].placement.target.name
         REPLAYS.labels(replica).inc(sum(r.replays < self.core.cfg.max_replays for r in reqs))
 
     def on_finish(self, req: Request) -> None:

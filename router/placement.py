@@ -10,67 +10,58 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specmesh.protocol.errors import ServiceDownError
-from specmesh.router.clients import DraftClient, TargetClient
-from specmesh.router.faults import CircuitBreaker
+from specmesh.router.replica import DraftReplica, Replica, TargetReplica
 
 
 @dataclass(eq=False)
 class Placement:
     """A request's replicas. The request's state lives in both until it leaves them."""
 
-    target: TargetClient
-    draft: DraftClient | None = None
+    target: TargetReplica
+    draft: DraftReplica | None = None
+
+    def replicas(self) -> list[Replica]:
+        return [self.target] if self.draft is None else [self.target, self.draft]
 
 
 class Balancer:
-    def __init__(
-        self,
-        targets: list[TargetClient],
-        drafts: list[DraftClient],
-        target_cooldown_s: float,
-        draft_cooldown_s: float,
-    ) -> None:
+    def __init__(self, targets: list[TargetReplica], drafts: list[DraftReplica]) -> None:
         self.targets, self.drafts = targets, drafts
-        self.breakers = {
-            **{t.name: CircuitBreaker(target_cooldown_s) for t in targets},
-            **{d.name: CircuitBreaker(draft_cooldown_s) for d in drafts},
-        }
-        self.load: dict[str, int] = {c.name: 0 for c in [*targets, *drafts]}
 
-    def live_targets(self) -> list[TargetClient]:
-        return [t for t in self.targets if self.breakers[t.name].allows()]
+    @property
+    def all(self) -> list[Replica]:
+        return [*self.targets, *self.drafts]
 
-    def live_drafts(self) -> list[DraftClient]:
-        return [d for d in self.drafts if self.breakers[d.name].allows()]
+    def live_targets(self) -> list[TargetReplica]:
+        return [t for t in self.targets if t.live]
+
+    def live_drafts(self) -> list[DraftReplica]:
+        return [d for d in self.drafts if d.live]
 
     def any_draft_healthy(self) -> bool:
         """A draft has served a step since its last failure (its breaker is fully closed)."""
-        return any(self.breakers[d.name].failures == 0 for d in self.drafts)
+        return any(d.breaker.failures == 0 for d in self.drafts)
 
     def place(self, speculate: bool) -> Placement:
         targets = self.live_targets()
         if not targets:
             raise ServiceDownError("no target replica is available")
         drafts = self.live_drafts() if speculate else []
-        placement = Placement(min(targets, key=self._load_of))
-        placement.draft = min(drafts, key=self._load_of) if drafts else None
-        for client in (placement.target, placement.draft):
-            if client is not None:
-                self.load[client.name] += 1
+        placement = Placement(min(targets, key=_load))
+        placement.draft = min(drafts, key=_load) if drafts else None
+        for replica in placement.replicas():
+            replica.load += 1
         return placement
 
     def unpin_draft(self, placement: Placement) -> None:
         if placement.draft is not None:
-            self.load[placement.draft.name] -= 1
+            placement.draft.load -= 1
             placement.draft = None
 
     def unplace(self, placement: Placement) -> None:
         self.unpin_draft(placement)
-        self.load[placement.target.name] -= 1
+        placement.target.load -= 1
 
-    def num_placed(self, target: TargetClient) -> int:
-        """Requests pinned to ``target``: every request that may hold KV there."""
-        return self.load[target.name]
 
-    def _load_of(self, client: TargetClient | DraftClient) -> int:
-        return self.load[client.name]
+def _load(replica: Replica) -> int:
+    return replica.load

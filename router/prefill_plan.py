@@ -4,7 +4,7 @@ A prompt longer than the round's token budget (``RouterConfig.prefill_chunk_toke
 its target in pieces, one round at a time, and the micro-batch's running requests get a verify
 round between two pieces: a long prompt delays them by at most one budget of prefill work,
 never by the whole prompt. The target holds the partly prefilled request (its KV and sampling
-state); the router only counts how far it sent (``Request.prefill_sent``).
+state); the router only counts how far it sent (``Slot.prefill_sent``).
 
 Budget, per round of one micro-batch: requests are served in admission order, each its next
 piece, until the budget is spent; a short prompt behind a long one may share a round with the
@@ -19,27 +19,30 @@ from dataclasses import replace
 from specmesh.protocol.sampling import SamplingParams
 from specmesh.protocol.steps import PrefillInput
 from specmesh.router.request import Request
+from specmesh.router.slot import Slot
 
 
-def plan_pieces(reqs: list[Request], budget: int) -> dict[str, int]:
+def plan_pieces(slots: list[Slot], budget: int) -> dict[str, int]:
     """Context tokens each request sends this round (a request left out waits); ``budget`` 0
     sends every context whole."""
     sizes, left = {}, budget
-    for r in reqs:
+    for s in slots:
+        r = s.request
         if r.finished:
             continue
         if budget and left <= 0:
             break
-        remaining = len(r.prompt_ids) + r.num_generated - r.prefill_sent
+        remaining = len(r.prompt_ids) + r.num_generated - s.prefill_sent
         sizes[r.rid] = n = remaining if not budget or r.images else min(remaining, left)
         left -= n
     return sizes
 
 
-def prefill_piece(r: Request, n: int) -> PrefillInput:
-    """The next ``n`` tokens of ``r``'s context, as the target's prefill input (the first
+def prefill_piece(s: Slot, n: int) -> PrefillInput:
+    """The next ``n`` tokens of the request's context, as the target's prefill input (the first
     piece carries the sampling state; the target keeps it for the later ones)."""
-    context, start = r.context_ids(), r.prefill_sent
+    r = s.request
+    context, start = r.context_ids(), s.prefill_sent
     return PrefillInput(
         r.rid,
         context[start : start + n],
@@ -51,10 +54,10 @@ def prefill_piece(r: Request, n: int) -> PrefillInput:
     )
 
 
-def next_context_token(r: Request) -> int:
+def next_context_token(s: Slot) -> int:
     """The context token after the pieces sent so far: the token the draft pairs with the last
     row of a piece (the next piece's first)."""
-    return r.context_ids()[r.prefill_sent]
+    return s.request.context_ids()[s.prefill_sent]
 
 
 def prefill_params(r: Request) -> SamplingParams:

@@ -9,23 +9,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import TYPE_CHECKING
 
 from specmesh.protocol.sampling import SamplingParams
 from specmesh.router.detokenizer import Detokenizer
-from specmesh.router.policy import Acceptance
 
 if TYPE_CHECKING:
-    from specmesh.protocol.steps import ExtendInput, Logprob
-    from specmesh.protocol.trees import DraftTree
-    from specmesh.router.placement import Placement
-
-
-class Phase(Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
+    from specmesh.protocol.steps import Logprob
 
 
 @dataclass
@@ -42,36 +32,23 @@ class Chunk:
 
 @dataclass
 class Request:
+    """What the client asked for and what it was sent. Where and how far the request runs is
+    the scheduler's (`specmesh.router.slot.Slot`)."""
+
     rid: str
     prompt_ids: list[int]
     params: SamplingParams  # seed always resolved, so a replay samples identically
     eos_token_ids: tuple[int, ...] = ()
-    speculate: bool = True
+    speculate: bool = True  # asked for; the scheduler may turn it off (`Slot.speculate`)
     images: list[bytes] = field(default_factory=list)
     detok: Detokenizer | None = None
-    phase: Phase = Phase.WAITING
     output_ids: list[int] = field(default_factory=list)
     text: str = ""  # streamed so far
     _full_text: str = ""  # decoded so far, incl. text held back for stop strings
     finish_reason: str | None = None
     accept_lens: list[int] = field(default_factory=list)
     num_draft_tokens: int = 0  # draft tree nodes its rounds verified, roots excluded
-    # Set by the router core: pinned replicas (its `Balancer` changes them), the next tree,
-    # failovers so far.
-    placement: Placement | None = None
-    tree: DraftTree | None = None
-    replays: int = 0
-    worker: int | None = None  # the micro-batch worker running it
-    # Set by the round while the request is prefilled (`specmesh.router.prefill_plan`): context
-    # tokens sent to its target so far, and whether the target has them all (then it runs
-    # rounds). Both start over when the request leaves its replicas.
-    prefill_sent: int = 0
-    prefilled: bool = False
-    # Set by the round: what its rounds accepted per tree size (the speculation policy's input),
-    # and the draft extends held back while it decodes without speculation (sent in one step,
-    # before its next proposal).
-    acceptance: Acceptance = field(default_factory=Acceptance)
-    draft_backlog: list[ExtendInput] = field(default_factory=list)
+    replays: int = 0  # times a failed target sent it back to be replayed elsewhere
     arrival_s: float = field(default_factory=time.monotonic)
     first_token_s: float | None = None
     finish_s: float | None = None
@@ -151,7 +128,6 @@ class Request:
 
     def _finish(self, reason: str) -> None:
         self.finish_reason = reason
-        self.phase = Phase.FINISHED
         self.finish_s = time.monotonic()
 
     def context_ids(self) -> list[int]:

@@ -1,307 +1,192 @@
-"""One speculative round (and the prefill that starts one), for the requests of a micro-batch.
+"""One speculative round (and the prefill that starts one) for the requests of a micro-batch.
 
-Requests are grouped by their pinned target; groups run concurrently. One round of a group:
+Requests are grouped by their pinned target (a `Batch`); batches run concurrently. A round
+(`RoundRunner._round`):
 
-    out  = verify(trees)          target: accept a path of each tree, sample the bonus token
-    live = emit(out)              stream the tokens (stop rules per token); finished ones leave
-    propose(live, out)            draft: extend over the accepted tokens, propose the next trees
+    trees = batch.take_trees()                 last proposals, or bare roots
+    out   = target.verify(trees)               accepted path + bonus, feature rows
+    observe(trees, out)                        what each tree yielded, for the policy
+    live  = emit(out)                          stop rules, stream, retire finished
+    proposer.propose(live, out, committed)     plan; the draft extends and proposes next trees
 
-Faults, each in a small handler below: a draft that fails or misses its deadline opens its
-circuit breaker, its requests are released there in-band and continue without speculation (the
-target decodes one token per round; output is unchanged because the router, not the draft,
-owns every token). A target that fails sends its requests back to admission to be replayed
-(prompt + emitted tokens) on another replica, at most ``max_replays`` times each; tokens
-already streamed are never emitted again.
+A prefill has the same shape: pieces instead of trees, the first token to emit after a last
+piece, and a draft extend (without a proposal) after an earlier one.
+
+Faults come back from the replicas already recorded (breakers, deadlines, metrics: `replica`);
+the round only acts on them. A target that is down: its requests are replayed on another
+replica (`RouterCore.failover`); a request the target preempted for KV space others held
+(`Preempted`) waits in the queue to be replayed; any other error fails the request. The draft's
+faults: `specmesh.router.propose`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
-import time
-from collections import defaultdict
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
 
-from specmesh.protocol.errors import (
-    KVCacheFullError,
-    ServiceDownError,
-    SpecmeshError,
-    UnknownRequestError,
-)
-from specmesh.protocol.steps import ExtendInput, Logprob, PrefillInput, StepOutput, VerifyInput
+from specmesh.protocol.errors import ServiceDownError, SpecmeshError
+from specmesh.protocol.steps import Logprob, PrefillInput, StepOutput, VerifyInput
 from specmesh.protocol.trees import DraftTree
-from specmesh.router.draft_rows import MAX_BACKLOG_ROWS, held_back, split_rows
-from specmesh.router.policy import Plan, SpeculationPolicy
-from specmesh.router.prefill_plan import next_context_token, plan_pieces, prefill_piece
-from specmesh.router.request import Request
+from specmesh.router.prefill_plan import plan_pieces, prefill_piece
+from specmesh.router.propose import Proposer
+from specmesh.router.replica import Preempted, TargetReplica
+from specmesh.router.slot import Slot
 
 if TYPE_CHECKING:
     from specmesh.router.core import RouterCore
 
-log = logging.getLogger(__name__)
+Inputs = TypeVar("Inputs")
 
-# The ids each request committed in a step, read before `emit` appends the step's tokens.
-Committed = Callable[[Request], list[int]]
+
+@dataclass
+class Batch:
+    """The requests of a micro-batch pinned to one target replica: one step serves them all."""
+
+    target: TargetReplica
+    slots: list[Slot]
+
+    def take_trees(self) -> list[VerifyInput]:
+        """Each request's proposal, or a bare root (plain decoding); a proposal is verified
+        once."""
+        trees = [VerifyInput(s.rid, s.tree or DraftTree.chain([s.request.output_ids[-1]]))
+                 for s in self.slots]  # fmt: skip
+        for s in self.slots:
+            s.tree = None
+        return trees
+
+    def pieces(self, sizes: dict[str, int]) -> dict[str, PrefillInput]:
+        """Each request's next prefill piece, of ``sizes[rid]`` context tokens."""
+        return {s.rid: prefill_piece(s, sizes[s.rid]) for s in self.slots}
 
 
 class RoundRunner:
     def __init__(self, core: RouterCore) -> None:
-        self.core = core
+        self.core, self.policy = core, core.policy
+        self.proposer = Proposer(core)
 
-    @property
-    def policy(self) -> SpeculationPolicy:
-        return self.core.policy
-
-    async def prefill(self, reqs: list[Request]) -> None:
+    async def prefill(self, slots: list[Slot]) -> None:
         """The next prefill piece of each request, as far as the round's budget goes."""
-        sizes = plan_pieces(reqs, self.core.cfg.prefill_chunk_tokens)
-        chosen = [r for r in reqs if r.rid in sizes]
-        await asyncio.gather(*(self._prefill(group, sizes) for group in _by_target(chosen)))
+        sizes = plan_pieces(slots, self.core.cfg.prefill_chunk_tokens)
+        chosen = [s for s in slots if s.rid in sizes]
+        await asyncio.gather(*(self._prefill(batch, sizes) for batch in _batches(chosen)))
 
-    async def step(self, reqs: list[Request]) -> None:
-        await asyncio.gather(*(self._round(group) for group in _by_target(reqs)))
+    async def step(self, slots: list[Slot]) -> None:
+        await asyncio.gather(*(self._round(batch) for batch in _batches(slots)))
 
-    async def _round(self, reqs: list[Request]) -> None:
-        """verify -> emit -> propose, for requests pinned to one target."""
-        roots = {r.rid: r.output_ids[-1] for r in reqs}
-        trees = [VerifyInput(r.rid, r.tree or DraftTree.chain([roots[r.rid]])) for r in reqs]
-        verify = self.core.metrics.timed_target(lambda target: target.verify(trees))
-        target, started = reqs[0].placement.target, time.monotonic()
-        placed = self.core.replicas.num_placed(target)  # before the step: who may hold KV
-        out = await self._target(reqs, verify)
-        if out is not None:
-            seconds = self.policy.service_time(target.name, started, time.monotonic())
-            self._observe(reqs, trees, out, seconds)
-            sizes = {v.rid: v.tree.num_nodes for v in trees}
-            live = await self._emit(reqs, out, _shared(placed, out), tree_sizes=sizes)
-            self.core.metrics.on_round(reqs, trees, out)
-            await self._propose(
-                live, out, lambda r: [roots[r.rid], *out.tokens[r.rid][:-1]], new=False
-            )
+    async def _round(self, batch: Batch) -> None:
+        """verify -> emit -> extend and propose, for requests pinned to one target."""
+        trees = batch.take_trees()
+        out = await self._target(batch, batch.target.verify, trees)
+        if out is None:  # the target failed: its requests were replayed or failed
+            return
+        self._observe(batch, trees, out)
+        live = await self._emit(batch.slots, out, trees)
+        await self.proposer.propose(live, out, _verified_ids(live, out))
 
-    async def _prefill(self, reqs: list[Request], sizes: dict[str, int]) -> None:
+    async def _prefill(self, batch: Batch, sizes: dict[str, int]) -> None:
         """Send each request's next piece (`prefill_plan`). After its last piece a request
-        emits its first token and its draft extends over that piece and proposes; after an
+        emits its first token and its draft extends over the prompt and proposes; after an
         earlier one its draft only extends over the piece's rows."""
-        pieces = {r.rid: prefill_piece(r, sizes[r.rid]) for r in reqs}
-        inputs = list(pieces.values())
-        prefill = self.core.metrics.timed_prefill(lambda target: target.prefill(inputs))
-        target, started = reqs[0].placement.target, time.monotonic()
-        placed = self.core.replicas.num_placed(target)  # before the step: who may hold KV
-        out = await self._target(reqs, prefill)
-        self.policy.service_time(target.name, started, time.monotonic())
+        pieces = batch.pieces(sizes)
+        out = await self._target(batch, batch.target.prefill, list(pieces.values()))
         if out is None:
             return
-        shared = _shared(placed, out)
-        for r in reqs:
-            r.prefill_sent += len(pieces[r.rid].input_ids) if r.rid in out.tokens else 0
-        more = [r for r in reqs if pieces[r.rid].more_input]
-        last = [r for r in reqs if not pieces[r.rid].more_input]
-        # A multimodal prompt ran with its image placeholders expanded: the draft's rows
-        # follow the expanded ids (the request keeps its original prompt for replays).
-        committed = lambda r: out.prompt_ids.get(r.rid) or pieces[r.rid].input_ids
-        live = await self._emit(last, out, shared)
-        for r in live:
-            r.prefilled = True
+        for s in batch.slots:
+            s.prefill_sent += len(pieces[s.rid].input_ids) if s.rid in out.tokens else 0
+        more = await self._settle([s for s in batch.slots if pieces[s.rid].more_input], out)
+        live = await self._emit([s for s in batch.slots if not pieces[s.rid].more_input], out)
+        for s in live:
+            s.prefilled = True
+        # A multimodal prompt ran with its image placeholders expanded: the draft's rows follow
+        # the expanded ids (the request keeps its original prompt for replays).
+        ids = {s.rid: out.prompt_ids.get(s.rid) or pieces[s.rid].input_ids for s in live}
+        # A draft that starts a request (its whole prompt) and one that continues it (the last
+        # piece of a chunked prompt) are planned and stepped apart.
+        starts = [s for s in live if not s.on_draft]
+        continues = [s for s in live if s.on_draft]
         await asyncio.gather(
-            self._extend_pieces(more, out, pieces, shared),
-            self._propose([r for r in live if not pieces[r.rid].input_start], out, committed,
-                          new=True),
-            self._propose([r for r in live if pieces[r.rid].input_start], out, committed,
-                          new=False),
-        )  # fmt: skip
-
-    async def _extend_pieces(
-        self,
-        reqs: list[Request],
-        out: StepOutput,
-        pieces: dict[str, PrefillInput],
-        shared: bool,
-    ) -> None:
-        """Each request's draft extends over a piece before the last, without proposing: its
-        rows pair with the piece's ids and the next piece's first token."""
-        rows, groups = split_rows(out), defaultdict(list)
-        for r in reqs:
-            if r.rid in out.errors:
-                await self._on_target_error(r, out.errors[r.rid], shared)
-            elif not r.finished and r.placement.draft and self.policy.mode != "never":
-                piece, (feats, mm) = pieces[r.rid], rows[r.rid]
-                first = not piece.input_start
-                extend = ExtendInput(r.rid, piece.input_ids, next_context_token(r), feats, mm,
-                                     False, new=first)  # fmt: skip
-                groups[id(r.placement.draft)].append((r, extend))
-        await asyncio.gather(*(self._draft(g, Plan(tree_size=1)) for g in groups.values()))
-
-    def _observe(
-        self, reqs: list[Request], trees: list[VerifyInput], out: StepOutput, seconds: float
-    ) -> None:
-        """What the verify cost, and what each request's tree yielded, for the policy."""
-        size = max(v.tree.num_nodes for v in trees)
-        self.policy.observe_verify(reqs[0].placement.target.name, len(reqs), size, seconds)
-        for r, v in zip(reqs, trees, strict=True):
-            draft = r.placement.draft if r.placement is not None else None
-            if draft is not None and v.tree.num_nodes > 1 and r.rid in out.tokens:
-                self.policy.observe_round(draft.name, r.acceptance, v.tree, out.tokens[r.rid])
+            self.proposer.extend_pieces(more, out, pieces),
+            *(self.proposer.propose(group, out, ids) for group in (starts, continues)),
+        )
 
     # -- target --------------------------------------------------------------------------------
-    async def _target(self, reqs: list[Request], call: Callable[..., Awaitable[StepOutput]]):
+    async def _target(
+        self,
+        batch: Batch,
+        step: Callable[[Inputs], Awaitable[StepOutput]],
+        inputs: Inputs,
+    ) -> StepOutput | None:
+        """The target's answer to ``step(inputs)``, or None when it failed as a whole."""
         try:
-            return await call(reqs[0].placement.target)
-        except ServiceDownError as e:
-            await self._on_target_down(reqs, e)
+            return await step(inputs)
+        except ServiceDownError as e:  # each request is replayed on another replica
+            await self.core.failover(batch.slots, batch.target.name, e)
         except SpecmeshError as e:
-            for r in reqs:
-                self.core.fail(r, e)
-                await self.core.leave(r)
+            for s in batch.slots:
+                self.core.fail(s.request, e)
+                await self.core.leave(s)
         return None
 
-    async def _on_target_down(self, reqs: list[Request], error: ServiceDownError) -> None:
-        """Replay each request on another replica, up to ``max_replays`` times."""
-        self.core.replicas.breakers[reqs[0].placement.target.name].record_failure()
-        self.core.metrics.on_target_down(reqs)
-        for r in reqs:
-            r.replays += 1
-            if r.replays > self.core.cfg.max_replays:
-                gave_up = f"request {r.rid!r}: {error}; gave up after {r.replays - 1} replays"
-                self.core.fail(r, ServiceDownError(gave_up))
-            await self.core.leave(r, requeue=True)
+    async def _settle(self, slots: list[Slot], out: StepOutput) -> list[Slot]:
+        """The requests the target answered; each one it failed leaves (`_on_target_error`)."""
+        kept = []
+        for s in slots:
+            if s.rid in out.errors:
+                await self._on_target_error(s, out.errors[s.rid])
+            else:
+                kept.append(s)
+        return kept
 
+    async def _on_target_error(self, s: Slot, error: Exception) -> None:
+        """A preempted request (`Preempted`) goes back to the queue to be replayed (context +
+        emitted tokens) once space frees up, whatever its step was (a prefill, a draft tree, or
+        a bare root). Any other error fails it."""
+        wait = isinstance(error, Preempted)
+        if not wait:
+            self.core.fail(s.request, error)
+        await self.core.leave(s, requeue=wait)
+
+    # -- emit ----------------------------------------------------------------------------------
     async def _emit(
-        self,
-        reqs: list[Request],
-        out: StepOutput,
-        shared: bool,
-        tree_sizes: dict[str, int] | None = None,
-    ) -> list[Request]:
-        """Stream each request's new tokens (``tree_sizes``: the trees a verify round checked,
-        absent for a prefill); returns those that go on speculating. ``shared``: whether the
-        step's KV failures wait (`_shared`)."""
+        self, slots: list[Slot], out: StepOutput, trees: list[VerifyInput] | None = None
+    ) -> list[Slot]:
+        """Stream each request's new tokens (``trees``: what a verify round checked, absent for
+        a prefill); returns those that go on."""
+        sizes = {v.rid: v.tree.num_nodes for v in trees or ()}
         live = []
-        for r in reqs:
-            if r.rid in out.errors:
-                await self._on_target_error(r, out.errors[r.rid], shared)
-            elif not r.finished:  # an abort while the step ran: the worker retires it
-                chunk = r.emit(
-                    out.tokens[r.rid],
-                    tree_size=None if tree_sizes is None else tree_sizes[r.rid],
-                    logprobs=out.logprobs.get(r.rid),
-                    prompt_logprobs=_prompt_logprobs(out.prompt_logprobs.get(r.rid)),
-                )
-                if r.finished:  # free the state before the client hears the end
-                    await self.core.leave(r)
-                self.core.push(r, chunk)
-                if not r.finished:
-                    live.append(r)
+        for s in await self._settle(slots, out):
+            r = s.request
+            if r.finished:  # an abort while the step ran: the worker retires it
+                continue
+            chunk = r.emit(
+                out.tokens[s.rid],
+                tree_size=sizes.get(s.rid),
+                logprobs=out.logprobs.get(s.rid),
+                prompt_logprobs=_prompt_logprobs(out.prompt_logprobs.get(s.rid)),
+            )
+            if r.finished:  # free the state before the client hears the end
+                await self.core.leave(s)
+            self.core.push(r, chunk)
+            if not r.finished:
+                live.append(s)
+        if trees is not None:
+            self.core.metrics.on_round(slots, trees, out)
         return live
 
-    async def _on_target_error(self, r: Request, error: Exception, shared: bool) -> None:
-        """A full KV cache that other requests held during the step (``shared``, `_shared`)
-        means "wait": the target dropped the request (preempted it), which goes back to the
-        queue to be replayed (context + emitted tokens) once space frees up, whatever its step
-        was (a prefill, a draft tree, or a bare root: plain decoding, a failed or no draft). A
-        request that does not fit in the cache on its own fails, as does any other error."""
-        wait = isinstance(error, KVCacheFullError) and shared
-        if not wait:
-            self.core.fail(r, error)
-        await self.core.leave(r, requeue=wait)
-
-    # -- draft ---------------------------------------------------------------------------------
-    async def _propose(
-        self, live: list[Request], out: StepOutput, committed: Committed, *, new: bool
-    ) -> None:
-        """Extend each request's draft over what the target committed, then propose its next
-        tree, when the policy plans to speculate; requests without a draft, or not speculating,
-        verify a bare root (plain decoding) next round."""
-        rows = split_rows(out)
-        groups: dict[int, list[tuple[Request, ExtendInput]]] = defaultdict(list)
-        for r in live:
-            draft = r.placement.draft
-            if draft is not None and self.policy.mode == "never":
-                r.speculate = False  # for good: never resumed
-                await self.core.drop_draft(r, release=not new)
-            if r.placement.draft is None:
-                r.tree, r.draft_backlog = None, []
-                continue
-            feats, mm = rows.get(r.rid, (None, None))
-            ids, nxt = committed(r), out.tokens[r.rid][-1]
-            extend = ExtendInput(r.rid, ids, nxt, feats, mm, bool(r.images), new)
-            groups[id(draft)].append((r, extend))
-        await asyncio.gather(*(self._plan_and_draft(group, len(live)) for group in groups.values()))
-
-    async def _plan_and_draft(
-        self, group: list[tuple[Request, ExtendInput]], batch_size: int
-    ) -> None:
-        """The policy's plan for one draft's requests; without speculation their extends wait
-        (`draft_rows.held_back`) and the draft is not called, unless one must go now."""
-        placement = group[0][0].placement
-        draft = placement.draft
-        plan = self.policy.plan(
-            placement.target.name, draft.name, batch_size, [r.acceptance for r, _ in group],
-            draft.info.num_draft_tokens,
-        )  # fmt: skip
-        self.core.metrics.on_plan(placement.target.name, plan.tree_size)
-        send = []
-        for r, extend in group:
-            extend = held_back(r, extend)
-            rows = len(extend.committed_ids)
-            if plan.speculate or (extend.new and extend.is_multimodal) or rows >= MAX_BACKLOG_ROWS:
-                send.append((r, extend))
-            else:
-                r.draft_backlog, r.tree = [extend], None
-        if send:
-            await self._draft(send, plan)
-
-    async def _draft(self, group: list[tuple[Request, ExtendInput]], plan: Plan) -> None:
-        draft = group[0][0].placement.draft
-        breaker, deadline = self.core.replicas.breakers[draft.name], self.core.deadlines[draft.name]
-        started = time.monotonic()
-        try:
-            step = draft.step([e for _, e in group], plan.speculate)
-            res = await asyncio.wait_for(step, deadline.seconds)
-        except Exception as e:  # any draft failure only costs speculation, never a request
-            log.warning("draft %s failed (%s: %s); continuing without speculation",
-                        draft.name, type(e).__name__, e)  # fmt: skip
-            breaker.record_failure()
-            self.core.metrics.on_draft_failure(draft.name)
-            for r, _ in group:  # undo work it may still do for them (a late answer is dropped)
-                await self.core.drop_draft(r, release=True)
-            return
-        seconds = time.monotonic() - started
-        busy = self.policy.service_time(draft.name, started, started + seconds)
-        breaker.record_success()
-        deadline.observe(seconds)
-        self.core.metrics.on_draft_step(draft.name, seconds)
-        if plan.speculate and _steady([e for _, e in group], draft.info.num_draft_tokens):
-            self.policy.observe_draft(draft.name, len(group), busy)
-        for r, _ in group:
-            if r.rid in res.errors or (plan.speculate and r.rid not in res.trees):
-                await self._on_draft_error(r, res.errors.get(r.rid))
-            else:
-                tree = res.trees.get(r.rid)
-                r.tree = None if tree is None else tree.cut(plan.tree_size)
-
-    async def _on_draft_error(self, r: Request, error: Exception | None) -> None:
-        """The draft dropped this request. Lost state (the draft restarted: NOT_FOUND) is
-        rebuilt later by a replay; a refusal (e.g. images for an n-gram draft) is for good."""
-        if not isinstance(error, UnknownRequestError):
-            r.speculate = False
-        await self.core.drop_draft(r, release=False)
+    def _observe(self, batch: Batch, trees: list[VerifyInput], out: StepOutput) -> None:
+        """What each request's tree yielded, for the policy (its record and its draft's)."""
+        for s, v in zip(batch.slots, trees, strict=True):
+            draft = s.placement.draft if s.placement is not None else None
+            if draft is not None and v.tree.num_nodes > 1 and s.rid in out.tokens:
+                self.policy.observe_round(draft.name, s.acceptance, v.tree, out.tokens[s.rid])
 
 
-def _shared(placed: int, out: StepOutput) -> bool:
-    """Whether the requests that failed step ``out`` shared the target's KV cache with one that
-    still held it: ``placed`` were pinned to the target when the step was sent, the failed ones
-    among them, and the target dropped every failed one. Counted at send time, not when a
-    failure is handled: by then the requests that finished in this step have left, and their KV
-    was the pressure (a live count failed a request that only had to wait)."""
-    return placed > len(out.errors)
-
-
-def _steady(extends: list[ExtendInput], num_draft_tokens: int) -> bool:
-    """A draft step the policy's cost estimate stands for: each request extends over at most
-    one round's tokens (no prompt, no rounds held back)."""
-    return all(not e.new and len(e.committed_ids) <= num_draft_tokens for e in extends)
+def _verified_ids(live: list[Slot], out: StepOutput) -> dict[str, list[int]]:
+    """What a verify committed for each request that goes on: the root and the accepted tokens
+    (the bonus token is pending). ``emit`` appended all of ``out``'s tokens to a live request."""
+    return {s.rid: s.request.output_ids[-len(out.tokens[s.rid]) - 1 : -1] for s in live}
 
 
 def _prompt_logprobs(entries: list[Logprob] | None) -> list[Logprob | None] | None:
@@ -309,10 +194,11 @@ def _prompt_logprobs(entries: list[Logprob] | None) -> list[Logprob | None] | No
     return None if entries is None else [None, *entries]
 
 
-def _by_target(reqs: list[Request]) -> list[list[Request]]:
-    """Groups per pinned target; requests aborted meanwhile are left for the worker to retire."""
-    groups: dict[int, list[Request]] = defaultdict(list)
-    for r in reqs:
-        if not r.finished:
-            groups[id(r.placement.target)].append(r)
-    return list(groups.values())
+def _batches(slots: list[Slot]) -> list[Batch]:
+    """Batches per pinned target; requests aborted meanwhile are left for the worker to
+    retire."""
+    groups: dict[TargetReplica, list[Slot]] = {}
+    for s in slots:
+        if not s.request.finished:
+            groups.setdefault(s.placement.target, []).append(s)
+    return [Batch(target, group) for target, group in groups.items()]

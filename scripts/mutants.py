@@ -155,10 +155,17 @@ def mutate(scratch: Path, m: Mutant) -> None:
     path.write_text(text.replace(m.old, m.new))
 
 
+def shim_env(shim: Path) -> dict[str, str]:
+    """The shim first on the path, and no current folder before it: the scratch copy's own
+    ``specmesh/`` (the namespace root, without the mapped folders) would shadow the shim and let
+    the editable install import the real tree."""
+    return {**os.environ, "PYTHONPATH": str(shim), "PYTHONSAFEPATH": "1"}
+
+
 def run_tests(
     scratch: Path, shim: Path, tests: tuple[str, ...], stop_first: bool
 ) -> tuple[int, list[str]]:
-    env = {**os.environ, "PYTHONPATH": str(shim)}
+    env = shim_env(shim)
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf", *tests]
     if stop_first:
         cmd.insert(3, "-x")
@@ -170,9 +177,10 @@ def run_tests(
 
 
 def check_shim(scratch: Path, shim: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(shim)}
+    """Where the tests import from, run as they are (in the scratch copy)."""
     code = "import specmesh.router.request as m; print(m.__file__)"
-    where = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    where = subprocess.run([sys.executable, "-c", code], cwd=scratch, env=shim_env(shim),
+                           capture_output=True, text=True)  # fmt: skip
     if not where.stdout.startswith(str(shim)):
         raise SystemExit(f"the scratch copy is not what imports: {where.stdout or where.stderr}")
 

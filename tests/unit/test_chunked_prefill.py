@@ -29,6 +29,7 @@ from specmesh.router.engine import Engine
 from specmesh.router.in_process import InProcessDraft, InProcessTarget
 from specmesh.router.prefill_plan import plan_pieces
 from specmesh.router.request import Request
+from specmesh.router.slot import Slot
 from specmesh.target_service.runtime import TargetRuntime
 
 LONG = list(range(10, 50))  # 40 tokens: 6 pieces of at most 7
@@ -139,12 +140,13 @@ def test_target_refuses_bad_pieces_and_drops_their_request(tiny_dir: Path) -> No
 
 
 def test_plan_shares_the_budget_in_admission_order() -> None:
-    reqs = [Request("a", list(range(30)), SamplingParams()), Request("b", [1, 2], SamplingParams()),
-            Request("c", [3] * 5, SamplingParams(), images=[b"png"])]  # fmt: skip
-    assert plan_pieces(reqs, 0) == {"a": 30, "b": 2, "c": 5}
-    assert plan_pieces(reqs, 8) == {"a": 8}
-    reqs[0].prefill_sent = 27
-    assert plan_pieces(reqs, 8) == {"a": 3, "b": 2, "c": 5}  # images: one piece, whole
+    slots = [Slot(Request("a", list(range(30)), SamplingParams())),
+             Slot(Request("b", [1, 2], SamplingParams())),
+             Slot(Request("c", [3] * 5, SamplingParams(), images=[b"png"]))]  # fmt: skip
+    assert plan_pieces(slots, 0) == {"a": 30, "b": 2, "c": 5}
+    assert plan_pieces(slots, 8) == {"a": 8}
+    slots[0].prefill_sent = 27
+    assert plan_pieces(slots, 8) == {"a": 3, "b": 2, "c": 5}  # images: one piece, whole
     with pytest.raises(ValueError, match="prefill_chunk_tokens"):
         RouterConfig(prefill_chunk_tokens=-1)
 

@@ -45,7 +45,7 @@ def test_failed_target_is_used_again_after_cooldown(tiny_dir: Path, oracle) -> N
         flaky.armed = True
         with pytest.raises(ServiceDownError, match="no target replica"):
             await one([5, 6, 7])  # the only replica is cooling down: UNAVAILABLE, not a hang
-        assert core.replicas.breakers["flaky"].failures == 1 and core.num_live_targets == 0
+        assert core.replicas.targets[0].breaker.failures == 1 and core.num_live_targets == 0
         await asyncio.sleep(0.35)
         assert core.num_live_targets == 1
         second = await one([8, 9])  # the same replica serves again
