@@ -47,8 +47,9 @@ def _chunks() -> list:
 def test_steps_move_inline_on_cpu_and_stay_on_the_worker_on_a_gpu() -> None:
     async def run(device: str) -> list[str]:
         servicer = _Servicer()
+        servicer.inline = InlineSteps(max_ms=60_000)  # any machine's steps count as short
         runtime = SimpleNamespace(cfg=SimpleNamespace(device=device))
-        await servicer.attach(runtime)
+        await servicer.attach(runtime)  # a GPU runtime turns it off
         for _ in range(4):
             await servicer._step(runtime, None, _chunks())
         servicer.worker.shutdown()
