@@ -118,6 +118,17 @@ MUTANTS = (
         "pass  # mutant: no ancestors",
         ORACLE_TESTS,
     ),
+    Mutant(
+        "tree-draws-keyed-by-request",
+        "verify draws every tree node's token with the key of the request's next position, not the node's own",
+        "target_service/acceptance.py",
+        "target_ids = draw_tokens(padded, params, generated).view(bs, n_max)",
+        "target_ids = draw_tokens(padded, params, [i.sample_offset for i in inputs for _ in range(n_max)]).view(bs, n_max)",
+        (
+            "tests/unit/test_seeded_sampling.py",
+            "tests/integration/test_grpc_services.py::test_a_seed_fixes_the_output_through_the_cluster",
+        ),
+    ),
 )
 
 
