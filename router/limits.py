@@ -42,6 +42,13 @@ class RouterLimits:
     max_image_bytes: int = MAX_IMAGE_BYTES  # encoded bytes of one image
     max_queued_prompts: int = 64  # text prompts tokenizing or waiting to; more: RESOURCE_EXHAUSTED
     tokenizer_threads: int = 2
+    # The HTTP API's own (`specmesh.router.openai_body`): counts read off the parsed JSON before
+    # any model is built, and how long a client may take to send one request.
+    max_choices_per_request: int = 128  # completions: prompts x n; chat: n
+    max_messages: int = 2048  # chat messages in one request
+    max_content_parts: int = 2048  # chat content parts, all messages together
+    http_header_timeout_s: float = 30.0  # connection (or previous response) to end of headers
+    http_body_timeout_s: float = 60.0  # end of headers to end of body: 408 past it
 
 
 class TokenizerBusyError(SpecmeshError):

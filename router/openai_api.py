@@ -2,11 +2,14 @@
 router's own event loop (`specmesh.router.openai_server`; responses in `openai_views`, streaming
 plumbing in `openai_stream`).
 
-    POST /v1/completions, /v1/chat/completions    one `Request` per (prompt, n) choice, built by
+    POST /v1/completions, /v1/chat/completions    the body read and counted first
+                                                 (`openai_body`: size, JSON values, prompts x n,
+                                                 messages, images), then one `Request` per
+                                                 (prompt, n) choice, built by
                                                  `GenerationServicer._make_request` (the gRPC
                                                  path's limits, tokenizer threads and checks)
     GET  /v1/models, /metrics                    the served model; the router's Prometheus registry
-    GET  /health                                 200 once every service answered (no API key)
+    GET  /health (and HEAD)                      200 once every service answered (no API key)
 
 A choice's chunks come from ``RouterCore.generate``; several choices are merged as they arrive.
 Closing the merged stream (the client went away, a streaming response was cancelled, a
@@ -20,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -32,26 +34,26 @@ from fastapi.responses import JSONResponse, Response
 from specmesh.protocol.sampling import SamplingParams
 from specmesh.protocol.steps import Logprob
 from specmesh.router.chat import ChatRenderer, read_template
+from specmesh.router.openai_body import (
+    BodyBudget,
+    Prompt,
+    chat_budget,
+    completion_budget,
+    parse_chat,
+    parse_completion,
+    read_json,
+)
 from specmesh.router.openai_schema import (
-    ChatBody,
     CompletionBody,
     OpenAIError,
     SamplingBody,
     TokenEntry,
-    as_openai_error,
+    reported,
 )
-from specmesh.router.openai_stream import (
-    merge,
-    read_body,
-    sse_event,
-    sse_response,
-    unless_disconnected,
-)
+from specmesh.router.openai_stream import merge, sse_event, sse_response, unless_disconnected
 from specmesh.router.openai_views import ChatView, Choice, CompletionView
 from specmesh.rpc.security import model_name
 from specmesh.v1 import generation_pb2
-
-log = logging.getLogger(__name__)
 
 
 class OpenAIService:
@@ -59,14 +61,11 @@ class OpenAIService:
 
     def __init__(self, servicer, settings) -> None:
         self.servicer, self.settings, self.host = servicer, settings, servicer.host
+        self.limits = settings.limits
         self.template = read_template(settings.chat_template) if settings.chat_template else None
         self._chat: ChatRenderer | None = None
-        limits = settings.limits  # JSON escapes, chat framing, base64 images (4/3)
-        self.max_body_bytes = (
-            6 * limits.max_prompt_bytes
-            + limits.max_images_per_request * (limits.max_image_bytes * 4 // 3 + 64)
-            + (64 << 10)
-        )
+        self._budgets: dict[str, BodyBudget] = {}  # per endpoint, once the target is known
+        self._special_ids: frozenset[int] | None = None
 
     # -- shared steps --------------------------------------------------------------------------
     @property
@@ -87,6 +86,24 @@ class OpenAIService:
                 404, f"the model {name!r} does not exist; this router serves {self.model!r}",
                 param="model", code="model_not_found",
             )  # fmt: skip
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        return self.core.targets[0].info_pb.max_context_len - 1
+
+    def budget(self, endpoint: str) -> BodyBudget:
+        """What a body of ``endpoint`` may hold (503 until the target is known)."""
+        if not self._budgets:
+            vocab = self.core.info.vocab_size
+            self._budgets = {
+                "completions": completion_budget(self.limits, self.max_prompt_tokens, vocab),
+                "chat": chat_budget(self.limits),
+            }
+        return self._budgets[endpoint]
+
+    async def read(self, http: HttpRequest, endpoint: str) -> dict:
+        budget = self.budget(endpoint)
+        return await read_json(http, budget, self.limits.http_body_timeout_s)
 
     @contextlib.asynccontextmanager
     async def work(self) -> AsyncIterator[None]:
@@ -128,29 +145,31 @@ class OpenAIService:
         )  # fmt: skip
 
     async def make_choices(
-        self, rid: str, prompts: list[str | list[int]], n: int, params: SamplingParams,
+        self, rid: str, prompts: list[Prompt], n: int, params: SamplingParams,
         max_tokens: int | None, images: list[bytes] = (), echo: bool = False,
+        score_only: bool = False,
     ) -> list[Choice]:  # fmt: skip
         """One request per (prompt, n): seeds ``seed + j`` (or fresh ones), the limits checked
-        by `_make_request` on a `GenerateRequest` holding the sizes it reads."""
+        by `_make_request` on a `GenerateRequest` holding the sizes it reads. A text prompt is
+        tokenized once: its other choices are built from its ids."""
         choices = []
         for i, prompt in enumerate(prompts):
-            text, ids = (prompt, []) if isinstance(prompt, str) else ("", prompt)
+            shown = None
             for j in range(n):
                 index = i * n + j
                 seed = None if params.seed is None else params.seed + j
-                msg = generation_pb2.GenerateRequest(
-                    request_id=f"{rid}-{index}", prompt=text, prompt_token_ids=ids,
-                    sampling=generation_pb2.SamplingParams(
-                        max_new_tokens=max_tokens or 0, stop=params.stop,
-                        stop_token_ids=params.stop_token_ids,
-                    ),
-                    images=images,
-                )  # fmt: skip
+                msg = _message(f"{rid}-{index}", prompt, params, max_tokens, images)
                 req = await self.servicer._make_request(self.core, msg, replace(params, seed=seed))
-                shown = (text or self.decode(ids)) if echo else ""
-                choices.append(Choice(index, req, shown))
+                if j == 0:
+                    shown = self.shown(msg.prompt, req.prompt_ids) if echo else None
+                    if isinstance(prompt, str):
+                        prompt = list(req.prompt_ids)
+                choices.append(Choice(index, i, req, shown, score_only))
         return choices
+
+    def shown(self, text: str, ids: list[int]) -> str:
+        """The prompt as ``echo`` returns it: its text, or its ids decoded."""
+        return text or self.decode(ids)
 
     def decode(self, ids: list[int]) -> str:
         tok = self.servicer.tokenizer
@@ -160,15 +179,23 @@ class OpenAIService:
         tok = self.servicer.tokenizer
         return tok.decode([token_id]) if tok is not None else f"token_id:{token_id}"
 
+    @property
+    def special_ids(self) -> frozenset[int]:
+        """Tokens the returned text omits (``skip_special_tokens``)."""
+        if self._special_ids is None:
+            tok = self.servicer.tokenizer
+            self._special_ids = frozenset(getattr(tok, "all_special_ids", None) or ())
+        return self._special_ids
+
     def entries(self, pairs: list[tuple[int, Logprob | None]]) -> list[TokenEntry]:
-        return [
-            (
-                self.token_text(tid),
-                lp.logprob if lp is not None else None,
-                [(self.token_text(t), v) for t, v in lp.top] if lp is not None else [],
-            )
-            for tid, lp in pairs
-        ]
+        return [self.entry(tid, lp) for tid, lp in pairs]
+
+    def entry(self, token_id: int, lp: Logprob | None) -> TokenEntry:
+        text = self.token_text(token_id)
+        width = 0 if token_id in self.special_ids else len(text)
+        if lp is None:
+            return TokenEntry(text, width, None, [])
+        return TokenEntry(text, width, lp.logprob, [(self.token_text(t), v) for t, v in lp.top])
 
     @property
     def chat(self) -> ChatRenderer:
@@ -182,28 +209,26 @@ class OpenAIService:
 
     # -- endpoints -----------------------------------------------------------------------------
     async def completions(self, http: HttpRequest) -> Response:
-        body = await read_body(http, CompletionBody, self.max_body_bytes)
+        obj = await self.read(http, "completions")
+        body, prompts = parse_completion(obj, self.limits, self.max_prompt_tokens)
         async with self.work():
             self.check_model(body.model)
             if body.suffix:
                 raise OpenAIError(400, "suffix is not supported", param="suffix")
             if body.best_of not in (None, body.n):
                 raise OpenAIError(400, "best_of must equal n", param="best_of")
-            prompts = _prompt_list(body.prompt)
+            score_only = _scores_only(body)
+            max_tokens = 1 if score_only else body.max_tokens  # vLLM: one token, never shown
             lp = body.logprobs
-            params = self.sampling(body, body.max_tokens, lp, lp if body.echo else None, body.seed)
+            params = self.sampling(body, max_tokens, lp, lp if body.echo else None, body.seed)
             rid = f"cmpl-{uuid.uuid4().hex}"
             choices = await self.make_choices(
-                rid, prompts, body.n, params, body.max_tokens, echo=body.echo
+                rid, prompts, body.n, params, max_tokens, echo=body.echo, score_only=score_only
             )
-            view = CompletionView(self, rid, body.logprobs is not None)
-            if body.stream:
-                return sse_response(self.stream(choices, view, body.include_usage))
-            await unless_disconnected(http, self.run(choices))
-            return JSONResponse(view.response(choices))
+            return await self.answer(http, choices, CompletionView(self, rid, lp is not None), body)
 
     async def chat_completions(self, http: HttpRequest) -> Response:
-        body = await read_body(http, ChatBody, self.max_body_bytes)
+        body = parse_chat(await self.read(http, "chat"), self.limits)
         async with self.work():
             self.check_model(body.model)
             if body.tools:
@@ -214,6 +239,9 @@ class OpenAIService:
                     "chat_template is set by the router (--chat-template)",
                     param="chat_template",
                 )
+            if body.max_new_tokens == 0:
+                name = body.max_tokens_param
+                raise OpenAIError(400, f"{name} must be at least 1, got 0", param=name)
             messages, images = self.chat.flatten(body.messages)
             prompt = await asyncio.to_thread(self.chat.render, messages)
             lp = (body.top_logprobs or 0) if body.logprobs else None
@@ -222,11 +250,17 @@ class OpenAIService:
             choices = await self.make_choices(
                 rid, [prompt], body.n, params, body.max_new_tokens, images
             )
-            view = ChatView(self, rid, body.logprobs)
-            if body.stream:
-                return sse_response(self.stream(choices, view, body.include_usage))
-            await unless_disconnected(http, self.run(choices))
-            return JSONResponse(view.response(choices))
+            return await self.answer(http, choices, ChatView(self, rid, body.logprobs), body)
+
+    async def answer(
+        self, http: HttpRequest, choices: list[Choice], view, body: SamplingBody
+    ) -> Response:
+        """The SSE stream, or the whole response once every choice ended (aborted if the client
+        goes away first)."""
+        if body.stream:
+            return sse_response(self.stream(choices, view, body.include_usage))
+        await unless_disconnected(http, self.run(choices))
+        return JSONResponse(view.response(choices))
 
     async def run(self, choices: list[Choice]) -> None:
         async for i, chunk in merge([self.core.generate(c.req) for c in choices]):
@@ -248,26 +282,38 @@ class OpenAIService:
                     {**view.header("chunk"), "choices": [], "usage": view.usage(choices)}, True
                 )
         except Exception as e:  # the status line is gone: report it in the stream
-            error = as_openai_error(e)
-            if error.status >= 500:
-                log.error("streamed request failed", exc_info=e)
+            error = reported(e, "a streamed request")
             yield f"data: {json.dumps(error.body())}\n\n"
         yield "data: [DONE]\n\n"
 
-    def models(self) -> dict:
+    async def models(self, _http: HttpRequest) -> Response:
         core = self.core
         card = {
             "id": self.model, "object": "model", "created": int(time.time()),
             "owned_by": "specmesh", "max_model_len": core.targets[0].info_pb.max_context_len,
         }  # fmt: skip
-        return {"object": "list", "data": [card]}
+        return JSONResponse({"object": "list", "data": [card]})
 
 
-def _prompt_list(prompt) -> list[str | list[int]]:
-    if isinstance(prompt, str):
-        return [prompt]
-    if not prompt:
-        raise OpenAIError(400, "prompt is empty", param="prompt")
-    if isinstance(prompt[0], int):
-        return [list(prompt)]
-    return [p if isinstance(p, str) else list(p) for p in prompt]
+def _scores_only(body: CompletionBody) -> bool:
+    """``max_tokens: 0`` asks for the prompt's logprobs alone: only with ``echo`` (vLLM)."""
+    if body.max_tokens != 0:
+        return False
+    if not body.echo:
+        raise OpenAIError(
+            400, "max_tokens must be at least 1, got 0 (0 only with echo: the prompt and its "
+            "logprobs, no completion)", param="max_tokens",
+        )  # fmt: skip
+    return True
+
+
+def _message(
+    rid: str, prompt: Prompt, params: SamplingParams, max_tokens: int | None, images: list[bytes]
+) -> generation_pb2.GenerateRequest:
+    text, ids = (prompt, []) if isinstance(prompt, str) else ("", prompt)
+    sampling = generation_pb2.SamplingParams(
+        max_new_tokens=max_tokens or 0, stop=params.stop, stop_token_ids=params.stop_token_ids
+    )
+    return generation_pb2.GenerateRequest(
+        request_id=rid, prompt=text, prompt_token_ids=ids, sampling=sampling, images=images
+    )

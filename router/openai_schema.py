@@ -9,11 +9,15 @@ ignored, as OpenAI and vLLM do.
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
 
 from specmesh.protocol.errors import SpecmeshError
+
+log = logging.getLogger(__name__)
 
 # specmesh / gRPC status -> HTTP status (README "OpenAI-compatible HTTP").
 HTTP_STATUS = {
@@ -41,13 +45,16 @@ ERROR_TYPE = {
 
 
 class OpenAIError(Exception):
-    """An error answered as OpenAI's ``{"error": {message, type, param, code}}``."""
+    """An error answered as OpenAI's ``{"error": {message, type, param, code}}``; ``close``:
+    the connection is closed after it (a body refused before it was all read)."""
 
     def __init__(
-        self, status: int, message: str, *, param: str | None = None, code: str | None = None
-    ) -> None:
+        self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+        close: bool = False,
+    ) -> None:  # fmt: skip
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.close = close
 
     def body(self) -> dict:
         if self.status >= 500 and self.status not in ERROR_TYPE:
@@ -56,6 +63,15 @@ class OpenAIError(Exception):
             kind = ERROR_TYPE.get(self.status, "invalid_request_error")
         error = {"message": self.message, "type": kind, "param": self.param, "code": self.code}
         return {"error": error}
+
+
+class ClientGone(OpenAIError):
+    """The client closed the connection (``when``: while sending its body, before its
+    response): nobody reads the answer, and it is logged as one line."""
+
+    def __init__(self, when: str) -> None:
+        super().__init__(499, f"the client closed the connection {when}", code="cancelled")
+        self.when = when
 
 
 def as_openai_error(exc: BaseException) -> OpenAIError:
@@ -69,6 +85,20 @@ def as_openai_error(exc: BaseException) -> OpenAIError:
     else:
         return OpenAIError(500, f"internal error: {type(exc).__name__}", code="internal_error")
     return OpenAIError(HTTP_STATUS.get(code, 500), str(exc), code=code.lower())
+
+
+def reported(exc: Exception, where: str) -> OpenAIError:
+    """``exc`` as the error to answer, logged as it deserves: a refusal (< 500) not at all, a
+    client gone one INFO line, an unavailable service one WARNING line, and only an internal
+    error (a bug) with its traceback."""
+    error = as_openai_error(exc)
+    if isinstance(exc, ClientGone):
+        log.info("HTTP client went away %s (%s)", exc.when, where)
+    elif error.code == "internal_error":  # not an error raised on purpose
+        log.error("%s failed", where, exc_info=exc)
+    elif error.status >= 500:
+        log.warning("%s answered %d: %s", where, error.status, error.message)
+    return error
 
 
 # -- request bodies ----------------------------------------------------------------------------
@@ -112,8 +142,9 @@ class SamplingBody(BaseModel):
 
 
 class CompletionBody(SamplingBody):
-    prompt: str | list[str] | list[NonNegativeInt] | list[list[NonNegativeInt]]
-    max_tokens: NonNegativeInt | None = 16  # OpenAI's default; None: the router's default
+    # ``prompt`` (text, token ids, or a list of either) is counted and shape-checked without
+    # pydantic, before this model is built: `specmesh.router.openai_body.parse_completion`.
+    max_tokens: int | None = Field(16, ge=0, lt=2**31)  # OpenAI's; None: the router's default
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None  # refused (no insertion)
@@ -142,20 +173,21 @@ class ChatMessage(BaseModel):
 
 class ChatBody(SamplingBody):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: NonNegativeInt | None = None  # None: the router's default (--max-new-tokens)
-    max_completion_tokens: NonNegativeInt | None = None  # wins over max_tokens
+    max_tokens: int | None = Field(None, ge=0, lt=2**31)  # None: the router's --max-new-tokens
+    max_completion_tokens: int | None = Field(None, ge=0, lt=2**31)  # wins over max_tokens
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[Any] | None = None  # refused when not empty
     chat_template: str | None = None  # refused: the router's template (--chat-template) only
 
     @property
+    def max_tokens_param(self) -> str:
+        """The field that sets the completion's length (``max_completion_tokens`` wins)."""
+        return "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
+
+    @property
     def max_new_tokens(self) -> int | None:
-        return (
-            self.max_completion_tokens
-            if self.max_completion_tokens is not None
-            else (self.max_tokens)
-        )
+        return getattr(self, self.max_tokens_param)
 
 
 # -- response pieces ---------------------------------------------------------------------------
@@ -168,21 +200,27 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     }
 
 
-# One token's logprobs as text: (token text, logprob or None, [(alternative text, logprob)]).
-TokenEntry = tuple[str, "float | None", list[tuple[str, float]]]
+@dataclass(frozen=True)
+class TokenEntry:
+    """One token's logprobs as text."""
+
+    text: str  # the token alone, decoded (a special token by its name)
+    width: int  # characters it adds to the returned text: 0 for a special token it omits
+    logprob: float | None  # None: the first prompt token under ``echo``
+    top: list[tuple[str, float]]  # alternatives: (text, logprob)
 
 
 def completion_logprobs(entries: list[TokenEntry], text_offset: int) -> dict:
-    """OpenAI's legacy completions shape (a logprob of None: the first prompt token under
-    ``echo``); ``top_logprobs`` maps token text to logprob and includes the chosen token, as
-    vLLM does."""
+    """OpenAI's legacy completions shape, ``text_offset`` counted from ``text_offset`` by each
+    token's width; ``top_logprobs`` maps token text to logprob and includes the chosen token,
+    as vLLM does."""
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
-    for text, logprob, top in entries:
-        tokens.append(text)
+    for e in entries:
+        tokens.append(e.text)
         offsets.append(text_offset)
-        text_offset += len(text)
-        token_logprobs.append(logprob)
-        top_logprobs.append(None if logprob is None else {text: logprob, **dict(top)})
+        text_offset += e.width
+        token_logprobs.append(e.logprob)
+        top_logprobs.append(None if e.logprob is None else {e.text: e.logprob, **dict(e.top)})
     return {
         "tokens": tokens,
         "token_logprobs": token_logprobs,
@@ -199,7 +237,6 @@ def chat_logprobs(entries: list[TokenEntry]) -> dict:
         "bytes": list(text.encode("utf-8")),
     }
     content = [
-        {**item(text, logprob), "top_logprobs": [item(t, v) for t, v in top]}
-        for text, logprob, top in entries
+        {**item(e.text, e.logprob), "top_logprobs": [item(t, v) for t, v in e.top]} for e in entries
     ]
     return {"content": content}

@@ -1,18 +1,16 @@
 """Streaming plumbing of the HTTP API: merging several requests' chunk streams, SSE events,
-cancelling work when the client goes away, and reading a size-capped JSON body."""
+cancelling work when the client goes away."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 
-import pydantic
 from fastapi import Request as HttpRequest
 from fastapi.responses import StreamingResponse
 
-from specmesh.router.openai_schema import OpenAIError
+from specmesh.router.openai_schema import ClientGone
 from specmesh.router.request import Chunk
 
 
@@ -48,20 +46,28 @@ async def merge(streams: list[AsyncIterator[Chunk]]) -> AsyncIterator[tuple[int,
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def unless_disconnected(http: HttpRequest, work) -> None:
-    """Run ``work``; cancel it if the client goes away first (non-streaming responses)."""
+async def unless_disconnected(http: HttpRequest, work: Awaitable[None]) -> None:
+    """Run ``work``; cancel it the moment the client goes away (non-streaming responses).
+
+    Once the body is read, the server's ``receive`` answers only ``http.disconnect``, when the
+    connection closes: awaiting it costs nothing and wakes at once (no polling). It needs the
+    raw ``receive``: a `BaseHTTPMiddleware` in front would hide the disconnect."""
     task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnect(http))
     try:
-        while not task.done():
-            await asyncio.wait({task}, timeout=0.25)
-            if not task.done() and await http.is_disconnected():
-                raise OpenAIError(499, "the client closed the connection", code="cancelled")
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            raise ClientGone("before its response")
         task.result()
     finally:
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        for t in (task, gone):
+            t.cancel()
+        await asyncio.gather(task, gone, return_exceptions=True)
+
+
+async def _disconnect(http: HttpRequest) -> None:
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
 
 
 def sse_event(obj: dict, include_usage: bool) -> str:
@@ -73,35 +79,3 @@ def sse_event(obj: dict, include_usage: bool) -> str:
 def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-
-
-async def read_body(http: HttpRequest, model: type[pydantic.BaseModel], limit: int):
-    """The JSON body as ``model``: 413 past ``limit`` bytes (from Content-Length, else while
-    reading), 400 when it does not parse or validate."""
-    declared = http.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise _too_large(int(declared), limit)
-    data = bytearray()
-    async for part in http.stream():
-        data += part
-        if len(data) > limit:
-            raise _too_large(len(data), limit)
-    try:
-        return model.model_validate_json(bytes(data))
-    except pydantic.ValidationError as e:
-        first = e.errors()[0]
-        param = ".".join(str(x) for x in first["loc"]) or None
-        raise OpenAIError(
-            400, f"invalid request body: {param}: {first['msg']}", param=param
-        ) from None
-
-
-def _too_large(size: int, limit: int) -> OpenAIError:
-    return OpenAIError(
-        413, f"request body of {size} bytes exceeds the limit of {limit} (derived from "
-        "--max-prompt-bytes, --max-images-per-request and --max-image-bytes)",
-        code="request_too_large",
-    )  # fmt: skip
-
-
-# -- the app and its server ----------------------------------------------------------------------

@@ -9,35 +9,66 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from specmesh.protocol.steps import Logprob
-from specmesh.router.openai_schema import chat_logprobs, completion_logprobs, usage
+from specmesh.router.openai_schema import (
+    TokenEntry,
+    chat_logprobs,
+    completion_logprobs,
+    usage,
+)
 from specmesh.router.request import Chunk, Request
 
 if TYPE_CHECKING:
     from specmesh.router.openai_api import OpenAIService
 
 
+Pairs = list[tuple[int, "Logprob | None"]]  # (token id, its logprob)
+
+
 @dataclass
 class Choice:
     """One (prompt, n) choice: its request and what it produced so far."""
 
-    index: int
+    index: int  # prompt_index * n + j
+    prompt_index: int
     req: Request
-    echo: str = ""  # the prompt's text, returned before the completion (``echo``)
+    echo: str | None = None  # ``echo``: the prompt's text, returned before the completion
+    score_only: bool = False  # ``echo`` with ``max_tokens: 0``: its one token is never shown
     text: str = ""
     logprobs: list[Logprob] = field(default_factory=list)
     prompt_logprobs: list[Logprob | None] | None = None
     finish_reason: str | None = None
+    echoed: bool = False  # streaming: the echo went out (with the first chunk, as vLLM)
+    width: int = 0  # streaming: the widths of the completion tokens sent (their text_offset)
 
     def add(self, chunk: Chunk) -> None:
-        self.text += chunk.text
-        self.logprobs += chunk.logprobs or []
         if chunk.prompt_logprobs is not None:
             self.prompt_logprobs = chunk.prompt_logprobs
-        self.finish_reason = chunk.finish_reason or self.finish_reason
+        reason = chunk.finish_reason or self.finish_reason
+        if self.score_only:  # it asked for no tokens: it ends by length
+            self.finish_reason = "length" if reason in ("stop", "length") else reason
+            return
+        self.finish_reason = reason
+        self.text += chunk.text
+        self.logprobs += chunk.logprobs or []
+
+    @property
+    def output_ids(self) -> list[int]:
+        return [] if self.score_only else self.req.output_ids
+
+    @property
+    def num_generated(self) -> int:
+        return 0 if self.score_only else self.req.num_generated
+
+    def prompt_pairs(self) -> Pairs:
+        if self.echo is None or self.prompt_logprobs is None:
+            return []
+        return list(zip(self.req.prompt_ids, self.prompt_logprobs, strict=False))
 
 
 class CompletionView:
-    """``text_completion`` objects from choices and chunks."""
+    """``text_completion`` objects from choices and chunks. With ``echo``, the prompt's text and
+    logprobs come first (offsets from 0); the completion's offsets start where its text does
+    and grow by each token's width (`TokenEntry.width`), streamed or not."""
 
     def __init__(self, api: OpenAIService, rid: str, logprobs: bool) -> None:
         self.api, self.rid, self.want_logprobs = api, rid, logprobs
@@ -54,40 +85,47 @@ class CompletionView:
     def usage(self, choices: list[Choice]) -> dict:
         return usage_of(choices)
 
-    def logprobs(self, c: Choice, ids: list[int], lps: list[Logprob], offset: int) -> dict | None:
+    def entries(self, pairs: Pairs) -> list[TokenEntry]:
+        return self.api.entries(pairs) if self.want_logprobs else []
+
+    def logprobs(self, segments: list[tuple[list[TokenEntry], int]]) -> dict | None:
+        """OpenAI's shape for consecutive runs of tokens, each run's offsets from its start."""
         if not self.want_logprobs:
             return None
-        pairs = list(zip(ids, lps, strict=False))
-        if c.echo and offset == 0 and c.prompt_logprobs is not None:
-            pairs = list(zip(c.req.prompt_ids, c.prompt_logprobs, strict=False)) + pairs
-        return completion_logprobs(self.api.entries(pairs), offset)
+        runs = [completion_logprobs(entries, start) for entries, start in segments]
+        return {key: [x for run in runs for x in run[key]] for key in runs[0]}
 
     def response(self, choices: list[Choice]) -> dict:
-        out = [
-            {
-                "index": c.index, "text": c.echo + c.text,
-                "logprobs": self.logprobs(c, c.req.output_ids, c.logprobs, 0),
+        out = []
+        for c in choices:
+            echo = c.echo or ""
+            output = self.entries(list(zip(c.output_ids, c.logprobs, strict=False)))
+            prompt = self.entries(c.prompt_pairs())
+            out.append({
+                "index": c.index, "text": echo + c.text,
+                "logprobs": self.logprobs([(prompt, 0), (output, len(echo))]),
                 "finish_reason": c.finish_reason,
-            }
-            for c in choices
-        ]  # fmt: skip
+            })  # fmt: skip
         return {**self.header(""), "choices": out, "usage": self.usage(choices)}
 
-    def first_chunk(self, c: Choice) -> dict | None:
-        if not c.echo:
-            return None
-        choice = {"index": c.index, "text": c.echo, "logprobs": None, "finish_reason": None}
-        return {**self.header(""), "choices": [choice]}
+    def first_chunk(self, _c: Choice) -> None:
+        return None  # the echo goes with the first chunk, which brings the prompt's logprobs
 
     def chunk(self, c: Choice, chunk: Chunk) -> dict:
-        lps = self.logprobs(
-            c, chunk.token_ids, chunk.logprobs or [], len(c.echo) + len(c.text) - len(chunk.text)
-        )
+        """The chunk's text and logprobs, offsets continuing the choice's (so the chunks join
+        into the whole response); the echo and the prompt's logprobs first."""
+        text, pairs = ("", []) if c.score_only else (chunk.text, chunk.token_ids)
+        entries = self.entries(list(zip(pairs, chunk.logprobs or [], strict=False)))
+        segments = [(entries, len(c.echo or "") + c.width)]
+        c.width += sum(e.width for e in entries)
+        if c.echo is not None and not c.echoed:
+            c.echoed = True
+            text, segments = c.echo + text, [(self.entries(c.prompt_pairs()), 0), *segments]
         choice = {
             "index": c.index,
-            "text": chunk.text,
-            "logprobs": lps,
-            "finish_reason": chunk.finish_reason,
+            "text": text,
+            "logprobs": self.logprobs(segments),
+            "finish_reason": c.finish_reason if chunk.finish_reason else None,
         }
         return {**self.header(""), "choices": [choice]}
 
@@ -138,5 +176,6 @@ class ChatView:
 
 
 def usage_of(choices: list[Choice]) -> dict:
-    prompts = {c.index: len(c.req.prompt_ids) for c in choices}  # every choice counts its prompt
-    return usage(sum(prompts.values()), sum(c.req.num_generated for c in choices))
+    """Each prompt's tokens once, whatever ``n`` (as vLLM); every choice's completion tokens."""
+    prompts = {c.prompt_index: len(c.req.prompt_ids) for c in choices}
+    return usage(sum(prompts.values()), sum(c.num_generated for c in choices))
