@@ -80,6 +80,17 @@ async def serve_router(
     return service
 
 
+def serve_http_router(stack, template_dir: Path, template: str, **core):
+    """A router with the HTTP API over ``stack``'s target and draft, its chat template
+    ``template`` written under ``template_dir`` (``--chat-template``)."""
+    path = template_dir / "template.jinja"
+    path.write_text(template)
+    settings = {"chat_template": str(path)}
+    return stack.loop.run(
+        serve_router(stack.target, stack.draft, http_port=0, settings=settings, **core)
+    )
+
+
 def count_batches(servicer) -> dict:
     """Count the Step batches a servicer runs and the status codes of their results (wraps its
     hook on the instance)."""

@@ -29,6 +29,7 @@ from grpc_harness import (
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from oracle_draft import mean_accept, oracle_draft_runtime
+from procs import is_empty, occupancy
 
 from specmesh.client import GenerationClient
 from specmesh.draft_service.runtime import load_draft
@@ -111,6 +112,38 @@ def test_32_concurrent_streams_are_all_correct(stack) -> None:
         assert ids == stack.expected(prompt, n)
 
 
+def test_two_routers_sharing_services_take_the_same_client_ids(stack) -> None:
+    """A rolling update: two routers on one target and one draft, each streaming requests with
+    the same client ids at once. Service-side ids carry a per-router prefix, so nothing collides
+    (issue 33 #8: ALREADY_EXISTS), every output is exact and both services hold nothing after."""
+    other = stack.loop.run(serve_router(stack.target, stack.draft))
+    n, results = 12, {}
+
+    def run(port: int, i: int) -> None:
+        with GenerationClient(f"127.0.0.1:{port}") as client:
+            call = client.generate(
+                prompt_token_ids=PROMPTS[i], sampling=greedy(n), request_id=f"req-{i}"
+            )
+            results[port, i] = collect(call)[0]
+
+    try:
+        ports = (stack.router.port, other.port)
+        threads = [threading.Thread(target=run, args=(p, i)) for p in ports for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        for port in ports:
+            for i, prompt in enumerate(PROMPTS):
+                assert results.get((port, i)) == stack.expected(prompt, n), (port, i)
+    finally:
+        stack.loop.run(other.stop(0.5))
+    services = {"target": stack.target.host.port, "draft": stack.draft.host.port}
+    held = lambda: {k: occupancy(f"127.0.0.1:{p}", k) for k, p in services.items()}
+    assert wait_until(lambda: all(is_empty(o) for o in held().values())), held()
+    assert not stack.target.runtime.requests and not stack.draft.runtime.live
+
+
 @pytest.mark.parametrize("how", ["cancel", "deadline"])
 def test_ended_stream_frees_kv_in_both_services(stack, how: str) -> None:
     call = stack.client.generate(
@@ -176,6 +209,20 @@ def test_health_reflection_and_info(stack) -> None:
     info = stack.client.info()
     assert (info.vocab_size, info.draft_kind, info.num_draft_tokens) == (320, "eagle3", 6)
     assert info.num_target_replicas == 1 and info.num_draft_replicas == 1
+
+
+def test_health_cli_prints_the_real_status(stack, capsys: pytest.CaptureFixture) -> None:
+    """``specmesh health``: SERVING exits 0; a service the server does not know (NOT_FOUND) is
+    SERVICE_UNKNOWN with exit 3, not NOT SERVING (issue 33 #16); nobody listening exits 1."""
+    from specmesh.cli.main import main
+
+    address = f"127.0.0.1:{stack.target.host.port}"
+    assert main(["health", address, "--service", "specmesh.v1.Target"]) == 0
+    assert capsys.readouterr().err.strip() == f"{address} specmesh.v1.Target: SERVING"
+    assert main(["health", address, "--service", "nope"]) == 3
+    assert capsys.readouterr().err.strip() == f"{address} nope: SERVICE_UNKNOWN"
+    assert main(["health", "127.0.0.1:1", "--timeout", "1"]) == 1
+    assert capsys.readouterr().err.strip() == "127.0.0.1:1 (server): UNAVAILABLE"
 
 
 def test_restarted_draft_is_used_again(stack) -> None:

@@ -16,7 +16,7 @@ from itertools import chain, repeat
 import openai
 import pytest
 from conftest import rss_mb
-from grpc_harness import serve_router, wait_until
+from grpc_harness import serve_http_router, serve_router, wait_until
 from http_raw import (
     connect,
     is_closed,
@@ -39,10 +39,7 @@ PIECE = 256 << 10  # bytes per chunk of a streamed body
 
 @pytest.fixture(scope="module")
 def http(stack, tmp_path_factory):
-    template = tmp_path_factory.mktemp("chat") / "template.jinja"
-    template.write_text(TEMPLATE)
-    settings = {"chat_template": str(template)}
-    router = stack.loop.run(serve_router(stack.target, stack.draft, http_port=0, settings=settings))
+    router = serve_http_router(stack, tmp_path_factory.mktemp("chat"), TEMPLATE)
     stack.port = router.http_port
     stack.tok = load_tokenizer(stack.dirs.target)
     stack.oa = openai.OpenAI(base_url=f"http://127.0.0.1:{router.http_port}/v1", api_key="-")

@@ -15,7 +15,7 @@ from pathlib import Path
 import openai
 import pytest
 import torch
-from grpc_harness import serve_router, wait_until
+from grpc_harness import serve_http_router, serve_router, wait_until
 from procs import is_empty, occupancy
 
 from specmesh.router.limits import RouterLimits
@@ -33,10 +33,7 @@ GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
 @pytest.fixture(scope="module")
 def http(stack, tmp_path_factory):
     """A router with the HTTP API (and a --chat-template) over the stack's target and draft."""
-    template = tmp_path_factory.mktemp("chat") / "template.jinja"
-    template.write_text(TEMPLATE)
-    settings = {"chat_template": str(template)}
-    router = stack.loop.run(serve_router(stack.target, stack.draft, http_port=0, settings=settings))
+    router = serve_http_router(stack, tmp_path_factory.mktemp("chat"), TEMPLATE)
     base = f"http://127.0.0.1:{router.http_port}"
     stack.tok = load_tokenizer(stack.dirs.target)
     stack.base = base

@@ -9,7 +9,7 @@ import math
 
 import openai
 import pytest
-from grpc_harness import serve_router
+from grpc_harness import serve_http_router
 from http_raw import request
 
 from specmesh.router.core import RouterConfig
@@ -29,10 +29,7 @@ def _client(router: RouterService) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def http(stack, tmp_path_factory):
-    template = tmp_path_factory.mktemp("chat") / "template.jinja"
-    template.write_text(TEMPLATE)
-    settings = {"chat_template": str(template)}
-    router = stack.loop.run(serve_router(stack.target, stack.draft, http_port=0, settings=settings))
+    router = serve_http_router(stack, tmp_path_factory.mktemp("chat"), TEMPLATE)
     stack.port, stack.oa = router.http_port, _client(router)
     stack.tok = load_tokenizer(stack.dirs.target)
     yield stack
