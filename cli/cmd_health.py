@@ -1,5 +1,7 @@
 """``specmesh health HOST:PORT [--service NAME]``: exit 0 when the service reports SERVING (for
-docker-compose and Kubernetes exec probes; imports no model code, so a probe is cheap)."""
+docker-compose and Kubernetes exec probes; imports no model code, so a probe is cheap). Prints
+the status the server gave; exit 3 when the server does not know the service name (NOT_FOUND:
+SERVICE_UNKNOWN, a misconfigured probe), else 1 (NOT_SERVING, UNAVAILABLE, ...)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,8 @@ import argparse
 import sys
 
 from specmesh.rpc.security import add_tls_args, tls_from_args
+
+EXIT_CODES = {"SERVING": 0, "SERVICE_UNKNOWN": 3}  # anything else: 1
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -19,11 +23,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from specmesh.rpc.health import check_health
+    from specmesh.rpc.health import health_status
 
-    ok = check_health(args.address, args.service, args.timeout, tls_from_args(args))
-    print(
-        f"{args.address} {args.service or '(server)'}: {'SERVING' if ok else 'NOT SERVING'}",
-        file=sys.stderr,
-    )
-    return 0 if ok else 1
+    status = health_status(args.address, args.service, args.timeout, tls_from_args(args))
+    print(f"{args.address} {args.service or '(server)'}: {status}", file=sys.stderr)
+    return EXIT_CODES.get(status, 1)

@@ -27,6 +27,7 @@ import torch
 from specmesh.kernels.common import kernel_impl
 from specmesh.kernels.tree_build import build_tree
 from specmesh.protocol.config import SpecParams
+from specmesh.protocol.errors import KVCacheFullError
 from specmesh.runtime.attention.base import AttentionBackend
 from specmesh.runtime.draft_sizes import DraftSizes
 from specmesh.runtime.kv_cache import KVCache
@@ -79,6 +80,20 @@ class TreeDrafter:
         if runner is None:
             return self.step_forward(step, items, hidden_in)
         return graphs.run(runner, items, hidden_in)
+
+    def check_context(self, rid: str, num_new_tokens: int) -> None:
+        """Raise unless ``rid`` fits ``num_new_tokens`` more committed tokens plus one tree on
+        top (``topk`` KV tokens per decode step after the first) in ``max_context``. Checked per
+        request before any forward: an over-limit request fails alone, not its whole batch."""
+        held = self.cache.requests.get(rid)
+        committed = (held.committed_len if held is not None else 0) + num_new_tokens
+        tree = self.spec.topk * (self.spec.num_steps - 1)
+        if committed + tree > self.cache.max_context:
+            raise KVCacheFullError(
+                f"request {rid!r} needs {committed + tree} draft tokens ({committed} committed + "
+                f"{tree} for a tree of {self.spec.num_steps} steps x topk {self.spec.topk}), "
+                f"above the draft's max_context {self.cache.max_context}"
+            )
 
     # -- hooks ---------------------------------------------------------------------------------
     def pools_for_step(self, step: int) -> list[KVPair]:

@@ -39,6 +39,9 @@ class NgramDrafter:
         self.history: dict[str, list[int]] = {}  # committed ids
         self.pending: dict[str, int] = {}
 
+    def check_context(self, rid: str, num_new_tokens: int) -> None:
+        """No KV cache, no context limit."""
+
     def extend(self, inputs: list[ExtendInput]) -> None:
         for inp in inputs:  # every check before any change
             if inp.is_multimodal:  # placeholder ids are no text to look up (invariant 1)

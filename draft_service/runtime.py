@@ -49,6 +49,8 @@ class Drafter(Protocol):
 
     def propose(self, rids: list[str], roots: list[int]) -> list[Tree]: ...
     def release(self, rid: str) -> None: ...
+    def check_context(self, rid: str, num_new_tokens: int) -> None:
+        """Raise unless the request fits its extend and one tree (before any forward)."""
 
 
 class DraftRuntime:
@@ -122,6 +124,7 @@ class DraftRuntime:
                     f"request {inp.rid!r}: extend ids must be non-empty and in [0, {vocab}); "
                     f"got {len(inp.committed_ids)} ids, max {max(ids)}"
                 )
+            self.drafter.check_context(inp.rid, len(inp.committed_ids))
         except SpecmeshError as e:
             errors[inp.rid] = e
             if not isinstance(e, DuplicateRequestError):

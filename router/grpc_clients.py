@@ -74,8 +74,13 @@ class _GrpcClient:
         name: str | None,
         step_timeout_s: float | None,
         credentials: grpc.ChannelCredentials | None = None,
+        id_prefix: str = "",
     ) -> None:
         self.address, self.name = address, name or address
+        # Prepended to every request id this client sends, stripped from every id it reads:
+        # routers sharing a service (a rolling update) each pass their own, so clients' ids
+        # never collide there (the services key their state by id).
+        self.id_prefix = id_prefix
         if credentials is None:
             self.channel = grpc.aio.insecure_channel(address, options=channel_options())
         else:  # TLS: verify the service with the CA, present the router's client certificate
@@ -102,8 +107,16 @@ class _GrpcClient:
                     raise error_from_rpc(e, self.name) from None
                 await asyncio.sleep(0.2)  # UNAVAILABLE while the service is loading
 
+    def wire_id(self, rid: str) -> str:
+        """The id the service keys ``rid`` by."""
+        return self.id_prefix + rid
+
+    def router_id(self, wire_id: str) -> str:
+        """The router's id of the service's ``wire_id``."""
+        return wire_id.removeprefix(self.id_prefix)
+
     async def release(self, rids: list[str]) -> None:
-        release = common_pb2.ReleaseBatch(request_ids=rids)
+        release = common_pb2.ReleaseBatch(request_ids=[self.wire_id(r) for r in rids])
         with contextlib.suppress(ServiceDownError):  # a dead stream's state is freed with it
             await self.stream.send([self.request_type(release=release)])
 
@@ -130,8 +143,9 @@ class GrpcTargetClient(_GrpcClient):
         name: str | None = None,
         step_timeout_s: float = 120.0,
         credentials: grpc.ChannelCredentials | None = None,
+        id_prefix: str = "",
     ) -> None:
-        super().__init__(address, name, step_timeout_s, credentials)
+        super().__init__(address, name, step_timeout_s, credentials, id_prefix)
         self.info_pb: target_pb2.TargetInfo | None = None
         self.info: TargetInfo | None = None
 
@@ -159,7 +173,7 @@ class GrpcTargetClient(_GrpcClient):
         batch = target_pb2.PrefillBatch(
             requests=[
                 target_pb2.PrefillRequest(
-                    request_id=i.rid,
+                    request_id=self.wire_id(i.rid),
                     input_ids=i.input_ids,
                     # A later piece of an input continues with the first piece's sampling.
                     sampling=None if i.input_start else sampling_to_pb(i.params),
@@ -179,7 +193,7 @@ class GrpcTargetClient(_GrpcClient):
     async def verify(self, inputs: list[VerifyInput]) -> StepOutput:
         requests = [
             target_pb2.VerifyRequest(
-                request_id=i.rid,
+                request_id=self.wire_id(i.rid),
                 tree=common_pb2.DraftTree(tokens=i.tree.tokens, parents=i.tree.parents),
             )
             for i in inputs
@@ -198,7 +212,7 @@ class GrpcTargetClient(_GrpcClient):
             mm_input_embeds=blocks.get("mm_input_embeds"),
         )
         for result, rows in zip(head.results, row_counts or [0] * len(head.results), strict=True):
-            rid = result.request_id
+            rid = self.router_id(result.request_id)
             if result.status.code:
                 out.errors[rid] = error_from_status(result.status.code, result.status.message)
             else:
@@ -222,8 +236,11 @@ class GrpcDraftClient(_GrpcClient):
         name: str | None = None,
         chunk_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         credentials: grpc.ChannelCredentials | None = None,
+        id_prefix: str = "",
     ) -> None:
-        super().__init__(address, name, None, credentials)  # the round holds the draft deadline
+        super().__init__(
+            address, name, None, credentials, id_prefix
+        )  # the round holds the draft deadline
         self.chunk_bytes = chunk_bytes
         self.info_pb: draft_pb2.DraftInfo | None = None
         self.info: DraftInfo | None = None
@@ -237,7 +254,7 @@ class GrpcDraftClient(_GrpcClient):
     async def step(self, extends: list[ExtendInput], propose: bool = True) -> DraftStepResult:
         requests = [
             draft_pb2.ExtendRequest(
-                request_id=e.rid,
+                request_id=self.wire_id(e.rid),
                 token_ids=e.committed_ids,
                 next_token_id=e.next_token,
                 starts_request=e.new,
@@ -253,7 +270,7 @@ class GrpcDraftClient(_GrpcClient):
         chunks = await self._answer([draft_pb2.DraftStepRequest(extend=b) for b in [first, *rest]])
         out = DraftStepResult()
         for result in chunks[0].results:
-            rid = result.request_id
+            rid = self.router_id(result.request_id)
             if result.status.code:
                 out.errors[rid] = error_from_status(result.status.code, result.status.message)
             elif result.HasField("tree"):

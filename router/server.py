@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
 import uuid
 from dataclasses import dataclass, field, replace
@@ -219,12 +220,15 @@ class RouterService:
             generation_pb2_grpc.add_GenerationServicer_to_server, self.servicer, self.host.server
         )
         tls = settings.tls.channel_credentials() if settings.tls else None
+        # This router's namespace for request ids at the services: another router on the same
+        # target and draft (a rolling update) may be given the same client ids.
+        self.id_prefix = f"{secrets.token_hex(4)}/"
         self.targets = [
-            GrpcTargetClient(a, f"target-{i}@{a}", credentials=tls)
+            GrpcTargetClient(a, f"target-{i}@{a}", credentials=tls, id_prefix=self.id_prefix)
             for i, a in enumerate(settings.targets)
         ]
         self.drafts = [
-            GrpcDraftClient(a, f"draft-{i}@{a}", credentials=tls)
+            GrpcDraftClient(a, f"draft-{i}@{a}", credentials=tls, id_prefix=self.id_prefix)
             for i, a in enumerate(settings.drafts)
         ]
         self.core: RouterCore | None = None

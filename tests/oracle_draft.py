@@ -79,6 +79,9 @@ class SiblingLastOracle:
         self.history.pop(rid)
         self.rounds.pop(rid)
 
+    def check_context(self, rid: str, num_new_tokens: int) -> None:
+        """No KV cache, no context limit."""
+
 
 def oracle_draft_runtime(target_dir: str | Path, depth: int = 3, width: int = 2) -> DraftRuntime:
     """The oracle behind the draft service's runtime (in process or served over gRPC)."""

@@ -202,3 +202,52 @@ def test_full_kv_cache_is_resource_exhausted(stack) -> None:
     finally:
         stack.loop.run(router.stop(0.5))
         stack.loop.run(target.host.shutdown(0.5))
+
+
+def test_a_request_over_the_draft_context_fails_alone(stack) -> None:
+    """A draft with max_context 16 and SPEC (3 steps, topk 2: a tree writes 4 KV tokens past the
+    committed ones) gets one batch of four new requests: "near" (14 tokens) fits its extend but
+    not its tree, "over" (17) not even its extend. Only those two get RESOURCE_EXHAUSTED naming
+    the numbers; the others get trees (issue 33 #9: the whole batch failed), and the draft holds
+    nothing once released."""
+    import torch
+    from grpc_harness import SPEC, serve_draft
+
+    from specmesh.draft_service.runtime import load_draft
+    from specmesh.protocol.config import DraftConfig
+
+    cfg = DraftConfig("eagle3", stack.dirs.draft, stack.dirs.target, SPEC, max_context=16)
+    draft = stack.loop.run(serve_draft(load_draft(cfg)))
+    width = 3 * stack.target.runtime.model_config.hidden_size
+    lens = {"a": 3, "near": 14, "over": 17, "b": 12}
+    requests = [
+        draft_pb2.ExtendRequest(
+            request_id=rid, token_ids=[5 + i for i in range(n)], next_token_id=4,
+            starts_request=True,
+        )
+        for rid, n in lens.items()
+    ]  # fmt: skip
+    feats = torch.randn(sum(lens.values()), width)
+    states = split_hidden_states(list(lens.values()), {"aux_hidden": feats})[0]
+    step = draft_pb2.ExtendBatch(requests=requests, states=states, propose_after=True)
+    release = common_pb2.ReleaseBatch(request_ids=list(lens))
+    batches = [
+        draft_pb2.DraftStepRequest(batch_id=1, extend=step),
+        draft_pb2.DraftStepRequest(batch_id=2, release=release),
+    ]
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{draft.host.port}") as channel:
+            out = list(draft_pb2_grpc.DraftStub(channel).Step(iter(batches), timeout=30))
+            results = {r.request_id: r for r in out[0].results}
+            runtime = draft.runtime
+            assert wait_until(lambda: not runtime.live and not runtime.drafter.cache.requests)
+            info = draft_pb2_grpc.DraftStub(channel).GetInfo(generation_pb2.InfoRequest())
+        assert info.occupancy.num_requests == 0 and info.occupancy.kv_slots_used == 0
+    finally:
+        stack.loop.run(draft.host.shutdown(0.5))
+    codes = {rid: r.status.code for rid, r in results.items()}
+    assert codes == {"a": 0, "near": CODE.RESOURCE_EXHAUSTED.value[0], "over": 8, "b": 0}, codes
+    assert results["a"].tree.tokens[0] == 4 and results["b"].tree.tokens[0] == 4
+    assert len(results["a"].tree.tokens) == len(results["b"].tree.tokens) == SPEC.num_draft_tokens
+    assert "needs 18 draft tokens" in results["near"].status.message, results["near"].status.message
+    assert "max_context 16" in results["over"].status.message, results["over"].status.message
