@@ -26,6 +26,8 @@ class RequestTrace:
     chunk_s: list[float] = field(default_factory=list)  # arrival time of each non-empty chunk
     num_tokens: int = 0
     accept_lens: list[int] = field(default_factory=list)
+    predraft_hits: int = 0  # rounds whose tree the draft had pre-drafted
+    draft_wait_s: float = 0.0  # time its rounds waited on the draft for their trees
 
     def add_chunk(self, at_s: float, num_tokens: int) -> None:
         if num_tokens:
@@ -72,6 +74,10 @@ def summarize(traces: list[RequestTrace], wall_s: float, num_steps: int) -> dict
         "num_rounds": len(lens),
         "mean_accept_len": sum(lens) / len(lens) if lens else 1.0,
         "accept_per_position": accept_per_position(lens, num_steps),
+        "predraft_hit_rate": sum(t.predraft_hits for t in traces) / len(lens) if lens else 0.0,
+        "draft_wait_ms_per_round": 1e3 * sum(t.draft_wait_s for t in traces) / len(lens)
+        if lens
+        else 0.0,
     }
 
 

@@ -190,6 +190,7 @@ class RouterBackend:
         async for chunk in core.generate(req):
             trace.add_chunk(time.perf_counter(), len(chunk.token_ids))
         trace.accept_lens = list(req.accept_lens)
+        trace.predraft_hits, trace.draft_wait_s = req.num_predraft_hits, req.draft_wait_s
 
 
 def count_plans(core: RouterCore) -> Counter:
@@ -264,3 +265,5 @@ class ClusterBackend:
             trace.add_chunk(time.perf_counter(), len(response.token_ids))
             if response.finish_reason:
                 trace.accept_lens = list(response.stats.accept_lens)
+                trace.predraft_hits = response.stats.num_predraft_hits
+                trace.draft_wait_s = response.stats.draft_wait_s

@@ -39,6 +39,11 @@ class Job:
     # The draft service a plain cluster run starts anyway (kind, its speculation parameters):
     # the run's requests disable speculation, so it stands idle (`bench.hop`).
     idle_draft: tuple[str, SpecParams] | None = None
+    # CPUs per process ("driver": this worker, or "target", "draft", "router" of a cluster; a
+    # process without an entry keeps the worker's), and flags the draft service gets besides
+    # (`bench.predraft`: one core stands in for each device).
+    cpus: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    draft_args: list[str] = dataclasses.field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "run": self.run.to_json()}
@@ -75,7 +80,8 @@ async def _run_router_side(job: Job) -> dict[str, Any]:
     if run.backend == "cluster":
         kind, spec = _cluster_draft(job)
         models = dataclasses.replace(models, draft_kind=kind)
-        async with local_deployment(models, spec, runtime, run.speculation) as cluster:
+        spawn = _placed_spawn(job)
+        async with local_deployment(models, spec, runtime, run.speculation, spawn=spawn) as cluster:
             return await cluster.run(run, job.prompts)
     if run.backend.startswith("engine:"):
         runtime = engine_runtime(runtime, run.backend.removeprefix("engine:"))
@@ -83,6 +89,24 @@ async def _run_router_side(job: Job) -> dict[str, Any]:
         raise ValueError(f"the worker runs no {run.backend!r} side")
     specs = (run.spec,) if run.spec else ()
     return await inprocess_backend(models, runtime, specs, name=run.backend).run(run, job.prompts)
+
+
+def _placed_spawn(job: Job) -> Any:
+    """`spawn_service` starting each service on its CPUs (a child inherits the affinity its
+    parent has when it starts) with the draft's extra flags."""
+    from specmesh.cluster import spawn_service
+
+    def spawn(children: list, kind: str, flags: list[str]) -> str:
+        extra = job.draft_args if kind == "draft" else []
+        mine = os.sched_getaffinity(0)
+        if kind in job.cpus:
+            os.sched_setaffinity(0, job.cpus[kind])
+        try:
+            return spawn_service(children, kind, [*flags, *extra])
+        finally:
+            os.sched_setaffinity(0, mine)
+
+    return spawn
 
 
 def _cluster_draft(job: Job) -> tuple[str, SpecParams]:
@@ -100,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json-config", required=True, metavar="FILE", help="the Job, as JSON")
     args = parser.parse_args(argv)
     job = Job.from_json(json.loads(Path(args.json_config).read_text()))
+    if "driver" in job.cpus:
+        os.sched_setaffinity(0, job.cpus["driver"])
     import torch
 
     torch.set_num_threads(job.threads)

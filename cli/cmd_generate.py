@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from specmesh.protocol.config import DRAFT_KINDS
+from specmesh.protocol.config import DRAFT_KINDS, resolve_dtype
 from specmesh.protocol.sampling import SamplingParams
 from specmesh.router.policy import MODES as SPECULATION_MODES
 from specmesh.rpc.security import add_api_key_arg, add_tls_args, tls_from_args
@@ -27,7 +27,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "--attention-backend", choices=["torch", "triton", "flashinfer"], default="torch"
     )
     p.add_argument(
-        "--dtype", choices=["fp32", "bf16", "fp16"], default=None, help="default: the checkpoint's"
+        "--dtype",
+        choices=["fp32", "bf16", "fp16"],
+        default=None,
+        help="default: fp32 on a CPU (faster there than bf16), the checkpoint's on CUDA",
     )
     p.add_argument("--device", default="cpu")
     p.add_argument(
@@ -152,7 +155,8 @@ def generate_in_process(args: argparse.Namespace) -> dict[str, Any]:
 
     models = resolve_models(args.target_model, args.draft_model, args.draft_kind)
     runtime = {
-        "attention_backend": args.attention_backend, "dtype": args.dtype, "device": args.device,
+        "attention_backend": args.attention_backend, "device": args.device,
+        "dtype": resolve_dtype(args.dtype, args.device),  # as `specmesh up` resolves it
         "cuda_graph": not args.disable_cuda_graph,
     }  # fmt: skip
     engine = Engine(
@@ -180,6 +184,8 @@ def generate_in_process(args: argparse.Namespace) -> dict[str, Any]:
         res.accept_lens,
         len(res.prompt_token_ids),
         res.num_draft_tokens,
+        res.num_predraft_hits,
+        res.draft_wait_s,
     )
 
 
@@ -190,6 +196,8 @@ def result_dict(
     accept_lens: list[int],
     prompt_tokens: int,
     num_draft_tokens: int,
+    num_predraft_hits: int = 0,
+    draft_wait_s: float = 0.0,
 ) -> dict[str, Any]:
     """The ``--json`` contract, the same for in-process and router runs."""
     return {
@@ -201,6 +209,9 @@ def result_dict(
         "prompt_tokens": prompt_tokens,
         "completion_tokens": len(token_ids),
         "num_draft_tokens": num_draft_tokens,
+        # rounds whose tree was pre-drafted, and the time rounds waited on the draft
+        "num_predraft_hits": num_predraft_hits,
+        "draft_wait_s": draft_wait_s,
     }
 
 
@@ -240,5 +251,6 @@ def generate_via_router(args: argparse.Namespace) -> dict[str, Any]:
         )
     accept_lens = list(stats.accept_lens)
     return result_dict(
-        token_ids, text, finish, accept_lens, stats.prompt_tokens, stats.num_draft_tokens
-    )
+        token_ids, text, finish, accept_lens, stats.prompt_tokens, stats.num_draft_tokens,
+        stats.num_predraft_hits, stats.draft_wait_s,
+    )  # fmt: skip

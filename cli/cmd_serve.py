@@ -19,10 +19,12 @@ from specmesh.cli.serve_args import (
     add_http_args,
     add_limit_args,
     add_listen_args,
+    add_predraft_arg,
     add_runtime_args,
     add_speculation_arg,
     add_tensor_parallel_arg,
     apply_threads,
+    chosen_dtype,
     config_default,
     int_list,
 )
@@ -61,6 +63,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--kind", required=True, choices=DRAFT_KINDS)
     add_spec_args(p)
+    add_predraft_arg(p)
     add_listen_args(p, PORTS["draft"])
     add_runtime_args(p, DraftConfig)
     add_metrics_port_arg(p)
@@ -142,7 +145,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         action="append",
         default=[],
         metavar="ARG",
-        help="extra flag for target and draft (repeatable), e.g. --service-arg=--dtype=bf16",
+        help="extra flag for target and draft (repeatable), e.g. --service-arg=--dtype=bf16 "
+        "(not --metrics-port: see up's own)",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        metavar="N",
+        help="serve the model services' Prometheus metrics on ports N, N+1, ...: target i at "
+        "N+i, the draft after the last target (0 = off); the router's are always at /metrics "
+        "on its HTTP port. Every address is printed once ready",
     )
     add_tls_args(p)  # one certificate for every service (serverAuth + clientAuth) and its CA
     add_api_key_arg(p, "the router's API key, handed to it in its environment")
@@ -157,7 +170,8 @@ def _address(args: argparse.Namespace) -> str:
 
 def _runtime_kwargs(args: argparse.Namespace) -> dict:
     return {
-        "dtype": args.dtype, "device": args.device, "attention_backend": args.attention_backend,
+        "dtype": chosen_dtype(args), "device": args.device,
+        "attention_backend": args.attention_backend,
         "max_context": args.max_context, "num_kv_slots": args.num_kv_slots,
         "max_requests": args.max_requests, "cuda_graph": not args.disable_cuda_graph,
         "cuda_graph_max_bs": args.cuda_graph_max_bs,
@@ -205,7 +219,10 @@ def run_draft(args: argparse.Namespace) -> int:
 
     spec = SpecParams(args.num_steps, args.topk, args.num_draft_tokens)
     spec.validate()
-    cfg = DraftConfig(args.kind, args.model, args.target_model, spec, **_runtime_kwargs(args))
+    cfg = DraftConfig(
+        args.kind, args.model, args.target_model, spec, predraft=args.predraft,
+        predraft_steps=args.predraft_steps, **_runtime_kwargs(args),
+    )  # fmt: skip
     credentials = _model_service_credentials(args)
 
     async def main() -> None:

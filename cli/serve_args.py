@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 
 from specmesh.protocol.codec import GRPC_MAX_MESSAGE_BYTES
-from specmesh.protocol.config import TargetConfig
+from specmesh.protocol.config import DraftConfig, TargetConfig, resolve_dtype
 from specmesh.router.policy import MODES as SPECULATION_MODES
 from specmesh.rpc.security import add_tls_args
 
@@ -58,7 +59,10 @@ def add_runtime_args(p: argparse.ArgumentParser, cls: type) -> None:
         "--attention-backend", choices=BACKENDS, default=config_default(cls, "attention_backend")
     )
     p.add_argument(
-        "--dtype", choices=["fp32", "bf16", "fp16"], default=None, help="default: the checkpoint's"
+        "--dtype",
+        choices=["fp32", "bf16", "fp16"],
+        default=None,
+        help="default: fp32 on a CPU (faster there than bf16), the checkpoint's on CUDA",
     )
     p.add_argument("--device", default=config_default(cls, "device"))
     p.add_argument(
@@ -93,7 +97,37 @@ def add_runtime_args(p: argparse.ArgumentParser, cls: type) -> None:
     )
 
 
+def chosen_dtype(args: argparse.Namespace) -> str | None:
+    """``--dtype``, else the device's default (`resolve_dtype`); printed to stderr at start."""
+    dtype = resolve_dtype(args.dtype, args.device)
+    how = "--dtype" if args.dtype else f"the default on {args.device}; --dtype to change"
+    shown = dtype or "of the checkpoint"
+    command = getattr(args, "command", None) or "service"
+    print(f"specmesh {command}: dtype {shown} ({how})", file=sys.stderr, flush=True)
+    return dtype
+
+
 HTTP_PORT = 8000  # `specmesh up`'s OpenAI-compatible HTTP API (a free port when it is taken)
+
+
+def add_predraft_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--predraft",
+        type=int,
+        default=config_default(DraftConfig, "predraft"),
+        metavar="N",
+        help="while the target verifies a tree, draft the next tree for its N likeliest "
+        "outcomes (accepted path, bonus token), so a matching extend is answered at once; "
+        "0 = off. Pays when the draft has a device (core) of its own",
+    )
+    p.add_argument(
+        "--predraft-steps",
+        type=int,
+        default=config_default(DraftConfig, "predraft_steps"),
+        metavar="D",
+        help="search depth of a pre-drafted tree (at most --num-steps): shallower trees cost "
+        "the draft less time per round",
+    )
 
 
 def add_tensor_parallel_arg(p: argparse.ArgumentParser) -> None:

@@ -140,7 +140,9 @@ without downloads; it writes plausible Python, not good Python.
 
 - `target/`: `LlamaForCausalLM`, bf16 safetensors, **tied** input/output embeddings (no
   `lm_head.weight` tensor), byte-level BPE tokenizer (`AutoTokenizer`; encoding prepends
-  `<|bos|>`; `<|eos|>` ends each training file), `generation_config.json` with eos.
+  `<|bos|>`; `<|eos|>` ends each training file), `generation_config.json` with eos,
+  `chat_template.jinja` (each message a `# role:` comment line then its text; the answer
+  opens with `# assistant:`, for /v1/chat/completions).
 - `draft/`: EAGLE-3 draft, `LlamaForCausalLMEagle3` (SpecForge/SGLang layout): `fc`,
   `midlayer.*`, `norm`, `lm_head` over a hot vocabulary of {r.draft_vocab_size} ids, `d2t`
   (target = draft + d2t[draft]), `t2d`; no `embed_tokens` (taken from the target).

@@ -12,6 +12,18 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTra
 
 from specmesh.demo.config import DemoConfig
 
+# The demo's chat template (written as `chat_template.jinja`, what /v1/chat/completions renders):
+# the model has only read Python files, so each message becomes a comment line naming its role,
+# then its text, and the assistant's turn opens with "# assistant:" for the model to continue,
+# in Python. BOS first, as templates write it (the router drops it when its tokenizer adds one).
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "# {{ message['role'] }}:\n{{ message['content'] }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}# assistant:\n{% endif %}"
+)
+
 
 def build_target(cfg: DemoConfig, tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
     config = LlamaConfig(
@@ -98,6 +110,7 @@ def save_target(
     model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, target_dir: Path
 ) -> None:
     model.to(torch.bfloat16).save_pretrained(target_dir, safe_serialization=True)
+    tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(target_dir)
     # The class name every transformers release knows (5.x writes its own "TokenizersBackend").
     config_path = target_dir / "tokenizer_config.json"

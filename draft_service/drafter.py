@@ -47,11 +47,18 @@ class RootState:
     spec_base: int  # KV token index where speculative nodes start
     hidden: torch.Tensor  # [hidden], the root row's output, input of its children's forward
     logits: torch.Tensor  # [draft_vocab], the root row's logits
+    # What every node of the tree sees besides its own ancestors: KV token indices ``[0,
+    # prefix_len)`` (default: ``spec_base``) and ``visible``. A pre-drafted outcome's tree
+    # (`specmesh.draft_service.predraft`) sees the prefix and the guessed path above its root.
+    prefix_len: int | None = None
+    visible: tuple[int, ...] = ()
 
 
 class TreeDrafter:
     """Generic tree search; subclasses say how a step forwards (`step_forward`) and which KV
     pool each step uses (`pools_for_step`, explicit so multi-layer drafts cannot share one)."""
+
+    supports_predraft = True  # one network for every step (`specmesh.draft_service.predraft`)
 
     def __init__(self, cache: KVCache, backend: AttentionBackend, spec: SpecParams) -> None:
         spec.validate()
@@ -123,22 +130,41 @@ class TreeDrafter:
         k = self.spec.topk
         start = st.spec_base + (step - 1) * k
         mask = torch.zeros(k, start + k, dtype=torch.bool)
-        mask[:, : st.spec_base] = True
+        mask[:, : st.spec_base if st.prefix_len is None else st.prefix_len] = True
+        if st.visible:
+            mask[:, list(st.visible)] = True
         rows = [i for i in range(k) for _ in range(len(ancestors[i]) + 1)]
         cols = [c for i in range(k) for c in (*ancestors[i], start + i)]
         mask[rows, cols] = True  # each node's forwarded ancestors and itself, in one write
         return BatchItem(rid, tokens, start, torch.full((k,), st.last_pos + step), mask)
 
     # -- propose -------------------------------------------------------------------------------
-    @torch.inference_mode()
     def propose(self, rids: list[str], roots: list[int]) -> list[Tree]:
-        k, steps = self.spec.topk, self.spec.num_steps
-        states = [self.roots[r] for r in rids]
+        return self.search(rids, [self.roots[r] for r in rids], roots)[0]
+
+    @torch.inference_mode()
+    def search(
+        self,
+        rids: list[str],
+        states: list[RootState],
+        roots: list[int],
+        *,
+        record: bool = False,
+        eager: bool = False,
+        num_steps: int | None = None,
+    ) -> tuple[list[Tree], list[Records] | None]:
+        """One tree per state (``rids`` may repeat: several trees of one request, each in its own
+        KV region). ``record``: also each tree's forwarded nodes (`NodeRecord`), for
+        pre-drafting. ``eager``: no step graphs (pre-drafted batches are not the decode shapes
+        they were captured for). ``num_steps``: a shallower search than the draft's own."""
+        k, steps = self.spec.topk, num_steps or self.spec.num_steps
         bs = len(rids)
         logp = torch.log_softmax(torch.stack([s.logits for s in states]).float(), -1)
         dev = logp.device  # the search runs where the draft's logits are; trees go to the host
-        top_logp, top_ids = logp.topk(k, dim=-1)  # [bs, k]
-        tokens = self.to_target_ids(top_ids)
+        cand_logp, cand_ids = logp.topk(min(k + EXTRA_CANDIDATES, logp.shape[-1]), dim=-1)
+        top_logp, tokens = cand_logp[:, :k], self.to_target_ids(cand_ids[:, :k])  # [bs, k]
+        records = [_root_record(s, self.to_target_ids(c), lp) for s, c, lp in
+                   zip(states, cand_ids, cand_logp, strict=True)] if record else None  # fmt: skip
         pool_tokens, pool_scores = [tokens], [top_logp]
         pool_parents = [torch.full((bs, k), -1, dtype=torch.int64, device=dev)]
         frontier = _Frontier(
@@ -147,12 +173,15 @@ class TreeDrafter:
             torch.arange(k, device=dev).expand(bs, k).clone(),
             torch.stack([s.hidden for s in states])[:, None].expand(bs, k, -1).clone(),
             [[[] for _ in range(k)] for _ in range(bs)],
+            [[(t,) for t in row] for row in tokens.tolist()],
         )
         for step in range(1, steps):
-            self.sizes.check_kv_entries(sum(s.spec_base for s in states), bs, step)
+            if not eager:
+                self.sizes.check_kv_entries(sum(s.spec_base for s in states), bs, step)
             frontier = self._expand(
-                step, rids, states, frontier, pool_tokens, pool_scores, pool_parents
-            )
+                step, rids, states, frontier, (pool_tokens, pool_scores, pool_parents), records,
+                self.step_forward if eager else self.run_step,
+            )  # fmt: skip
         tree = build_tree(
             torch.tensor(roots, dtype=torch.int64, device=dev),
             torch.cat(pool_scores, 1),
@@ -167,20 +196,22 @@ class TreeDrafter:
             for t in (tree.tokens, tree.parents, tree.depths, tree.mask, tree.first_child,
                       tree.next_sibling)
         ]  # fmt: skip
-        return [Tree(*(f[b] for f in fields)) for b in range(bs)]
+        return [Tree(*(f[b] for f in fields)) for b in range(bs)], records
 
-    def _expand(self, step, rids, states, fr, pool_tokens, pool_scores, pool_parents):
+    def _expand(self, step, rids, states, fr, pool, records, forward):
         k = self.spec.topk
         bs = len(rids)
+        pool_tokens, pool_scores, pool_parents = pool
         items = [
             self.step_item(step, rid, st, fr.tokens[b], fr.ancestors[b])
             for b, (rid, st) in enumerate(zip(rids, states, strict=True))
         ]
-        hidden_out, logits = self.run_step(step, items, fr.hidden.flatten(0, 1))
+        hidden_out, logits = forward(step, items, fr.hidden.flatten(0, 1))
         logp = torch.log_softmax(logits.float(), -1)
-        child_logp, child_ids = logp.topk(k, dim=-1)  # [bs * k, k]
-        cum = (fr.scores.reshape(bs * k, 1) + child_logp).view(bs, k * k)
-        child_tokens = self.to_target_ids(child_ids).view(bs, k * k)
+        cand_logp, cand_ids = logp.topk(min(k + EXTRA_CANDIDATES, logp.shape[-1]), dim=-1)
+        child_logp, child_ids = cand_logp[:, :k], cand_ids[:, :k]  # [bs * k, k]
+        cum = (fr.scores.reshape(bs * k, 1) + child_logp).reshape(bs, k * k)
+        child_tokens = self.to_target_ids(child_ids).reshape(bs, k * k)
         base = sum(t.shape[1] for t in pool_tokens)
         pool_tokens.append(child_tokens)
         pool_scores.append(cum)
@@ -188,9 +219,18 @@ class TreeDrafter:
         best_scores, best = cum.topk(k, dim=-1)  # next frontier: [bs, k] indices into k * k
         parent = best // k
         hidden = hidden_out.view(bs, k, -1)
+        if records is not None:
+            cands = (self.to_target_ids(cand_ids).view(bs, k, -1).tolist(),
+                     cand_logp.view(bs, k, -1).tolist())  # fmt: skip
+            _record_frontier(records, step, items, states, fr, hidden, cands)
         ancestors = [
             [fr.ancestors[b][p] + [items[b].start + p] for p in row]
             for b, row in enumerate(parent.tolist())  # one copy for the batch
+        ]
+        child_list = child_tokens.tolist()
+        paths = [
+            [fr.paths[b][i // k] + (child_list[b][i],) for i in row]
+            for b, row in enumerate(best.tolist())
         ]
         return _Frontier(
             child_tokens.gather(1, best),
@@ -198,6 +238,7 @@ class TreeDrafter:
             base + best,
             hidden.gather(1, parent[..., None].expand(-1, -1, hidden.shape[-1])),
             ancestors,
+            paths,
         )
 
 
@@ -208,6 +249,41 @@ class _Frontier:
     pool_idx: torch.Tensor  # [bs, k] index in the candidate pool
     hidden: torch.Tensor  # [bs, k, hidden] input hidden for each node's forward
     ancestors: list[list[list[int]]]  # KV token indices of each node's forwarded ancestors
+    paths: list[list[tuple[int, ...]]]  # each node's tokens below the root, its own last
+
+
+@dataclass
+class NodeRecord:
+    """A forwarded tree node, as pre-drafting reads it: where its KV is, what it outputs."""
+
+    kv: int | None  # KV token index of its row; None for the root (in the prefix)
+    ancestors: list[int]  # KV token indices of its forwarded ancestors, root excluded
+    position: int
+    hidden: torch.Tensor  # [hidden] its output: the input hidden of its children
+    cand_ids: list[int]  # its children's most likely tokens (target ids), best first
+    cand_logp: list[float]
+    score: float  # cumulative log-probability of the path from the root to it
+
+
+Records = dict[tuple[int, ...], NodeRecord]  # a node's tokens below the root -> the node
+EXTRA_CANDIDATES = 2  # next tokens recorded per node beyond its topk children
+
+
+def _root_record(st: RootState, cand_ids: torch.Tensor, cand_logp: torch.Tensor) -> Records:
+    rec = NodeRecord(None, [], st.last_pos, st.hidden, cand_ids.tolist(), cand_logp.tolist(), 0.0)
+    return {(): rec}
+
+
+def _record_frontier(records, step, items, states, fr, hidden, cands) -> None:
+    """Each request's frontier nodes just forwarded at ``step``, into its records."""
+    cand_ids, cand_logp = cands
+    scores = fr.scores.tolist()
+    for b, rec in enumerate(records):
+        for i, path in enumerate(fr.paths[b]):
+            rec[path] = NodeRecord(
+                items[b].start + i, fr.ancestors[b][i], states[b].last_pos + step, hidden[b, i],
+                cand_ids[b][i], cand_logp[b][i], scores[b][i],
+            )  # fmt: skip
 
 
 def forward_draft(

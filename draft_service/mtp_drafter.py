@@ -51,6 +51,7 @@ from specmesh.runtime.models.layers import KVPair
 
 class MTPDrafter(TreeDrafter):
     needs = FeatureSpec(Feature.HIDDEN_PRE_NORM)
+    supports_predraft = False  # a step's layer is its depth: an outcome's subtree has none
 
     def __init__(
         self, net: MTPDraft, cache: KVCache, backend: AttentionBackend, spec: SpecParams

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
 import torch
 
 from specmesh.draft_service.drafter import TreeDrafter
+from specmesh.draft_service.predraft import Outcome, PreDrafter
 from specmesh.protocol.config import DRAFT_KINDS, DraftConfig, SpecParams
 from specmesh.protocol.errors import (
     DuplicateRequestError,
@@ -57,10 +58,19 @@ class DraftRuntime:
     def __init__(self, cfg: DraftConfig, drafter: Drafter, target: ModelConfig) -> None:
         self.cfg, self.drafter, self.target = cfg, drafter, target
         self.live: dict[str, int] = {}  # the requests held -> pending token (next tree's root)
+        # Pre-drafting (`specmesh.draft_service.predraft`): on with --predraft N for the drafters
+        # whose steps share one network (not MTP: a step's layer is its depth).
+        self.ahead = (
+            PreDrafter(drafter, cfg.predraft, cfg.predraft_steps)
+            if cfg.predraft and isinstance(drafter, TreeDrafter) and drafter.supports_predraft
+            else None
+        )
+        self.pending: _AfterStep | None = None  # the work `after_step` does once answered
 
     def info(self) -> DraftInfo:
         s = self.cfg.spec
-        return DraftInfo(self.cfg.kind, self.drafter.needs, s.num_steps, s.topk, s.num_draft_tokens)
+        return DraftInfo(self.cfg.kind, self.drafter.needs, s.num_steps, s.topk,
+                         s.num_draft_tokens, self.cfg.max_requests)  # fmt: skip
 
     def holds(self, rid: str) -> bool:
         return rid in self.live
@@ -73,15 +83,50 @@ class DraftRuntime:
     # -- step ----------------------------------------------------------------------------------
     def step(self, extends: list[ExtendInput], propose: bool = True) -> DraftStepResult:
         """Extend every request over its newly committed tokens, then (optionally) propose the
-        next tree for each. A request that fails is dropped; the others are served."""
+        next tree for each. A request that fails is dropped; the others are served.
+
+        With pre-drafting, a request whose extend matches an outcome drafted ahead gets that
+        tree; when every request of the batch does, the answer goes out before the extend,
+        which `after_step` then runs (with the next pre-draft) while the target verifies."""
         result = DraftStepResult()
         ok = [e for e in extends if self._admit(e, result.errors)]
-        ok = self._extend(ok, result.errors)
+        hits = {e.rid: o for e in ok if self.ahead and (o := self.ahead.take(e)) is not None}
         for inp in ok:
             self.live[inp.rid] = inp.next_token
+        if propose and ok and len(hits) == len(ok):
+            self._answer_hits(hits, result)
+            self.pending = _AfterStep(ok, hits, [e.rid for e in ok])
+            return result
+        ok = self._extend(ok, result.errors)
+        hits = {e.rid: hits[e.rid] for e in ok if e.rid in hits}
+        for rid, outcome in hits.items():
+            self.ahead.adopt(rid, outcome)
         if propose:
-            self._propose(ok, result)
+            self._answer_hits(hits, result)
+            self._propose([e for e in ok if e.rid not in hits], result)
+            if self.ahead is not None:
+                self.pending = _AfterStep([], {}, [e.rid for e in ok if e.rid in self.live])
         return result
+
+    def _answer_hits(self, hits: dict, result: DraftStepResult) -> None:
+        result.trees.update({rid: _wire(o.tree) for rid, o in hits.items()})
+        result.predrafted.update(hits)
+
+    def after_step(self) -> None:
+        """What the last step left for after its answer: the extends of a batch answered from
+        pre-drafts, then the next pre-draft. A failure here fails no request's answer already
+        sent: an extend that fails drops the request (its next step finds it gone); a pre-draft
+        that fails only leaves nothing drafted."""
+        work, self.pending = self.pending, None
+        if work is None:
+            return
+        errors: dict[str, SpecmeshError] = {}
+        for inp in self._extend(work.extends, errors):
+            self.ahead.adopt(inp.rid, work.hits[inp.rid])
+        try:
+            self.ahead.predraft([r for r in work.rids if r in self.live])
+        except Exception:
+            log.exception("pre-draft failed for %s", work.rids)
 
     def propose(self, roots: list[ExtendInput]) -> DraftStepResult:
         """Trees for requests already extended; ``roots[i].next_token`` must be the request's
@@ -104,8 +149,9 @@ class DraftRuntime:
     def _propose(self, ok: list[ExtendInput], result: DraftStepResult) -> None:
         if not ok:
             return
+        propose = self.ahead.propose if self.ahead is not None else self.drafter.propose
         try:
-            trees = self.drafter.propose([i.rid for i in ok], [i.next_token for i in ok])
+            trees = propose([i.rid for i in ok], [i.next_token for i in ok])
             result.trees.update({i.rid: _wire(t) for i, t in zip(ok, trees, strict=True)})
         except Exception as e:
             self._fail(ok, e, result.errors)
@@ -163,13 +209,24 @@ class DraftRuntime:
             with contextlib.suppress(KeyError):
                 self.drafter.release(inp.rid)
             self.live.pop(inp.rid, None)
+            if self.ahead is not None:
+                self.ahead.release(inp.rid)
 
     def release(self, rid: str) -> bool:
         """Free ``rid``'s draft state; False (a no-op) when it holds none."""
         if self.live.pop(rid, None) is None:
             return False
         self.drafter.release(rid)
+        if self.ahead is not None:
+            self.ahead.release(rid)
         return True
+
+
+@dataclass
+class _AfterStep:
+    extends: list[ExtendInput]  # answered from pre-drafts, not run yet
+    hits: dict[str, Outcome]  # their outcomes
+    rids: list[str]  # the requests to pre-draft for next
 
 
 def _wire(tree: Tree) -> DraftTree:

@@ -18,7 +18,7 @@ from specmesh.protocol.steps import DraftStepResult, ExtendInput
 from specmesh.protocol.trees import DraftTree
 from specmesh.rpc.ownership import StreamOwner
 from specmesh.rpc.security import model_name
-from specmesh.rpc.service_common import ModelServicer, ServiceHost
+from specmesh.rpc.service_common import ModelServicer, ServiceHost, log_failure
 from specmesh.rpc.wire import needs_to_pb, status_pb
 from specmesh.runtime.codec import DTYPE_NAMES, DTYPES, join_hidden_states
 from specmesh.runtime.config import parse_dtype
@@ -105,7 +105,15 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServicer):
         res.trees, res.errors = done.trees, {**res.errors, **done.errors}
         self.owners.settle(stream, [i.rid for i in run], runtime.holds)
         results = [self._result(rid, res.errors.get(rid), res.trees.get(rid)) for rid in rids]
+        for r in results:
+            r.predrafted = r.request_id in done.predrafted
         return [draft_pb2.DraftStepResponse(results=results)]
+
+    def after_answer(self, runtime: DraftRuntime) -> None:
+        """What the step left for after its answer (pre-drafting) runs on the worker now, while
+        the target verifies; the stream's next batch queues behind it."""
+        if runtime.pending is not None:
+            self._submit(runtime.after_step).add_done_callback(log_failure)
 
     # -- codec -------------------------------------------------------------------------------------
     def _extend_inputs(self, runtime: DraftRuntime, batch, states: list) -> list[ExtendInput]:

@@ -11,6 +11,21 @@ from specmesh.protocol.images import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, MAX_IMAG
 DRAFT_KINDS = ("eagle3", "eagle", "mtp", "standalone", "ngram")
 
 
+def resolve_dtype(dtype: str | None, device: str) -> str | None:
+    """The dtype a service runs when the command line names none (``--dtype`` absent).
+
+    On a CPU: fp32. torch runs this project's small models slower in bf16 on CPUs, even on
+    those with native bf16 (AVX512-BF16 / AMX): the demo pair, greedy with EAGLE-3 on 2 cores of
+    a Xeon with AMX, took 1.6x as long in bf16 (0.34 s vs 0.22 s for two 64-token requests),
+    and plain decoding 9% longer; only large matmuls (4096 wide, 16+ rows) gain from AMX, so
+    give a large model ``--dtype bf16`` there. On CUDA (any other device): None, the
+    checkpoint's own dtype (bf16 / fp16 run natively there). A named dtype is kept.
+    """
+    if dtype is not None:
+        return dtype
+    return "fp32" if device.split(":")[0] == "cpu" else None
+
+
 @dataclass(frozen=True)
 class SpecParams:
     num_steps: int = 3
@@ -74,3 +89,7 @@ class DraftConfig:
     aux_convention: str = "output"  # how the checkpoint numbers eagle_aux_hidden_state_layer_ids
     cuda_graph: bool = True  # draft decode steps in CUDA graphs (CUDA + triton/flashinfer only)
     cuda_graph_max_bs: int = 32  # largest captured batch; bigger batches run eagerly
+    # Outcomes of each verify drafted ahead while the target verifies (0 = off);
+    # `specmesh.draft_service.predraft`
+    predraft: int = 0
+    predraft_steps: int = 3  # search depth of a pre-drafted tree (at most spec.num_steps)

@@ -27,6 +27,9 @@ class TargetInfo:
     max_context: int
     eos_token_ids: tuple[int, ...]
     hidden_size: int
+    # Requests it holds at once, so also its largest batch (``--max-requests``; GetInfo's
+    # max_batch_size); 0 = no limit. The router never places more on it.
+    max_requests: int = 0
 
 
 @dataclass
@@ -94,6 +97,7 @@ class DraftInfo:
     num_steps: int = 1
     topk: int = 1
     num_draft_tokens: int = 2
+    max_requests: int = 0  # requests it holds at once, as `TargetInfo.max_requests`
 
 
 @dataclass
@@ -116,3 +120,4 @@ class DraftStepResult:
 
     trees: dict[str, DraftTree] = field(default_factory=dict)
     errors: dict[str, SpecmeshError] = field(default_factory=dict)
+    predrafted: set[str] = field(default_factory=set)  # trees a pre-draft had ready (a hit)

@@ -10,8 +10,10 @@ router. One round for a micro-batch reads like the algorithm (`specmesh.router.r
 while the draft extends and proposes for another. Requests join a micro-batch between rounds
 (continuous batching) and leave when finished. A request is pinned to one target and one draft
 replica (least loaded at admission, `specmesh.router.placement`); each replica's connection,
-breaker and deadline live in a `specmesh.router.replica.Replica`. The core runs `Slot`s: a
-request (`Request`, the truth its client reads) with what the scheduler keeps to run it.
+breaker and deadline live in a `specmesh.router.replica.Replica`. Admission is first come, first
+served: a request that no replica has room for (each holds at most its ``--max-requests``) waits
+at the head of the queue until one frees a place. The core runs `Slot`s: a request (`Request`,
+the truth its client reads) with what the scheduler keeps to run it.
 
 Lifecycle. The worker running a request is the only code that creates or frees its state in
 the services: a client that cancels (or whose deadline passes) only marks the request aborted;
@@ -26,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
@@ -112,7 +115,9 @@ class RouterCore:
             raise ValueError("the router needs at least one target")
         self.targets, self.drafts, self.cfg = targets, drafts, cfg
         self.policy = policy or SpeculationPolicy(cfg.speculation)
-        self.waiting: asyncio.Queue[Slot] = asyncio.Queue()
+        self.waiting: deque[Slot] = deque()  # waiting for admission, first come first
+        # Set when a request arrives or a replica frees a place; cleared by each try to admit.
+        self.wakeup = asyncio.Event()
         self.streams: dict[str, asyncio.Queue] = {}
         self.slots: dict[str, Slot] = {}  # every request whose client is still listening
         self.metrics = RouterMetrics(self)  # records into the process's `metrics.REGISTRY`
@@ -144,6 +149,7 @@ class RouterCore:
         if self.cfg.speculation == "never":  # no draft step ever reads the target's features
             needs = FeatureSpec()
         await asyncio.gather(*(t.configure(needs) for t in self.targets))
+        self.metrics.start()  # the services' KV occupancy, polled
         self._workers = [
             asyncio.create_task(self._worker(i)) for i in range(self.cfg.num_micro_batches)
         ]
@@ -154,6 +160,7 @@ class RouterCore:
         for w in self._workers:
             with contextlib.suppress(asyncio.CancelledError):
                 await w
+        await self.metrics.stop()
 
     # -- client side ---------------------------------------------------------------------------
     def validate(self, req: Request) -> None:
@@ -171,8 +178,8 @@ class RouterCore:
         check_stop_rules(req.params, info.vocab_size)
         if req.rid in self.slots:
             raise DuplicateRequestError(f"request id {req.rid!r} is already in use")
-        if self.waiting.qsize() >= self.cfg.max_waiting:
-            raise KVCacheFullError(f"{self.waiting.qsize()} requests are waiting; try again later")
+        if len(self.waiting) >= self.cfg.max_waiting:
+            raise KVCacheFullError(f"{len(self.waiting)} requests are waiting; try again later")
 
     async def generate(self, req: Request) -> AsyncIterator[Chunk]:
         """Submit ``req`` and yield its chunks; the last has ``finish_reason``. Closing the
@@ -181,7 +188,7 @@ class RouterCore:
         stream: asyncio.Queue = asyncio.Queue()
         slot = Slot(req)
         self.streams[req.rid], self.slots[req.rid] = stream, slot
-        self.waiting.put_nowait(slot)
+        self._enqueue(slot)
         try:
             while True:
                 item = await stream.get()
@@ -211,14 +218,23 @@ class RouterCore:
     # -- lifecycle (called by the worker that runs the request) ----------------------------------
     async def leave(self, slot: Slot, *, requeue: bool = False) -> None:
         """Release the request in its replicas (in-band, behind its steps) and unpin it; with
-        ``requeue`` it then waits for admission again, to be replayed (prompt + emitted tokens)."""
+        ``requeue`` (its target dropped it for KV space) it then waits to be replayed."""
+        held_kv = slot.prefill_sent > 0  # else refused before it held any: a wait, no preemption
         placement = slot.unplaced()
         if placement is not None:
             await asyncio.gather(*(r.release([slot.rid]) for r in placement.replicas()))
             self.replicas.unplace(placement)
-        if requeue and not slot.request.finished:
+            self.wakeup.set()  # its places are free (its release is on the way, in-band)
+        if requeue and held_kv and not slot.request.finished:
+            self.metrics.on_preempted()
+        if requeue:
+            self._requeue(slot)
+
+    def _requeue(self, slot: Slot) -> None:
+        """Wait for admission again, to be replayed (prompt + emitted tokens)."""
+        if not slot.request.finished:
             slot.worker = None
-            self.waiting.put_nowait(slot)
+            self._enqueue(slot)
 
     async def failover(self, slots: list[Slot], target: str, error: ServiceDownError) -> None:
         """``target`` is down: replay each request on another replica (prompt + emitted tokens),
@@ -230,7 +246,8 @@ class RouterCore:
             if r.replays > self.cfg.max_replays:
                 gave_up = f"request {r.rid!r}: {error}; gave up after {r.replays - 1} replays"
                 self.fail(r, ServiceDownError(gave_up))
-            await self.leave(s, requeue=True)
+            await self.leave(s)
+            self._requeue(s)
 
     async def drop_draft(self, slot: Slot, *, release: bool) -> None:
         """Continue without speculation (for now: `_resume_speculation` may replay it);
@@ -242,6 +259,7 @@ class RouterCore:
         if release:
             await placement.draft.release([slot.rid])
         self.replicas.unpin_draft(placement)
+        self.wakeup.set()
 
     # -- workers -------------------------------------------------------------------------------
     async def _worker(self, index: int) -> None:
@@ -257,9 +275,8 @@ class RouterCore:
                 batch[:] = await self._retire(batch, index)
             running = [r for r in batch if r.prefilled]
             if not running:
-                if not batch:
-                    req = await self.waiting.get()
-                    self.waiting.put_nowait(req)  # re-queued: _admit takes it with its siblings
+                if not batch:  # until a request arrives or a place frees up since `_admit`
+                    await self.wakeup.wait()
                 continue
             await self._guarded(self.rounds.step, running, index)
             batch[:] = await self._retire(batch, index)
@@ -287,7 +304,8 @@ class RouterCore:
             remaining = s.request.params.max_new_tokens - s.request.num_generated
             lost_draft = s.speculate and s.placement is not None and s.placement.draft is None
             if lost_draft and remaining >= self.cfg.resume_min_remaining:
-                await self.leave(s, requeue=True)
+                await self.leave(s)
+                self._requeue(s)
 
     async def _guarded(
         self, fn: Callable[[list[Slot]], Awaitable[None]], slots: list[Slot], index: int
@@ -305,18 +323,32 @@ class RouterCore:
                     self.fail(s.request, error)
                 await self.leave(s)
 
+    def _enqueue(self, slot: Slot) -> None:
+        self.waiting.append(slot)
+        self.wakeup.set()
+
     def _admit(self, running: list[Slot], index: int) -> list[Slot]:
+        """Waiting requests in arrival order, each pinned to replicas with room, up to the
+        micro-batch's size; the first that no replica has room for stops admission (it keeps
+        its place at the head of the queue)."""
+        self.wakeup.clear()  # this try sees every arrival and freed place so far
         new = []
-        while len(running) + len(new) < self.cfg.max_batch_size and not self.waiting.empty():
-            slot = self.waiting.get_nowait()
+        while len(running) + len(new) < self.cfg.max_batch_size and self.waiting:
+            slot = self.waiting[0]
             if slot.request.finished:
+                self.waiting.popleft()
                 continue
             try:
-                slot.placement = self.replicas.place(slot.speculate)
+                placement = self.replicas.place(slot.speculate)
             except ServiceDownError as e:
+                self.waiting.popleft()
                 self.fail(slot.request, e)
                 continue
-            slot.worker = index
+            if placement is None:  # every replica it may use is full: it waits
+                break
+            self.waiting.popleft()
+            slot.placement, slot.worker = placement, index
+            self.metrics.on_admit(slot.request)
             new.append(slot)
         return new
 

@@ -33,6 +33,8 @@ class GenerationResult:
     finish_reason: str
     accept_lens: list[int] = field(default_factory=list)
     num_draft_tokens: int = 0  # draft tree nodes verified, roots excluded
+    num_predraft_hits: int = 0  # rounds whose tree was pre-drafted (`DraftConfig.predraft`)
+    draft_wait_s: float = 0.0  # time the rounds waited on the draft for their trees
     # Set when the request asked for them (`SamplingParams.logprobs` / ``prompt_logprobs``), as
     # the core streamed them: one per token_ids entry; one per prompt token (None for the first).
     logprobs: list[Logprob] | None = None
@@ -137,6 +139,8 @@ class Engine:
             req.finish_reason or "abort",
             req.accept_lens,
             req.num_draft_tokens,
+            req.num_predraft_hits,
+            req.draft_wait_s,
             logprobs,
             prompt_logprobs,
         )

@@ -42,6 +42,7 @@ from specmesh.protocol.trees import DraftTree
 from specmesh.router.metrics import STEP_BYTES_RECEIVED, STEP_BYTES_SENT
 from specmesh.router.step_stream import CountingChannel, StepStream
 from specmesh.rpc.service_common import channel_options
+from specmesh.rpc.tokenizer_files import TokenizerFiles
 from specmesh.rpc.wire import (
     error_from_rpc,
     error_from_status,
@@ -157,7 +158,25 @@ class GrpcTargetClient(_GrpcClient):
             pb.max_context_len,
             tuple(pb.eos_token_ids),
             pb.hidden_size,
+            pb.max_batch_size,
         )
+
+    async def get_tokenizer(self, timeout_s: float = 60.0) -> TokenizerFiles | None:
+        """The target's tokenizer files, their digest checked (`TokenizerFiles.from_pb`); None
+        when it has none (NOT_FOUND) or predates GetTokenizer (UNIMPLEMENTED). Any other status
+        (a tokenizer over the message limit of either end, a target gone) is a ValueError with
+        the target's reason: the router does not start."""
+        try:
+            msg = await self.stub.GetTokenizer(target_pb2.TokenizerRequest(), timeout=timeout_s)
+        except grpc.RpcError as e:
+            reason = f"{e.code().name}: {e.details() or ''}"
+            if e.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNIMPLEMENTED):
+                log.info("%s serves no tokenizer (%s)", self.name, reason)
+                return None
+            raise ValueError(
+                f"{self.name}: GetTokenizer failed ({reason}); give the router --tokenizer DIR"
+            ) from None
+        return TokenizerFiles.from_pb(msg, self.name)
 
     async def configure(self, needs: FeatureSpec) -> None:
         """The handshake, answered now (a refusal raises with the target's reason) and sent
@@ -248,8 +267,9 @@ class GrpcDraftClient(_GrpcClient):
     async def connect(self, timeout_s: float = 60.0) -> None:
         self.info_pb = pb = await self.get_info(timeout_s)
         self.info = DraftInfo(
-            pb.draft_kind, needs_from_pb(pb), pb.num_steps, pb.topk, pb.num_draft_tokens
-        )
+            pb.draft_kind, needs_from_pb(pb), pb.num_steps, pb.topk, pb.num_draft_tokens,
+            pb.max_batch_size,
+        )  # fmt: skip
 
     async def step(self, extends: list[ExtendInput], propose: bool = True) -> DraftStepResult:
         requests = [
@@ -275,6 +295,8 @@ class GrpcDraftClient(_GrpcClient):
                 out.errors[rid] = error_from_status(result.status.code, result.status.message)
             elif result.HasField("tree"):
                 out.trees[rid] = DraftTree.of(result.tree.tokens, result.tree.parents)
+                if result.predrafted:
+                    out.predrafted.add(rid)
         return out
 
     def _rows(self, extends: list[ExtendInput]) -> dict[str, RowBlock | None]:

@@ -43,6 +43,7 @@ class InProcessTarget(_Worker):
             runtime.cfg.max_context,
             mc.eos_token_ids,
             mc.hidden_size,
+            runtime.cfg.max_requests,
         )
         self.feature = Feature.NONE
 
@@ -66,7 +67,15 @@ class InProcessDraft(_Worker):
         self.runtime, self.info = runtime, runtime.info()
 
     async def step(self, extends: list[ExtendInput], propose: bool = True) -> DraftStepResult:
-        return await self._call(self.runtime.step, extends, propose)
+        """The runtime's step, then what it left for after the answer (a pre-draft): in process
+        the draft shares the target's device, so the two run one after the other."""
+
+        def run() -> DraftStepResult:
+            result = self.runtime.step(extends, propose)
+            self.runtime.after_step()
+            return result
+
+        return await self._call(run)
 
     async def release(self, rids: list[str]) -> None:
         await self._call(lambda: [self.runtime.release(r) for r in rids])

@@ -1,16 +1,23 @@
 """The router's Prometheus metrics, on `REGISTRY` (served at ``/metrics`` on its HTTP port).
 
-Names follow vLLM's under a ``specmesh:`` prefix; what the split adds (prefill and step latency
-as the router sees it, Step bytes on the wire, circuit breakers, replays) is labelled by replica.
-The byte counters are fed by the gRPC clients' serializers (`step_stream.CountingChannel`), so
-they count exactly what went over each stream, handshakes and releases included.
+Names are vLLM's under a ``specmesh_`` prefix (README "Metrics" lists them, and where they
+differ from vLLM's). Every series carries ``model_name``, the served model as ``/v1/models``
+names it, except the Step byte counters: the gRPC clients count those from their first
+handshake, before they know the model. What the split adds (prefill and step latency as the
+router sees it, Step bytes on the wire, circuit breakers, replays) is labelled by replica. The
+byte counters are fed by the gRPC clients' serializers (`step_stream.CountingChannel`), so they
+count exactly what went over each stream, handshakes and releases included.
 
-One registry per process. Every metric object is created once, here, at import, so any number
-of `RouterCore`s share them without registering twice: counters and histograms add up over the
-cores of the process, and the gauges (requests running / waiting, breaker state) are read at
-scrape time from every live core (`_LiveCores`), never kept twice. The router process runs one
-core, so `REGISTRY` is exactly its view; an `Engine` or a test stack in the same process adds to
-the same series (tests compare deltas).
+Three modules: this one (speculative decoding, the replicas' steps, and `RouterMetrics`, the
+recording API of a core), `metrics_request` (per-request token counts and latencies) and
+`metrics_live` (gauges read at scrape time, the services' KV usage and cache config).
+
+One registry per process. Every metric object is created once, at import, so any number of
+`RouterCore`s share them without registering twice: counters and histograms add up over the
+cores of the process, and the gauges (requests running / waiting, breaker state, KV usage) are
+read at scrape time from every live core (`metrics_live.LiveCores`), never kept twice. The router
+process runs one core, so `REGISTRY` is exactly its view; an `Engine` or a test stack in the
+same process adds to the same series (tests compare deltas).
 
 Exactness. The speculative counters are read off `Request.accept_lens`, the record the client's
 `RequestStats` come from, one entry at a time (a cursor per request, advanced after each round
@@ -18,18 +25,22 @@ and flushed when the request ends): once a request has ended, ``num_accepted_tok
 grown by exactly sum(accept_len - 1) over its rounds, ``num_accepted_tokens_per_pos_total
 {position=i}`` by the number of its rounds that accepted more than i draft tokens, and the prompt
 / generation token counters by its ``prompt_tokens`` / ``completion_tokens``. Drafts and draft
-tokens count the trees the target verified (root excluded).
+tokens count the trees the target verified (root excluded); ``iteration_tokens`` the tokens
+each verify step produced (sum(accept_len) over the rounds).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
-import weakref
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+
+from specmesh.router.metrics_live import KvOccupancy, LiveCores
+from specmesh.router.metrics_request import RequestCursor, RequestSeries
+from specmesh.rpc.security import model_name
 
 if TYPE_CHECKING:
     from specmesh.protocol.steps import StepOutput, VerifyInput
@@ -39,25 +50,21 @@ if TYPE_CHECKING:
 
 REGISTRY = CollectorRegistry()  # the router's own: never prometheus_client's global one
 
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
-                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)  # fmt: skip
-_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
-                0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
-_E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2,
                 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0)  # fmt: skip
+ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 def _counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
-    return Counter(f"specmesh:{name}", doc, labels, registry=REGISTRY)
+    return Counter(f"specmesh_{name}", doc, ("model_name", *labels), registry=REGISTRY)
 
 
 def _histogram(name: str, doc: str, buckets, labels: tuple[str, ...] = ()) -> Histogram:
-    return Histogram(f"specmesh:{name}", doc, labels, buckets=buckets, registry=REGISTRY)
+    labels = ("model_name", *labels)
+    return Histogram(f"specmesh_{name}", doc, labels, buckets=buckets, registry=REGISTRY)
 
 
-# Counters are named without `_total`: prometheus_client appends it (specmesh:..._total).
+# Counters are named without `_total`: prometheus_client appends it (specmesh_..._total).
 NUM_DRAFTS = _counter("spec_decode_num_drafts", "Verify steps of a request with a draft tree")
 NUM_DRAFT_TOKENS = _counter(
     "spec_decode_num_draft_tokens", "Draft tree nodes verified (root excluded)"
@@ -70,24 +77,22 @@ ACCEPTED_PER_POS = _counter(
     "Rounds whose accepted path reached this draft depth (0 = first draft token)",
     ("position",),
 )
-PROMPT_TOKENS = _counter("prompt_tokens", "Prompt tokens of the requests served")
-GENERATION_TOKENS = _counter("generation_tokens", "Tokens streamed to clients")
-REQUEST_SUCCESS = _counter(
-    "request_success",
-    "Requests ended, by finish reason (stop, length, abort)",
-    ("finished_reason",),
+NUM_PREEMPTIONS = _counter(
+    "num_preemptions",
+    "Requests a target dropped for KV space others held: they wait and are replayed",
 )
 REPLAYS = _counter(
     "request_replays", "Requests sent back for replay because this target replica failed",
     ("replica",),
 )  # fmt: skip
-STEP_BYTES_SENT = _counter(
-    "step_bytes_sent", "Serialized bytes of the Step messages written to this replica",
-    ("replica",),
+# Without model_name: a client counts from its first handshake, before the model is known.
+STEP_BYTES_SENT = Counter(
+    "specmesh_step_bytes_sent", "Serialized bytes of the Step messages written to this replica",
+    ("replica",), registry=REGISTRY,
 )  # fmt: skip
-STEP_BYTES_RECEIVED = _counter(
-    "step_bytes_received", "Serialized bytes of the Step messages read from this replica",
-    ("replica",),
+STEP_BYTES_RECEIVED = Counter(
+    "specmesh_step_bytes_received", "Serialized bytes of the Step messages read from this replica",
+    ("replica",), registry=REGISTRY,
 )  # fmt: skip
 PLANNED_ROUNDS = _counter(
     "spec_decode_planned_rounds",
@@ -98,13 +103,11 @@ PLANNED_ROUNDS = _counter(
 DRAFT_FAILURES = _counter(
     "draft_failures", "Draft steps that failed or missed their deadline", ("replica",)
 )
-TTFT = _histogram("time_to_first_token_seconds", "Arrival to first token", _TTFT_BUCKETS)
-ITL = _histogram(
-    "inter_token_latency_seconds",
-    "Time between streamed tokens (a round's gap spread over the tokens it streamed)",
-    _ITL_BUCKETS,
+ITERATION_TOKENS = _histogram(
+    "iteration_tokens",
+    "Tokens one target verify step produced for its micro-batch (accepted + bonus)",
+    ITERATION_BUCKETS,
 )
-E2E = _histogram("e2e_request_latency_seconds", "Arrival to the request's end", _E2E_BUCKETS)
 TARGET_STEP = _histogram(
     "target_step_latency_seconds",
     "Verify step latency as the router sees it (wire and queueing included)",
@@ -123,142 +126,109 @@ DRAFT_STEP = _histogram(
     STEP_BUCKETS,
     ("replica",),
 )
-
-
-class _LiveCores:
-    """Gauges read at scrape time from every live core (weakly held: a stopped `Engine` core
-    disappears with it). Scrapes may run on another thread: each core's dicts are copied with
-    one C-level call before they are read."""
-
-    def __init__(self) -> None:
-        self.cores: weakref.WeakSet[RouterCore] = weakref.WeakSet()
-
-    def collect(self):
-        running = GaugeMetricFamily("specmesh:num_requests_running", "Requests in a micro-batch")
-        waiting = GaugeMetricFamily(
-            "specmesh:num_requests_waiting", "Requests waiting for admission (new or to replay)"
-        )
-        breaker = GaugeMetricFamily(
-            "specmesh:circuit_breaker_open", "Replica breaker: 0 closed, 1 open", labels=["replica"]
-        )
-        tree_size = GaugeMetricFamily(
-            "specmesh:spec_decode_tree_size",
-            "Tree size (nodes incl. the root) the speculation policy chose last for this target "
-            "replica's micro-batches; 1 = not speculating",
-            labels=["replica"],
-        )
-        phases: dict[str, int] = {}
-        opened: dict[str, int] = {}
-        sizes: dict[str, int] = {}
-        for core in list(self.cores):
-            for slot in list(core.slots.values()):
-                if not slot.request.finished:  # admitted to a worker, or waiting for one
-                    phase = "waiting" if slot.worker is None else "running"
-                    phases[phase] = phases.get(phase, 0) + 1
-            for replica in core.replicas.all:
-                opened[replica.name] = max(opened.get(replica.name, 0), int(not replica.live))
-            sizes.update(dict(core.metrics.tree_sizes))
-        running.add_metric([], phases.get("running", 0))
-        waiting.add_metric([], phases.get("waiting", 0))
-        for name, value in sorted(opened.items()):
-            breaker.add_metric([name], value)
-        for name, value in sorted(sizes.items()):
-            tree_size.add_metric([name], value)
-        return [running, waiting, breaker, tree_size]
-
-
-_LIVE = _LiveCores()
+REQUESTS = RequestSeries(REGISTRY)
+_LIVE = LiveCores()
 REGISTRY.register(_LIVE)
-
-
-@dataclass
-class _Cursor:
-    """How much of a request's record is counted already."""
-
-    rounds: int = 0  # accept_lens entries
-    tokens: int = 0  # output ids
-    last_token_s: float | None = None  # when the newest counted tokens were streamed
 
 
 class RouterMetrics:
     """The recording API of one core. Hooks: `on_prefill` / `on_verify` (a target step that
-    answered) and `on_draft_step` / `on_draft_failure` (fed by the `Replica`s), `on_round`
-    (after a round's emit), `on_plan`, `on_target_down`, `on_finish` (when the request's client
-    side ends: every admitted request passes there once)."""
+    answered) and `on_draft_step` / `on_draft_failure` (fed by the `Replica`s), `on_admit`
+    (a worker takes the request), `on_round` (after a round's emit), `on_plan`,
+    `on_preempted`, `on_target_down`, `on_finish` (when the request's client side ends: every
+    admitted request passes there once). `start` / `stop` run with the core: the KV poll."""
 
-    def __init__(self, core: RouterCore) -> None:
+    def __init__(self, core: RouterCore | None) -> None:
         self.core = core
-        self._cursors: dict[str, _Cursor] = {}
+        # The served model, as /v1/models names it (a path's last component).
+        self.model = model_name(core.info.model) if core is not None else ""
+        self._cursors: dict[str, RequestCursor] = {}
         self.tree_sizes: dict[str, int] = {}  # per target replica: the policy's latest choice
+        self.kv = KvOccupancy()  # per replica: KV slots as its service last reported them
+        self._poll: asyncio.Task | None = None
 
     def watch(self) -> None:
         """Let the gauges read the core (once it is built)."""
         _LIVE.cores.add(self.core)
 
+    def start(self) -> None:
+        """With the core's start: the KV occupancy seen at connect, then polled."""
+        replicas = self.core.replicas.all
+        self.kv.seed(replicas)
+        if any(hasattr(r.client, "get_info") for r in replicas):
+            self._poll = asyncio.create_task(self.kv.poll(replicas))
+
+    async def stop(self) -> None:
+        if self._poll is not None:
+            self._poll.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poll
+            self._poll = None
+
     def on_prefill(self, replica: str, seconds: float) -> None:
-        TARGET_PREFILL.labels(replica).observe(seconds)
+        TARGET_PREFILL.labels(self.model, replica).observe(seconds)
 
     def on_verify(self, replica: str, seconds: float) -> None:
-        TARGET_STEP.labels(replica).observe(seconds)
+        TARGET_STEP.labels(self.model, replica).observe(seconds)
+
+    def on_admit(self, req: Request) -> None:
+        """A worker took the request (the first time: its queue time ends)."""
+        cur = self._cursor(req)
+        if cur.scheduled_s is None:
+            cur.scheduled_s = time.monotonic()
 
     def on_round(self, slots: list[Slot], trees: list[VerifyInput], out: StepOutput) -> None:
         """After a verify round's emit: the trees verified, and what each request streamed."""
         now = time.monotonic()
+        ITERATION_TOKENS.labels(self.model).observe(sum(map(len, out.tokens.values())))
         for s, verified in zip(slots, trees, strict=True):
             nodes = verified.tree.num_nodes
             if s.rid in out.tokens and nodes > 1:
-                NUM_DRAFTS.inc()
-                NUM_DRAFT_TOKENS.inc(nodes - 1)
+                NUM_DRAFTS.labels(self.model).inc()
+                NUM_DRAFT_TOKENS.labels(self.model).inc(nodes - 1)
             if self.core.slots.get(s.rid) is s:  # else on_finish counted it already
                 self._advance(s.request, now)
 
     def on_plan(self, target: str, tree_size: int) -> None:
         """The speculation policy's plan for a micro-batch verified by ``target``."""
-        PLANNED_ROUNDS.labels(target, str(tree_size)).inc()
+        PLANNED_ROUNDS.labels(self.model, target, str(tree_size)).inc()
         self.tree_sizes[target] = tree_size
 
     def on_draft_step(self, replica: str, seconds: float) -> None:
-        DRAFT_STEP.labels(replica).observe(seconds)
+        DRAFT_STEP.labels(self.model, replica).observe(seconds)
 
     def on_draft_failure(self, replica: str) -> None:
-        DRAFT_FAILURES.labels(replica).inc()
+        DRAFT_FAILURES.labels(self.model, replica).inc()
+
+    def on_preempted(self) -> None:
+        """A target dropped a request for KV space others held: it waits to be replayed."""
+        NUM_PREEMPTIONS.labels(self.model).inc()
 
     def on_target_down(self, replica: str, reqs: list[Request]) -> None:
         """Before the failover: the requests that will be replayed (not those giving up)."""
-        REPLAYS.labels(replica).inc(sum(r.replays < self.core.cfg.max_replays for r in reqs))
+        replayed = sum(r.replays < self.core.cfg.max_replays for r in reqs)
+        REPLAYS.labels(self.model, replica).inc(replayed)
 
     def on_finish(self, req: Request) -> None:
         """The request's end: the rest of its record, then its latencies."""
-        self._advance(req, req.finish_s or time.monotonic())
-        del self._cursors[req.rid]
-        REQUEST_SUCCESS.labels(req.finish_reason or "abort").inc()
-        if req.finish_s is not None:
-            E2E.observe(req.finish_s - req.arrival_s)
+        end_s = req.finish_s or time.monotonic()
+        self._advance(req, end_s)
+        cur = self._cursors.pop(req.rid)
+        REQUESTS.end(self.model, req, cur.scheduled_s, end_s)
 
-    def _advance(self, r: Request, now: float) -> None:
+    def _cursor(self, r: Request) -> RequestCursor:
+        """The request's cursor; made (and its prompt counted) the first time it is seen."""
         cur = self._cursors.get(r.rid)
         if cur is None:
-            cur = self._cursors[r.rid] = _Cursor()
-            PROMPT_TOKENS.inc(len(r.prompt_ids))
-        for accept_len in r.accept_lens[cur.rounds :]:
-            NUM_ACCEPTED.inc(accept_len - 1)
-            for pos in range(accept_len - 1):
-                ACCEPTED_PER_POS.labels(str(pos)).inc()
-        cur.rounds = len(r.accept_lens)
-        self._tokens(r, cur, now)
+            cur = self._cursors[r.rid] = RequestCursor()
+            REQUESTS.prompt_tokens.labels(self.model).inc(len(r.prompt_ids))
+        return cur
 
-    def _tokens(self, r: Request, cur: _Cursor, now: float) -> None:
-        """Generation tokens, TTFT at the first one, then each later token's share of its
-        round's gap (every token a round streams arrives at once)."""
-        new = r.num_generated - cur.tokens
-        if new <= 0:
-            return
-        GENERATION_TOKENS.inc(new)
-        if cur.last_token_s is None and r.first_token_s is not None:
-            TTFT.observe(r.first_token_s - r.arrival_s)
-            cur.last_token_s, new = r.first_token_s, new - 1  # the first token has no gap
-        if cur.last_token_s is not None and new > 0:
-            gap = max(now - cur.last_token_s, 0.0) / new
-            for _ in range(new):
-                ITL.observe(gap)
-        cur.tokens, cur.last_token_s = r.num_generated, now
+    def _advance(self, r: Request, now: float) -> None:
+        cur = self._cursor(r)
+        for accept_len in r.accept_lens[cur.rounds :]:
+            NUM_ACCEPTED.labels(self.model).inc(accept_len - 1)
+            for pos in range(accept_len - 1):
+                ACCEPTED_PER_POS.labels(self.model, str(pos)).inc()
+        cur.rounds = len(r.accept_lens)
+        REQUESTS.stream(self.model, r, cur, now)

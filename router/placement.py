@@ -3,6 +3,12 @@
 A request is pinned at admission to the least-loaded live target and, when it speculates, the
 least-loaded draft whose circuit breaker is closed. The `Balancer` is the only code that changes
 pins or load counts; the round and the core ask it.
+
+Capacity. A replica holds at most the requests its service advertises (``--max-requests``:
+request rows, and so its largest batch; `Replica.has_room`). A request's load counts from its
+placement until its release was sent, and a release travels in-band ahead of any later step, so
+a replica is never sent more requests than it holds. A request with no live replica that has
+room is not placed (`place` answers None): it waits for admission, never fails for it.
 """
 
 from __future__ import annotations
@@ -42,13 +48,19 @@ class Balancer:
         """A draft has served a step since its last failure (its breaker is fully closed)."""
         return any(d.breaker.failures == 0 for d in self.drafts)
 
-    def place(self, speculate: bool) -> Placement:
+    def place(self, speculate: bool) -> Placement | None:
+        """Pin a request to the least-loaded live replicas with room; None when every live
+        target (or, for a request that speculates, every live draft) is full: it waits. A
+        request is placed without a draft only when no draft is live."""
         targets = self.live_targets()
         if not targets:
             raise ServiceDownError("no target replica is available")
         drafts = self.live_drafts() if speculate else []
+        targets, roomy_drafts = _with_room(targets), _with_room(drafts)
+        if not targets or (drafts and not roomy_drafts):
+            return None
         placement = Placement(min(targets, key=_load))
-        placement.draft = min(drafts, key=_load) if drafts else None
+        placement.draft = min(roomy_drafts, key=_load) if roomy_drafts else None
         for replica in placement.replicas():
             replica.load += 1
         return placement
@@ -65,3 +77,7 @@ class Balancer:
 
 def _load(replica: Replica) -> int:
     return replica.load
+
+
+def _with_room(replicas: list[Replica]) -> list[Replica]:
+    return [r for r in replicas if r.has_room]

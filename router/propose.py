@@ -15,11 +15,12 @@ a draft that answered one request with an error dropped that request's state.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import defaultdict
 from typing import TYPE_CHECKING
 
 from specmesh.protocol.errors import UnknownRequestError
-from specmesh.protocol.steps import ExtendInput, PrefillInput, StepOutput
+from specmesh.protocol.steps import DraftStepResult, ExtendInput, PrefillInput, StepOutput
 from specmesh.router.draft_rows import must_send, split_rows, with_backlog
 from specmesh.router.policy import Plan
 from specmesh.router.prefill_plan import next_context_token
@@ -90,7 +91,10 @@ class Proposer:
         draft."""
         for s, _ in sent:
             s.on_draft = True  # the step creates its state there, whatever it answers
+        started = time.perf_counter()
         res = await draft.step([e for _, e in sent], plan)
+        if plan.speculate:  # the verify waits on this answer
+            _count_wait(sent, res, time.perf_counter() - started)
         if res is None:  # failed or late: undo work it may still do for them
             for s, _ in sent:
                 await self.core.drop_draft(s, release=True)
@@ -115,3 +119,11 @@ class Proposer:
             if s.placement.draft is not None:
                 s.speculate = False
                 await self.core.drop_draft(s, release=s.on_draft)
+
+
+def _count_wait(sent: Sent, res: DraftStepResult | None, seconds: float) -> None:
+    """Per request: the time its next verify waited on this draft step, and whether the tree
+    was pre-drafted."""
+    for s, _ in sent:
+        s.request.draft_wait_s += seconds
+        s.request.num_predraft_hits += res is not None and s.rid in res.predrafted

@@ -64,6 +64,13 @@ class Replica:
         """Its breaker lets requests be placed here."""
         return self.breaker.allows()
 
+    @property
+    def has_room(self) -> bool:
+        """Another request fits: the service holds at most the requests its handshake advertised
+        (``max_requests``; 0: no limit), and every pinned request may hold state here."""
+        limit = self.client.info.max_requests
+        return not limit or self.load < limit
+
     async def release(self, rids: list[str]) -> None:
         """Free the requests' state, in-band: after every step already sent for them."""
         await self.client.release(rids)

@@ -23,6 +23,7 @@ import grpc
 from specmesh import __version__
 from specmesh.protocol.codec import GRPC_MAX_MESSAGE_BYTES
 from specmesh.protocol.errors import InvalidRequestError, SpecmeshError
+from specmesh.protocol.features import Feature
 from specmesh.protocol.sampling import SamplingParams
 from specmesh.router.core import RouterConfig, RouterCore
 from specmesh.router.detokenizer import Detokenizer
@@ -35,7 +36,7 @@ from specmesh.router.limits import (
     check_stop_rules,
 )
 from specmesh.router.request import Chunk, Request
-from specmesh.router.tokenizer import load_tokenizer, resolve_seed
+from specmesh.router.tokenizer import fetch_tokenizer, load_tokenizer, resolve_seed
 from specmesh.rpc.malformed import add_servicer
 from specmesh.rpc.security import TlsFiles, api_key_interceptors, model_name
 from specmesh.rpc.service_common import ServiceHost
@@ -57,7 +58,7 @@ class RouterSettings:
     drafts: tuple[str, ...] = ()  # HOST:PORT of each draft replica (none = no speculation)
     address: str = "127.0.0.1:50051"
     core: RouterConfig = field(default_factory=RouterConfig)
-    tokenizer: str | None = None  # default: the target's model name when it is a local dir
+    tokenizer: str | None = None  # a checkpoint dir; default: the targets' (GetTokenizer)
     max_new_tokens: int = 256  # default for requests that leave it 0
     max_message_bytes: int = GRPC_MAX_MESSAGE_BYTES
     connect_timeout_s: float = 300.0  # how long to wait for every service to answer GetInfo
@@ -146,7 +147,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             raise InvalidRequestError(f"{target.model_path} is not a vision-language model")
         if msg.prompt and self.tokenizer is None:
             raise PreconditionError(
-                "the router has no tokenizer (--tokenizer); send prompt_token_ids"
+                "the router has no tokenizer (its targets serve none and no --tokenizer was "
+                "given); send prompt_token_ids"
             )
         if params is None:
             params = sampling_from_pb(msg.sampling, self.settings.max_new_tokens)
@@ -194,6 +196,8 @@ def _response(req: Request, chunk: Chunk) -> generation_pb2.GenerateResponse:
                 num_rounds=len(req.accept_lens),
                 accept_lens=req.accept_lens,
                 num_draft_tokens=req.num_draft_tokens,
+                num_predraft_hits=req.num_predraft_hits,
+                draft_wait_s=req.draft_wait_s,
                 mean_accept_len=req.mean_accept_len or 1.0,
                 time_to_first_token_s=(req.first_token_s or now) - req.arrival_s,
                 total_time_s=now - req.arrival_s,
@@ -256,8 +260,17 @@ class RouterService:
         _check_compatible(self.targets, self.drafts)
         self.core = RouterCore(self.targets, self.drafts, self.settings.core)
         await self.core.start()
-        await self.servicer.attach(self.core, _tokenizer(self.settings.tokenizer, self.targets[0]))
+        await self.servicer.attach(self.core, await self._tokenizer())
         log.info("router ready on port %d", self.port)
+
+    async def _tokenizer(self):
+        """``--tokenizer``, else the one the targets serve (`fetch_tokenizer`), else None."""
+        path = self.settings.tokenizer
+        if path is not None:
+            if not Path(path).is_dir():
+                raise ValueError(f"--tokenizer {path}: no such directory")
+            return await asyncio.to_thread(load_tokenizer, path)
+        return await fetch_tokenizer(self.targets)
 
     async def stop(self, grace_s: float = 10.0) -> None:
         """Drain (NOT_SERVING, refuse new requests, finish running ones), then close."""
@@ -278,16 +291,15 @@ def _check_compatible(targets: list[GrpcTargetClient], drafts: list[GrpcDraftCli
     vocab = {t.info.vocab_size for t in targets} | {d.info_pb.vocab_size for d in drafts}
     if len(vocab) > 1:
         raise ValueError(f"targets and drafts disagree on the vocabulary size: {sorted(vocab)}")
-
-
-def _tokenizer(path: str | None, target: GrpcTargetClient):
-    """``--tokenizer``, else the target's model name if a local dir has that name (targets
-    report a name, never their path: give --tokenizer)."""
-    path = path or target.info_pb.model_path
-    if not Path(path).is_dir():
-        log.warning("no tokenizer at %r: text prompts are refused (use --tokenizer)", path)
-        return None
-    return load_tokenizer(path)
+    # A draft refuses features of another dtype than its own (it never casts): every step of
+    # it would fail. Each service picks its own default dtype (fp32 on a CPU), so say it here.
+    readers = [d for d in drafts if d.info.needs.feature is not Feature.NONE]
+    dtypes = {f"{c.name}: {c.info_pb.dtype}" for c in [*targets, *readers]}
+    if len({c.info_pb.dtype for c in [*targets, *readers]}) > 1:
+        raise ValueError(
+            f"targets and drafts run different dtypes ({'; '.join(sorted(dtypes))}): the draft "
+            "reads the target's features as they are, so give both the same --dtype"
+        )
 
 
 async def serve(settings: RouterSettings, grace_s: float = 30.0) -> None:

@@ -114,7 +114,7 @@ class StepStream:
                 for msg in frame(messages, batch_id):
                     await call.write(msg)
             except grpc.RpcError as e:
-                raise self._break(error_from_rpc(e, self.peer)) from None
+                raise self._break(_write_error(e, self.peer)) from None
             except _BROKEN as e:
                 raise self._break(ServiceDownError(f"{self.peer}: stream broken: {e}")) from None
 
@@ -162,3 +162,13 @@ class StepStream:
             self.reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self.reader
+
+
+def _write_error(e: grpc.RpcError, peer: str) -> Exception:
+    """What a failed write means. gRPC reports a connection that died under the write (a killed
+    service) as INTERNAL ("Internal error from Core"), ahead of the call's own status: the
+    service is gone, as with UNAVAILABLE, and the batch's requests are replayed elsewhere. A
+    status the service ended the stream with (a refused handshake) keeps its meaning."""
+    if e.code() == grpc.StatusCode.INTERNAL:
+        return ServiceDownError(f"{peer}: the stream broke under a write ({e.details()})")
+    return error_from_rpc(e, peer)

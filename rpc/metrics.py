@@ -45,11 +45,11 @@ class ServiceMetrics:
         self.service = servicer.host.service_name.rsplit(".", 1)[-1].lower()  # target / draft
         labels = ("service", "kind")
         self.step_latency = Histogram(
-            "specmesh:step_latency_seconds", "Runtime time of one Step batch, by work kind",
+            "specmesh_step_latency_seconds", "Runtime time of one Step batch, by work kind",
             labels, buckets=STEP_BUCKETS, registry=self.registry,
         )  # fmt: skip
         self.batch_size = Histogram(
-            "specmesh:step_batch_size", "Requests in one Step batch, by work kind",
+            "specmesh_step_batch_size", "Requests in one Step batch, by work kind",
             labels, buckets=BATCH_BUCKETS, registry=self.registry,
         )  # fmt: skip
         self.registry.register(_Occupancy(servicer, self.service))
@@ -117,7 +117,7 @@ class _Occupancy:
         ]  # fmt: skip
         families = []
         for name, doc, value in values:
-            family = GaugeMetricFamily(f"specmesh:{name}", doc, labels=["service"])
+            family = GaugeMetricFamily(f"specmesh_{name}", doc, labels=["service"])
             family.add_metric([self.service], value)
             families.append(family)
         return families

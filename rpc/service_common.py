@@ -241,6 +241,10 @@ class ModelServicer:
     def run_batch(self, runtime, stream: StreamOwner, chunks: list) -> list:
         raise NotImplementedError
 
+    def after_answer(self, runtime) -> None:
+        """Called once a batch's answer is sent (the draft's pre-drafting); nothing by
+        default."""
+
     def occupancy(
         self, runtime, num_requests: int, kv_slots: tuple[int, int]
     ) -> common_pb2.Occupancy:
@@ -266,9 +270,10 @@ class ModelServicer:
                     await abort_with(context, answer)
                 for msg in frame(answer, chunks[0].batch_id):
                     yield msg
+                self.after_answer(runtime)
         finally:
             stream.closed = True
-            self._submit(self._close, runtime, stream).add_done_callback(_log_failure)
+            self._submit(self._close, runtime, stream).add_done_callback(log_failure)
 
     # -- worker thread ---------------------------------------------------------------------------
     def _answer(self, runtime, stream: StreamOwner, chunks: list):
@@ -307,7 +312,7 @@ class ModelServicer:
         return self.runtime
 
 
-def _log_failure(future: asyncio.Future) -> None:
+def log_failure(future: asyncio.Future) -> None:
     if not future.cancelled() and future.exception() is not None:
         log.error("stream cleanup failed", exc_info=future.exception())
 

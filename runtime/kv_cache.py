@@ -160,3 +160,18 @@ class KVCache:
         rest[kept] = False
         row[base : base + num_nodes] = torch.cat([spec[kept], spec[rest]])
         req.committed_len = base + len(path)
+
+    def move_entries(self, rid: str, src: int, dst: int, num: int) -> None:
+        """Move ``rid``'s token indices ``[src, src + num)`` to ``[dst, dst + num)`` by permuting
+        its row (no K/V moves): the slots displaced from the destination take the source's
+        places, in order, so the row still lists each of its slots once."""
+        row = self.req_to_slot[self.get(rid).row]
+        lo, hi = min(src, dst), max(src, dst) + num
+        idx = torch.arange(hi - lo)
+        moved = (idx >= src - lo) & (idx < src - lo + num)
+        landing = (idx >= dst - lo) & (idx < dst - lo + num)
+        seg = row[lo:hi].clone()
+        out = torch.empty_like(seg)
+        out[landing.to(seg.device)] = seg[moved.to(seg.device)]
+        out[(~landing).to(seg.device)] = seg[(~moved).to(seg.device)]
+        row[lo:hi] = out

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Create .venv (once) and install specmesh with its test tools. Idempotent; CPU torch by default.
-# GPU machines: SPECMESH_TORCH="torch==2.9.1" or any CUDA build, and `pip install -e ".[gpu]"`.
+# Create .venv (once) and install specmesh with its test tools (the dev extra). Idempotent.
+# torch==2.13.0: pip takes a CPU build (2.13.0+cpu) where its configuration offers one, else
+# PyPI's wheel (on Linux x86_64 the CUDA build). SPECMESH_TORCH replaces that pin with any one
+# requirement or wheel file; GPU machines also `pip install -e ".[gpu]"`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv

@@ -3,8 +3,14 @@
 Each child is ``python -m specmesh <service>`` on a free loopback port. The manager waits until
 every child reports ready through ``grpc.health.v1`` (its service name SERVING), prints
 ``specmesh router ready on HOST:PORT`` and (unless ``--no-http``) ``specmesh http ready on
-http://HOST:PORT`` (the OpenAI-compatible API, `--http-port`), then watches: Ctrl-C or SIGTERM stops every child
-(SIGTERM, a grace period, then SIGKILL), and so does any child exiting on its own.
+http://HOST:PORT`` (the OpenAI-compatible API, `--http-port`), then watches: Ctrl-C or SIGTERM
+stops every child (SIGTERM, a grace period, then SIGKILL), and so does any child exiting on its
+own.
+
+Metrics: the router serves its own at ``/metrics`` on its HTTP port. ``--metrics-port N`` gives
+each model service a port of its own, N + i for target i and the next one for the draft
+(`metrics_ports`), and prints every address once ready; a ``--service-arg=--metrics-port`` would
+give them all the same port, so it is refused.
 
 With ``--tls-*`` every child gets the same files (so the certificate needs serverAuth and
 clientAuth and a SAN for 127.0.0.1, plus the router's public name) and the health checks
@@ -50,6 +56,11 @@ def free_port(host: str = LOOPBACK) -> int:
 
 def run_cluster(args: argparse.Namespace) -> int:
     models = resolve_models(args.target_model, args.draft_model, args.draft_kind)
+    refuse_metrics_service_arg(args.service_arg)
+    metrics = metrics_ports(args.metrics_port, args.num_targets, models.draft_kind is not None)
+    taken = [p for p in metrics if not _port_free(LOOPBACK, p)]
+    if taken:
+        raise ValueError(f"--metrics-port {args.metrics_port}: port(s) {taken} are taken")
     tls = tls_from_args(args)
     api_key = api_key_from_args(args)
     children: list[Child] = []
@@ -60,17 +71,19 @@ def run_cluster(args: argparse.Namespace) -> int:
     target_flags = ["--model", models.target, "--tensor-parallel-size", str(tp), *threads]
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
+        metrics_flag = lambda i: ["--metrics-port", str(metrics[i])] if metrics else []
         targets = [
-            spawn("target", [*target_flags, *args.service_arg]) for _ in range(args.num_targets)
+            spawn("target", [*target_flags, *metrics_flag(i), *args.service_arg])
+            for i in range(args.num_targets)
         ]
         drafts = []
         if models.draft_kind is not None:
             draft_model = ["--model", models.draft] if models.draft else []
             flags = ["--kind", models.draft_kind, "--target-model", models.target, *draft_model]
+            flags += metrics_flag(args.num_targets)
             drafts.append(spawn("draft", [*flags, *threads, *args.service_arg]))
         port = args.port or free_port(args.host)
         router = ["--target", ",".join(targets), "--draft", ",".join(drafts), "--threads", "1"]
-        router += ["--tokenizer", models.target]  # services report model names, not paths
         env = {**os.environ, API_KEY_ENV: api_key or ""}
         http_port = None if args.no_http else _http_port(args.host, args.http_port)
         if http_port is not None:
@@ -79,9 +92,13 @@ def run_cluster(args: argparse.Namespace) -> int:
         spawn("router", router, host=args.host, port=port, env=env)
         wait_ready(children, args.ready_timeout, tls)
         print(f"specmesh router ready on {args.host}:{port}", flush=True)
+        router_http = None
         if http_port is not None:  # the router serves HTTP before it reports ready
             scheme = "https" if tls and tls.cert_file else "http"
-            print(f"specmesh http ready on {scheme}://{args.host}:{http_port}", flush=True)
+            router_http = f"{scheme}://{args.host}:{http_port}"
+            print(f"specmesh http ready on {router_http}", flush=True)
+        if metrics:
+            _print_metrics(router_http, args.num_targets, metrics)
         return _watch(children)
     except KeyboardInterrupt:
         return 0
@@ -94,15 +111,51 @@ def run_cluster(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous)
 
 
+def metrics_ports(first: int, num_targets: int, with_draft: bool) -> list[int]:
+    """The model services' metrics ports for ``--metrics-port first``: target i at first + i,
+    then the draft; none when ``first`` is 0."""
+    if not first:
+        return []
+    ports = list(range(first, first + num_targets + with_draft))
+    if first < 0 or ports[-1] > 65535:
+        raise ValueError(f"--metrics-port {first}: needs ports {first} to {ports[-1]}")
+    return ports
+
+
+def _print_metrics(router_http: str | None, num_targets: int, ports: list[int]) -> None:
+    """Where each process serves /metrics (the router: on its HTTP port, if it has one)."""
+    if router_http is not None:
+        print(f"specmesh metrics: router {router_http}/metrics", flush=True)
+    for i, port in enumerate(ports):
+        name = f"target-{i}" if i < num_targets else "draft"
+        print(f"specmesh metrics: {name} http://{LOOPBACK}:{port}/metrics", flush=True)
+
+
+def refuse_metrics_service_arg(service_args: list[str]) -> None:
+    """``--service-arg=--metrics-port=N`` would hand every service the same port: the second
+    to bind it dies, and `up` with it."""
+    if any(a == "--metrics-port" or a.startswith("--metrics-port=") for a in service_args):
+        raise ValueError(
+            "--service-arg=--metrics-port gives target and draft the same port; use "
+            "`specmesh up --metrics-port N` (target i on N+i, the draft next)"
+        )
+
+
+def _port_free(host: str, port: int) -> bool:
+    try:
+        with socket.socket() as s:
+            s.bind((host, port))
+        return True
+    except OSError:
+        return False
+
+
 def _http_port(host: str, port: int) -> int:
     """``port``, or a free one when it is 0 or taken (the default 8000 often is)."""
     if port:
-        try:
-            with socket.socket() as s:
-                s.bind((host, port))
+        if _port_free(host, port):
             return port
-        except OSError:
-            print(f"specmesh up: HTTP port {port} is taken, using a free one", file=sys.stderr)
+        print(f"specmesh up: HTTP port {port} is taken, using a free one", file=sys.stderr)
     return free_port(host)
 
 

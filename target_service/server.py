@@ -10,6 +10,7 @@ offset, pending token) is the runtime's.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 from specmesh import __version__
@@ -27,7 +28,14 @@ from specmesh.rpc.service_common import (
     ServiceHost,
     StreamRefusedError,
 )
-from specmesh.rpc.wire import logprobs_to_pb, needs_from_pb, sampling_from_pb, status_pb
+from specmesh.rpc.tokenizer_files import MESSAGE_HEADROOM, TokenizerFiles, read_tokenizer_files
+from specmesh.rpc.wire import (
+    abort_with,
+    logprobs_to_pb,
+    needs_from_pb,
+    sampling_from_pb,
+    status_pb,
+)
 from specmesh.runtime.codec import DTYPE_NAMES, split_hidden_states
 from specmesh.target_service.runtime import TargetRuntime
 from specmesh.v1 import target_pb2, target_pb2_grpc
@@ -53,6 +61,21 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServicer):
         super().__init__(host)
         self.chunk_bytes = chunk_bytes
         self.needs: dict[int, FeatureSpec] = {}  # per open stream: what its drafts read
+        # GetTokenizer's answer, read from the checkpoint at the first call and kept: every
+        # router of this target gets the same files and digest.
+        self.tokenizer_files: TokenizerFiles | None = None
+
+    async def GetTokenizer(self, request, context) -> target_pb2.TokenizerFiles:
+        runtime = await self._ready(context)
+        if self.tokenizer_files is None:
+            max_bytes = self.host.max_message_bytes - MESSAGE_HEADROOM
+            try:
+                self.tokenizer_files = await asyncio.to_thread(
+                    read_tokenizer_files, runtime.cfg.model_dir, max_bytes
+                )
+            except (SpecmeshError, OSError) as e:  # NOT_FOUND, RESOURCE_EXHAUSTED, unreadable
+                await abort_with(context, e)
+        return self.tokenizer_files.to_pb()
 
     # -- hooks (worker thread) -----------------------------------------------------------------
     def run_batch(self, runtime: TargetRuntime, stream: StreamOwner, chunks: list) -> list:

@@ -135,12 +135,14 @@ def start_cluster(
     num_targets: int = 1,
     router_flags: Sequence[str] = (),
     model_flags: Sequence[str] | None = None,
+    draft_flags: Sequence[str] = (),
 ) -> tuple[Services, str]:
     """Targets ("target0", ...), an EAGLE-3 "draft" and a "router" on the tiny checkpoints, one
     torch thread each; returns once all are ready (stopping them if one is not). The router
     speculates every round (``--speculation always``, which ``router_flags`` may override), so
     the fault tests always have draft steps in flight. ``model_flags`` (default MODEL_FLAGS) go
-    to target and draft alike (``--device cuda``, ``--attention-backend``)."""
+    to target and draft alike (``--device cuda``, ``--attention-backend``); ``draft_flags`` to the
+    draft only."""
     services = Services(log_dir)
     target_dir, draft_dir = str(tiny_dir / "target"), str(tiny_dir / "draft")
     threads = ("--threads", "1", *(MODEL_FLAGS if model_flags is None else model_flags))
@@ -150,7 +152,7 @@ def start_cluster(
     ]
     draft = services.start(
         "draft", "draft", "--kind", "eagle3", "--model", draft_dir, "--target-model", target_dir,
-        "--num-steps", "3", "--topk", "2", "--num-draft-tokens", "6", *threads,
+        "--num-steps", "3", "--topk", "2", "--num-draft-tokens", "6", *threads, *draft_flags,
     )  # fmt: skip
     router = services.start(
         "router",

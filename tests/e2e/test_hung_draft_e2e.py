@@ -32,8 +32,12 @@ def stream(client: GenerationClient, prompt: list[int], gaps: list[float], out: 
         out += response.token_ids
 
 
-def test_hung_draft_costs_a_bounded_delay(tiny_dir: Path, tmp_path: Path, oracle) -> None:
-    services, router = start_cluster(tmp_path, tiny_dir)  # default --draft-timeout-s 10
+@pytest.mark.parametrize("draft_flags", [(), ("--predraft", "4")], ids=["", "predraft"])
+def test_hung_draft_costs_a_bounded_delay(
+    tiny_dir: Path, tmp_path: Path, oracle, draft_flags: tuple[str, ...]
+) -> None:
+    """Frozen while it streams (and, with ``--predraft``, while it pre-drafts ahead)."""
+    services, router = start_cluster(tmp_path, tiny_dir, draft_flags=draft_flags)
     try:
         with GenerationClient(router) as client:
             for prompt in PROMPTS:  # normal steps: the deadline learns the draft's latency

@@ -1,9 +1,9 @@
 """``specmesh up`` with TLS files and an API key, driven only through the command line: every
 hop is TLS (mTLS between the router and its services), ``specmesh generate --router`` with
 ``--tls-ca-file`` and the key (flag or ``SPECMESH_API_KEY``) gets transformers' greedy output, a
-text prompt is tokenized (``up`` hands the router ``--tokenizer``), ``specmesh health`` answers
-over TLS without the key, a second process asking for the router's live port fails with a
-clear error, and the router stays TLS-only and key-protected."""
+text prompt is tokenized (the router fetched the target's tokenizer over mTLS), ``specmesh
+health`` answers over TLS without the key, a second process asking for the router's live port
+fails with a clear error, and the router stays TLS-only and key-protected."""
 
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def test_up_over_tls_with_an_api_key(tmp_path: Path, tiny_dir: Path, oracle) -> 
         assert json.loads(out)["token_ids"] == oracle(tiny_dir / "target", prompt, n)
         code, out, err = finish(by_env)
         assert code == 0, err
-        assert json.loads(out)["prompt_tokens"] > 0  # tokenized: up gave the router --tokenizer
+        assert json.loads(out)["prompt_tokens"] > 0  # tokenized: GetTokenizer over mTLS worked
         assert finish(probe)[0] == 0
         code, _, err = finish(second)
         assert code == 2 and f"cannot listen on 127.0.0.1:{port}" in err

@@ -1,6 +1,8 @@
 """Chunked prefill over real gRPC services: the router sends long prompts in pieces of 7 tokens;
 output and prompt logprobs equal transformers', and a client that cancels in the middle of a
-prompt's pieces leaves nothing in the target or the draft (asked through GetInfo)."""
+prompt's pieces leaves nothing in the target or the draft (asked through GetInfo). A target
+replica stopped hard in the middle of a burst's pieces costs nothing: every request is replayed
+on the other one, exact (issue 33 item 1)."""
 
 from __future__ import annotations
 
@@ -28,7 +30,11 @@ from procs import is_empty, occupancy
 from specmesh.client import GenerationClient
 from specmesh.draft_service.runtime import load_draft
 from specmesh.protocol.config import DraftConfig, TargetConfig
+from specmesh.protocol.errors import ServiceDownError
 from specmesh.protocol.sampling import SamplingParams
+from specmesh.router.core import RouterConfig
+from specmesh.router.server import RouterService, RouterSettings
+from specmesh.router.step_stream import StepStream
 from specmesh.target_service.runtime import TargetRuntime
 
 LONG = list(range(10, 50))
@@ -135,3 +141,116 @@ def _drain(call) -> None:
             pass
     except grpc.RpcError as e:
         assert e.code() == grpc.StatusCode.CANCELLED
+
+
+# -- a target replica lost in the middle of a burst's pieces (issue 33 item 1) ------------------
+# 40 to 61 tokens against a budget of 32 per round: a request's last piece shares its round with
+# the next request's first piece, which went to the other target (least loaded at admission).
+BURST = [[(7 * k + 3 * t) % 300 + 10 for t in range(40 + 3 * k)] for k in range(8)]
+BURST_NEW = 12
+
+
+async def _router(targets: list, draft, cfg: RouterConfig) -> RouterService:
+    addresses = tuple(_address(t) for t in targets)
+    tokenizer = targets[0].runtime.cfg.model_dir
+    router = RouterService(
+        RouterSettings(addresses, (_address(draft),), "127.0.0.1:0", cfg, tokenizer=tokenizer)
+    )
+    await router.start()
+    return router
+
+
+def _stop_at_a_later_piece(core, servicer) -> threading.Event:
+    """Once the whole burst waits in the router's queue, stop ``servicer`` (target 0) hard as
+    the router sends it a piece after a prompt's first; the event says it happened."""
+    client, arrived, stopped = core.targets[0], asyncio.Event(), threading.Event()
+    inner = client.prefill
+
+    async def prefill(inputs):
+        while not arrived.is_set():  # one-shot: the whole burst is queued before any round
+            if len(core.requests) == len(BURST):
+                arrived.set()
+            await asyncio.sleep(0.01)
+        if not stopped.is_set() and any(i.input_start > 0 for i in inputs):
+            stopped.set()
+            await servicer.host.server.stop(None)  # no grace: its calls end at once
+        return await inner(inputs)
+
+    client.prefill = prefill
+    return stopped
+
+
+def _run_burst(client: GenerationClient) -> tuple[dict[int, list[int]], dict[int, str]]:
+    """Every BURST prompt at once: the tokens of each, and the status of each that failed."""
+    outputs: dict[int, list[int]] = {}
+    errors: dict[int, str] = {}
+
+    def run(k: int) -> None:
+        call = client.generate(prompt_token_ids=BURST[k], sampling=greedy(BURST_NEW), timeout=60)
+        try:
+            outputs[k] = collect(call)[0]
+        except grpc.RpcError as e:
+            errors[k] = f"{e.code().name}: {e.details()}"
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(BURST))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    return outputs, errors
+
+
+def test_target_stopped_mid_prefill_replays_every_request_exactly(tiny_dir: Path, oracle) -> None:
+    """Two targets, one micro-batch. Target 0 stops while the router sends it a later piece
+    of a prompt: that prefill fails while the same round's piece on target 1 runs. Its requests
+    are replayed on target 1; none fails (the round once failed the healthy target's requests
+    with INTERNAL: an AttributeError on a request that failover had unpinned), every output is
+    transformers', and target 1 and the draft hold nothing after."""
+    target_dir, draft_dir = str(tiny_dir / "target"), str(tiny_dir / "draft")
+    loop = LoopThread()
+    targets = [loop.run(serve_target(TargetRuntime(TargetConfig(target_dir)))) for _ in range(2)]
+    draft = loop.run(serve_draft(load_draft(DraftConfig("eagle3", draft_dir, target_dir, SPEC))))
+    cfg = RouterConfig(prefill_chunk_tokens=32, num_micro_batches=1, draft_cooldown_s=0.2)
+    router = loop.run(_router(targets, draft, cfg))
+    client = GenerationClient(f"127.0.0.1:{router.port}")
+    try:
+        stopped = _stop_at_a_later_piece(router.core, targets[0])
+        outputs, errors = _run_burst(client)
+        assert stopped.is_set() and errors == {}
+        assert outputs == {k: oracle(target_dir, p, BURST_NEW) for k, p in enumerate(BURST)}
+        core = router.core
+        assert core.num_live_targets == 1 and sum(r.load for r in core.replicas.all) == 0
+        for servicer, kind in ((targets[1], "target"), (draft, "draft")):
+            assert wait_until(lambda s=servicer, k=kind: is_empty(occupancy(_address(s), k)), 20)
+    finally:
+        client.close()
+        loop.run(router.stop(0.5))
+        for servicer in (targets[1], draft):
+            loop.run(servicer.host.shutdown(0.5))
+        loop.close()
+
+
+class _CutCall:
+    """A Step call whose connection died under the write: gRPC core's INTERNAL, as a write
+    racing a killed service gets it."""
+
+    async def write(self, _msg) -> None:
+        raise grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, details="Internal error from Core")
+
+    async def read(self):
+        await asyncio.Event().wait()  # no answer ever comes
+
+    def cancel(self) -> None:
+        pass
+
+
+def test_a_write_cut_by_a_dead_service_is_service_down() -> None:
+    """Such a write is the replica going down (its requests are replayed), never INTERNAL."""
+
+    async def scenario() -> None:
+        stream = StepStream(_CutCall, "target-0", timeout_s=None)
+        with pytest.raises(ServiceDownError, match="target-0: the stream broke under a write"):
+            await stream.request([SimpleNamespace()])
+        await stream.close()
+
+    asyncio.run(scenario())

@@ -201,7 +201,7 @@ def test_dropped_non_streaming_clients_abort_their_requests(http, api_key: str |
         router = http.loop.run(serve_router(http.target, http.draft, http_port=0, api_key=api_key))
     port = router.http_port if router is not None else http.port
     aborts = lambda: REGISTRY.get_sample_value(
-        "specmesh:request_success_total", {"finished_reason": "abort"}
+        "specmesh_request_success_total", {"model_name": "target", "finished_reason": "abort"}
     ) or 0.0  # fmt: skip
     before = aborts()
     target = f"127.0.0.1:{http.target.host.port}"

@@ -59,3 +59,18 @@ def test_bad_flags_are_clear_errors(tiny_dir: Path, capsys) -> None:
     assert "num_draft_tokens 5" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["generate", "--prompt", "hi", "--draft-kind", "medusa"])
+
+
+def test_dtype_defaults_to_fp32_on_a_cpu_and_the_checkpoints_on_cuda(capsys) -> None:
+    """No --dtype: fp32 on a CPU (bf16 is slower there, AMX or not), the checkpoint's (None) on
+    CUDA; the service prints its choice at start."""
+    from specmesh.cli.cmd_serve import _runtime_kwargs
+    from specmesh.cli.main import build_parser
+
+    parse = lambda *a: build_parser("target").parse_args(["target", "--model", "m", *a])
+    assert _runtime_kwargs(parse())["dtype"] == "fp32"
+    assert "specmesh target: dtype fp32 (the default on cpu" in capsys.readouterr().err
+    assert _runtime_kwargs(parse("--device", "cuda:1"))["dtype"] is None
+    assert "dtype of the checkpoint (the default on cuda:1" in capsys.readouterr().err
+    assert _runtime_kwargs(parse("--dtype", "bf16"))["dtype"] == "bf16"
+    assert "dtype bf16 (--dtype)" in capsys.readouterr().err

@@ -39,3 +39,25 @@ def test_demo_pair_is_lossless_and_accepted(oracle) -> None:
         assert res.token_ids == oracle(REPO_MODELS / "target", res.prompt_token_ids, 32)
     mean = sum(sum(r.accept_lens) for r in results) / sum(len(r.accept_lens) for r in results)
     assert mean > 2.0, f"the trained draft is barely accepted: mean accept length {mean:.2f}"
+
+
+def test_demo_chat_template_renders_each_role_as_a_comment() -> None:
+    """The shipped `chat_template.jinja` is what `make_demo` writes (`CHAT_TEMPLATE`); the
+    router renders chat with it, its BOS left to the tokenizer."""
+    from specmesh.demo.target import CHAT_TEMPLATE
+    from specmesh.router.chat import ChatRenderer
+    from specmesh.router.tokenizer import load_tokenizer
+
+    assert (REPO_MODELS / "target" / "chat_template.jinja").read_text() == CHAT_TEMPLATE
+    tokenizer = load_tokenizer(REPO_MODELS / "target")
+    messages = [
+        {"role": "system", "content": "Write Python."},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "print('hi')"},
+        {"role": "user", "content": "a fib function"},
+    ]
+    text = "# system:\nWrite Python.\n# user:\nhi\n# assistant:\nprint('hi')\n"
+    text += "# user:\na fib function\n# assistant:\n"
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert rendered == "<|bos|>" + text
+    assert ChatRenderer(tokenizer).render(messages) == text

@@ -20,6 +20,7 @@ from specmesh.demo.config import FULL, QUICK
 from specmesh.demo.corpus import is_heldout, list_py_files
 from specmesh.demo.draft_train import aux_hidden_indices, aux_layer_ids
 from specmesh.demo.eagle3 import DraftShape, Eagle3Draft, load_draft
+from specmesh.demo.target import CHAT_TEMPLATE
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -100,6 +101,7 @@ def test_quick_demo_writes_loadable_target(quick_demo):
         "<|eos|>",
         "<|pad|>",
     )
+    assert tokenizer.chat_template == CHAT_TEMPLATE  # chat works on a freshly made pair
     source = (Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_text()
     ids = tokenizer(source)["input_ids"]
     assert ids[0] == tokenizer.bos_token_id

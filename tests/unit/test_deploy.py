@@ -1,4 +1,6 @@
-"""docker-compose.yml (+ docker-compose.tls.yml), the Dockerfile and the Kubernetes manifests,
+"""docker-compose.yml (+ docker-compose.tls.yml), the Dockerfile and the Kubernetes manifests.
+Every manifest passes `kubernetes-validate --strict` against the newest Kubernetes schema it
+bundles (field names, types, required fields; no unknown field). What a schema cannot say is
 checked against the real CLI: every command parses with `specmesh`'s own parser, every port a
 command listens on is the one exposed / probed / dialled / admitted by the NetworkPolicies,
 every health check names a service the servers register, every port serving /metrics (a
@@ -14,6 +16,7 @@ import copy
 import re
 from pathlib import Path
 
+import kubernetes_validate
 import pytest
 import yaml
 
@@ -173,6 +176,41 @@ def k8s() -> list[dict]:
     return docs
 
 
+def _k8s_schema_version() -> str:
+    """The newest Kubernetes version whose schemas kubernetes-validate bundles (no download)."""
+    version = kubernetes_validate.latest_version()
+    major_minor = tuple(int(n) for n in version.split(".")[:2])
+    assert major_minor >= (1, 30), f"kubernetes-validate bundles schemas up to {version} only"
+    return version
+
+
+def _check_schemas(k8s: list[dict]) -> None:
+    version = _k8s_schema_version()
+    for doc in k8s:  # a kind without a bundled schema raises too: nothing is skipped
+        kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_k8s_manifests_pass_the_strict_schema(k8s: list[dict]) -> None:
+    _check_schemas(k8s)
+
+
+SCHEMA_MISTAKES = {
+    "unknown field": lambda c: c["ports"][0].update({"containerPorts": 1}),
+    "wrong type": lambda c: c["ports"][0].update({"containerPort": "50052"}),
+    "missing required": lambda c: c.pop("name"),
+}
+
+
+@pytest.mark.parametrize("mistake", SCHEMA_MISTAKES)
+def test_k8s_schema_check_catches_a_malformed_field(k8s: list[dict], mistake: str) -> None:
+    """Each mistake, planted in the target's container in a copy, fails the schema check."""
+    docs = copy.deepcopy(k8s)
+    (target,) = [d for d in docs if d["kind"] == "StatefulSet"]
+    SCHEMA_MISTAKES[mistake](target["spec"]["template"]["spec"]["containers"][0])
+    with pytest.raises(kubernetes_validate.ValidationError):
+        _check_schemas(docs)
+
+
 def test_k8s_workloads_parse_and_probe_registered_services(k8s: list[dict]) -> None:
     _check_workloads(k8s)
 
@@ -264,7 +302,7 @@ def test_k8s_tls_files_come_from_secrets(k8s: list[dict]) -> None:
         assert pod["securityContext"]["runAsNonRoot"]
         if args.command == "router":
             (env,) = [e for e in container["env"] if e["name"] == API_KEY_ENV]
-            assert env["valueFrom"]["secretKeyRef"]["key"]
+            assert "secretKeyRef" in env["valueFrom"]  # its key: the schema requires one
             assert not args.api_key
 
 

@@ -1,9 +1,11 @@
 """A KV cache too small for every request at once: requests wait or are preempted and replayed,
-never lost, and every output still equals transformers."""
+never lost, and every output still equals transformers; a replayed request leaves nothing in the
+draft either (issue 33 item 6)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -13,13 +15,14 @@ from conftest import assert_speculated
 from oracle_draft import mean_accept, oracle_engine
 
 from specmesh.protocol.config import SpecParams, TargetConfig
-from specmesh.protocol.errors import KVCacheFullError
+from specmesh.protocol.errors import DuplicateRequestError, KVCacheFullError
 from specmesh.protocol.sampling import SamplingParams
 from specmesh.protocol.steps import PrefillInput, StepOutput, VerifyInput
 from specmesh.protocol.trees import DraftTree
 from specmesh.router.core import RouterConfig, RouterCore
 from specmesh.router.engine import Engine
-from specmesh.router.in_process import InProcessTarget
+from specmesh.router.in_process import InProcessDraft, InProcessTarget
+from specmesh.router.policy import Plan
 from specmesh.router.request import Request
 from specmesh.runtime.tree import Tree
 from specmesh.target_service.runtime import TargetRuntime
@@ -138,3 +141,92 @@ def test_verify_that_does_not_fit_fails_alone(tiny_dir: Path) -> None:
     assert isinstance(out.errors["a"], KVCacheFullError) and "13-node tree" in str(out.errors["a"])
     assert len(out.tokens["b"]) >= 1 and "a" not in rt.requests  # a failed request is dropped
     assert "a" not in rt.cache.requests
+
+
+# -- a replay's draft state (issue 33 item 6) --------------------------------------------------
+REPLAY_SLOTS = 160  # 8 prompts of 24 tokens want 192 to start
+
+
+def _watch(core: RouterCore) -> Counter:
+    """Counts, through the core's clients: requests the target's verifies preempted
+    (``preempted``), later prefill pieces of replays (``replay_pieces``: a replayed context is
+    prefilled in pieces), and draft answers ALREADY_EXISTS (``duplicates``). The policy plans
+    plain decoding (each request's draft start waits in its backlog) until the first
+    preemption, then full trees (the replays' draft extends go out)."""
+    seen, target, draft = Counter(), core.targets[0], core.drafts[0]
+    verify, prefill, step = target.verify, target.prefill, draft.step
+
+    async def watched_verify(inputs: list[VerifyInput]) -> StepOutput:
+        out = await verify(inputs)
+        seen["preempted"] += sum(isinstance(e, KVCacheFullError) for e in out.errors.values())
+        return out
+
+    async def watched_prefill(inputs: list[PrefillInput]) -> StepOutput:
+        seen["replay_pieces"] += sum(i.sample_offset > 0 and i.input_start > 0 for i in inputs)
+        return await prefill(inputs)
+
+    async def watched_step(extends, propose: bool = True):
+        res = await step(extends, propose)
+        seen["duplicates"] += sum(isinstance(e, DuplicateRequestError) for e in res.errors.values())
+        return res
+
+    def plan(target: str, draft: str, batch_size: int, requests, max_nodes: int) -> Plan:
+        return Plan(max_nodes if seen["preempted"] else 1)
+
+    target.verify, target.prefill, draft.step = watched_verify, watched_prefill, watched_step
+    core.policy.plan = plan
+    return seen
+
+
+async def _run_cancelling(core: RouterCore, reqs: list[Request], cancel_after: dict[int, int]):
+    """Every request's tokens; request i's client cancels after reading ``cancel_after[i]``
+    chunks (None for it)."""
+
+    async def one(i: int) -> list[int] | None:
+        tokens, num_chunks = [], 0
+        async with contextlib.aclosing(core.generate(reqs[i])) as chunks:
+            async for chunk in chunks:
+                tokens += chunk.token_ids
+                num_chunks += 1
+                if num_chunks == cancel_after.get(i):
+                    return None  # closing the iteration aborts the request
+        return tokens
+
+    return await asyncio.gather(*(one(i) for i in range(len(reqs))))
+
+
+def test_replays_after_preemption_leave_nothing_in_the_draft(tiny_dir: Path, oracle) -> None:
+    """A request preempted while its draft start still waited in its backlog is replayed in
+    pieces (its context outgrew the prefill budget). Its replay starts its draft state once:
+    the stale start once went out again behind the replay's first piece, the draft answered
+    ALREADY_EXISTS and the router dropped it there without a release, so the draft held it
+    until the router restarted. With cancels among them, target and draft hold nothing after,
+    and the requests not cancelled equal transformers."""
+    engine = Engine(
+        tiny_dir / "target", draft_model=tiny_dir / "draft", draft_kind="eagle3",
+        spec=SpecParams(3, 2, 6), target_config={"num_kv_slots": REPLAY_SLOTS},
+    )  # fmt: skip
+    prompts = [[5 + i, *range(30, 53)] for i in range(8)]  # 24 tokens: one piece each
+    cfg = RouterConfig(max_batch_size=8, num_micro_batches=1, prefill_chunk_tokens=24)
+    cancel_after = {2: 3, 5: 1}
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+
+    async def scenario() -> tuple[list[list[int] | None], Counter]:
+        core = RouterCore([InProcessTarget(engine.target)], [InProcessDraft(engine.draft)], cfg)
+        seen = _watch(core)
+        await core.start()
+        try:
+            reqs = [engine.make_request(p, params) for p in prompts]
+            return await _run_cancelling(core, reqs, cancel_after), seen
+        finally:
+            await core.stop()
+
+    outputs, seen = asyncio.run(scenario())
+    for i, tokens in enumerate(outputs):
+        expected = None if i in cancel_after else oracle(tiny_dir / "target", prompts[i], 16)
+        assert tokens == expected, i
+    assert seen["preempted"] >= 1 and seen["replay_pieces"] >= 1, seen  # the path ran
+    assert seen["duplicates"] == 0
+    assert engine.draft.live == {} and engine.draft.kv_slots()[0] == 0
+    assert not engine.target.cache.requests
+    assert engine.target.cache.num_free_slots == REPLAY_SLOTS

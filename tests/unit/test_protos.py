@@ -175,7 +175,8 @@ def test_public_api_names() -> None:
 @pytest.mark.parametrize(
     ("service", "methods"),
     [
-        ("specmesh.v1.Target", {"GetInfo", "Step"}),  # release travels in-band on Step
+        # release travels in-band on Step; GetTokenizer is the router's start-up fetch
+        ("specmesh.v1.Target", {"GetInfo", "GetTokenizer", "Step"}),
         ("specmesh.v1.Draft", {"GetInfo", "Step"}),
     ],
 )

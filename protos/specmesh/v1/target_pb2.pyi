@@ -8,6 +8,26 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class TokenizerRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TokenizerFiles(_message.Message):
+    __slots__ = ("files", "sha256")
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    files: _containers.RepeatedCompositeFieldContainer[TokenizerFile]
+    sha256: str
+    def __init__(self, files: _Optional[_Iterable[_Union[TokenizerFile, _Mapping]]] = ..., sha256: _Optional[str] = ...) -> None: ...
+
+class TokenizerFile(_message.Message):
+    __slots__ = ("name", "content")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    content: bytes
+    def __init__(self, name: _Optional[str] = ..., content: _Optional[bytes] = ...) -> None: ...
+
 class TargetInfo(_message.Message):
     __slots__ = ("model_path", "architecture", "dtype", "vocab_size", "hidden_size", "num_layers", "aux_layer_ids", "max_context_len", "max_batch_size", "max_tokens_per_batch", "max_draft_tokens", "eos_token_ids", "supports_images", "image_token_id", "attention_backend", "device", "max_message_bytes", "chunk_bytes", "version", "occupancy", "tensor_parallel_size")
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]

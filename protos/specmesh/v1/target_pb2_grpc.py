@@ -45,6 +45,11 @@ class TargetStub:
                 request_serializer=specmesh_dot_v1_dot_target__pb2.TargetStepRequest.SerializeToString,
                 response_deserializer=specmesh_dot_v1_dot_target__pb2.TargetStepResponse.FromString,
                 _registered_method=True)
+        self.GetTokenizer = channel.unary_unary(
+                '/specmesh.v1.Target/GetTokenizer',
+                request_serializer=specmesh_dot_v1_dot_target__pb2.TokenizerRequest.SerializeToString,
+                response_deserializer=specmesh_dot_v1_dot_target__pb2.TokenizerFiles.FromString,
+                _registered_method=True)
 
 
 class TargetServicer:
@@ -64,6 +69,15 @@ class TargetServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetTokenizer(self, request, context):
+        """The checkpoint's tokenizer files, so a router needs no copy of the model (it calls this at
+        start-up unless given --tokenizer). NOT_FOUND: the checkpoint has no tokenizer files;
+        RESOURCE_EXHAUSTED: they exceed this server's message limit (--max-message-mb).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TargetServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -76,6 +90,11 @@ def add_TargetServicer_to_server(servicer, server):
                     servicer.Step,
                     request_deserializer=specmesh_dot_v1_dot_target__pb2.TargetStepRequest.FromString,
                     response_serializer=specmesh_dot_v1_dot_target__pb2.TargetStepResponse.SerializeToString,
+            ),
+            'GetTokenizer': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTokenizer,
+                    request_deserializer=specmesh_dot_v1_dot_target__pb2.TokenizerRequest.FromString,
+                    response_serializer=specmesh_dot_v1_dot_target__pb2.TokenizerFiles.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -132,6 +151,33 @@ class Target:
             '/specmesh.v1.Target/Step',
             specmesh_dot_v1_dot_target__pb2.TargetStepRequest.SerializeToString,
             specmesh_dot_v1_dot_target__pb2.TargetStepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTokenizer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specmesh.v1.Target/GetTokenizer',
+            specmesh_dot_v1_dot_target__pb2.TokenizerRequest.SerializeToString,
+            specmesh_dot_v1_dot_target__pb2.TokenizerFiles.FromString,
             options,
             channel_credentials,
             insecure,

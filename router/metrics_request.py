@@ -1,0 +1,141 @@
+"""The router's request-level series, vLLM's under a ``specmesh_`` prefix: token counts and
+phase latencies, observed once when a request ends, and TTFT / ITL as its tokens stream.
+
+A request's timeline, in `time.monotonic` seconds:
+
+    arrival ──queue──▶ scheduled ──prefill──▶ first token ──decode──▶ end
+       │                   └─────────────── inference ──────────────────┤
+       └──────────────────────────────── e2e ───────────────────────────┘
+
+``arrival``, ``first token`` and ``end`` are the `Request`'s own (``arrival_s``,
+``first_token_s``, ``finish_s``: the last token of a request that stopped or hit its length, the
+abort of one that did not). ``scheduled`` is when a worker first admitted it
+(`RouterMetrics.on_admit`), as vLLM's first scheduled timestamp: the replays after a preemption
+or a failover stay inside its inference time. ``time_per_output_token`` is per request, decode /
+(generated - 1) (vLLM's ``request_time_per_output_token_seconds``); the per-token gap is
+``inter_token_latency_seconds``.
+
+Every request that ends is observed once, aborts included (as ``e2e`` always was); a phase it
+never reached (an abort while waiting has no prefill) is left out of that phase's histogram.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+if TYPE_CHECKING:
+    from specmesh.router.request import Request
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)  # fmt: skip
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+               0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+REQUEST_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                   50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+TOKEN_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))  # 1, 2, 5, ... 500000
+
+
+@dataclass
+class RequestCursor:
+    """What the router's metrics hold for one request while it lives: how much of its record
+    is counted already, and when it was first scheduled."""
+
+    rounds: int = 0  # accept_lens entries counted
+    tokens: int = 0  # output ids counted
+    last_token_s: float | None = None  # when the newest counted tokens were streamed
+    scheduled_s: float | None = None  # first admitted to a micro-batch
+
+
+class RequestSeries:
+    """Per-request series on ``registry``, each labelled by ``model_name``."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(f"specmesh_{name}", doc, ("model_name", *labels), registry=registry)
+
+        def histogram(name: str, doc: str, buckets: tuple) -> Histogram:
+            return Histogram(
+                f"specmesh_{name}", doc, ("model_name",), buckets=buckets, registry=registry
+            )
+
+        # Counters are named without `_total`: prometheus_client appends it.
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of the requests served")
+        self.generation_tokens = counter("generation_tokens", "Tokens streamed to clients")
+        self.success = counter(
+            "request_success",
+            "Requests ended, by finish reason (stop, length, abort)",
+            ("finished_reason",),
+        )
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token", TTFT_BUCKETS)
+        self.itl = histogram(
+            "inter_token_latency_seconds",
+            "Time between streamed tokens (a round's gap spread over the tokens it streamed)",
+            ITL_BUCKETS,
+        )
+        self.e2e = histogram(
+            "e2e_request_latency_seconds", "Arrival to the request's end", REQUEST_BUCKETS
+        )
+        self.queue = histogram(
+            "request_queue_time_seconds",
+            "Arrival to first scheduled (admitted to a micro-batch)",
+            REQUEST_BUCKETS,
+        )
+        self.prefill = histogram(
+            "request_prefill_time_seconds", "First scheduled to first token", REQUEST_BUCKETS
+        )
+        self.decode = histogram(
+            "request_decode_time_seconds", "First token to the request's end", REQUEST_BUCKETS
+        )
+        self.inference = histogram(
+            "request_inference_time_seconds",
+            "First scheduled to the request's end (replays included)",
+            REQUEST_BUCKETS,
+        )
+        self.tpot = histogram(
+            "time_per_output_token_seconds",
+            "Per request: decode time / (generated tokens - 1)",
+            ITL_BUCKETS,
+        )
+        self.prompt_hist = histogram(
+            "request_prompt_tokens", "Prompt tokens of one request", TOKEN_BUCKETS
+        )
+        self.generation_hist = histogram(
+            "request_generation_tokens", "Tokens one request generated", TOKEN_BUCKETS
+        )
+
+    def stream(self, model: str, r: Request, cur: RequestCursor, now: float) -> None:
+        """Generation tokens, TTFT at the first one, then each later token's share of its
+        round's gap (every token a round streams arrives at once)."""
+        new = r.num_generated - cur.tokens
+        if new <= 0:
+            return
+        self.generation_tokens.labels(model).inc(new)
+        if cur.last_token_s is None and r.first_token_s is not None:
+            self.ttft.labels(model).observe(r.first_token_s - r.arrival_s)
+            cur.last_token_s, new = r.first_token_s, new - 1  # the first token has no gap
+        if cur.last_token_s is not None and new > 0:
+            gap = max(now - cur.last_token_s, 0.0) / new
+            itl = self.itl.labels(model)
+            for _ in range(new):
+                itl.observe(gap)
+        cur.tokens, cur.last_token_s = r.num_generated, now
+
+    def end(self, model: str, r: Request, scheduled_s: float | None, end_s: float) -> None:
+        """The request ended at ``end_s``: its reason, token counts and phase latencies."""
+        self.success.labels(model, r.finish_reason or "abort").inc()
+        self.e2e.labels(model).observe(end_s - r.arrival_s)
+        self.prompt_hist.labels(model).observe(len(r.prompt_ids))
+        self.generation_hist.labels(model).observe(r.num_generated)
+        first = r.first_token_s
+        if scheduled_s is not None:
+            self.queue.labels(model).observe(scheduled_s - r.arrival_s)
+            self.inference.labels(model).observe(end_s - scheduled_s)
+            if first is not None:
+                self.prefill.labels(model).observe(first - scheduled_s)
+        if first is not None:
+            self.decode.labels(model).observe(end_s - first)
+            if r.num_generated > 1:
+                self.tpot.labels(model).observe((end_s - first) / (r.num_generated - 1))

@@ -1,0 +1,91 @@
+"""Pre-drafting (`specmesh.draft_service.predraft`): trees drafted ahead for a verify's likely
+outcomes are used when the outcome comes, output stays exact (greedy against transformers, seeded
+sampling against plain decoding) and nothing outlives its request."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_speculated
+
+from specmesh.defaults import REPO_MODELS
+from specmesh.protocol.config import SpecParams
+from specmesh.protocol.sampling import SamplingParams
+from specmesh.router.engine import Engine
+from specmesh.router.tokenizer import load_tokenizer
+from specmesh.runtime.kv_cache import KVCache
+from specmesh.runtime.tiny_drafts import make_tiny_draft
+
+TARGET, DRAFT = REPO_MODELS / "target", REPO_MODELS / "draft"
+CODE = [
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+    "import os\nimport sys\n\n\ndef main():\n    args = sys.argv[1:]\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n",
+]
+FP32 = {"dtype": "float32"}
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    tokenizer = load_tokenizer(TARGET)
+    return [tokenizer.encode(text) for text in CODE]
+
+
+def demo_engine(predraft: int) -> Engine:
+    return Engine(
+        TARGET, draft_model=DRAFT, draft_kind="eagle3", spec=SpecParams(5, 4, 8),
+        target_config=FP32, draft_config={**FP32, "predraft": predraft},
+    )  # fmt: skip
+
+
+def test_move_entries_permutes_a_row() -> None:
+    cache = KVCache(num_layers=1, num_slots=32, num_kv_heads=1, head_dim=2, dtype=torch.float32,
+                    max_requests=2, max_context=32)  # fmt: skip
+    cache.add("r")
+    cache.reserve("r", 20)
+    before = cache.slots("r", 0, 20).tolist()
+    cache.move_entries("r", 12, 5, 6)  # overlapping: [12, 18) -> [5, 11)
+    after = cache.slots("r", 0, 20).tolist()
+    assert after[5:11] == before[12:18]
+    assert after[:5] == before[:5] and after[18:] == before[18:]
+    assert sorted(after) == sorted(before)  # still each slot once
+
+
+def test_predrafted_trees_keep_greedy_output_exact(prompts, oracle) -> None:
+    """The demo pair with 4 outcomes drafted ahead: rounds hit and miss, every output equals
+    transformers, and the draft holds nothing afterwards (pre-drafted state included)."""
+    engine = demo_engine(predraft=4)
+    params = SamplingParams(max_new_tokens=48, ignore_eos=True)
+    results = engine.generate(prompts, params)
+    for prompt, res in zip(prompts, results, strict=True):
+        assert res.token_ids == oracle(TARGET, prompt, 48)
+    assert_speculated(results, min_mean_accept=2.0)
+    hits = sum(r.num_predraft_hits for r in results)
+    rounds = sum(len(r.accept_lens) for r in results)
+    assert 0 < hits < rounds, f"{hits} pre-drafted trees in {rounds} rounds: hits and misses both"
+    draft = engine.draft
+    assert not draft.live and not draft.drafter.cache.requests
+    assert not draft.ahead.trees and not draft.ahead.outcomes
+    assert draft.drafter.cache.num_used_slots == 0
+
+
+def test_a_seed_fixes_the_output_with_predrafts(prompts) -> None:
+    """Seeded sampling (DESIGN.md §6): each position's token is a keyed draw, so trees drafted
+    ahead change nothing: the output equals plain decoding's, seed for seed (the distribution
+    is then exactly the target's)."""
+    params = [SamplingParams(max_new_tokens=32, temperature=0.8, seed=s, ignore_eos=True)
+              for s in range(len(prompts))]  # fmt: skip
+    plain = Engine(TARGET, target_config=FP32).generate(prompts, params)
+    ahead = demo_engine(predraft=4).generate(prompts, params)
+    assert [r.token_ids for r in ahead] == [r.token_ids for r in plain]
+    assert sum(r.num_predraft_hits for r in ahead) > 0
+
+
+def test_predraft_is_off_for_mtp_and_by_default(tiny_dir, tmp_path) -> None:
+    """Off unless asked; and an MTP draft has no layer for an outcome's deeper steps."""
+    assert demo_engine(predraft=0).draft.ahead is None
+    target = tiny_dir / "target"
+    mtp = make_tiny_draft(tmp_path / "mtp", str(target), "mtp")
+    engine = Engine(target, draft_model=mtp, draft_kind="mtp", spec=SpecParams(3, 2, 5),
+                    draft_config={"predraft": 4})  # fmt: skip
+    assert engine.draft.ahead is None
