@@ -20,6 +20,7 @@ from specmesh.cli.serve_args import (
     add_limit_args,
     add_listen_args,
     add_predraft_arg,
+    add_prefix_cache_args,
     add_runtime_args,
     add_speculation_arg,
     add_tensor_parallel_arg,
@@ -49,6 +50,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "(other sizes run eagerly)",
     )
     add_tensor_parallel_arg(p)
+    add_prefix_cache_args(p)
     add_limit_args(p, TargetConfig, IMAGE_LIMITS)
     add_metrics_port_arg(p)
     p.set_defaults(run=run_target)
@@ -64,6 +66,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kind", required=True, choices=DRAFT_KINDS)
     add_spec_args(p)
     add_predraft_arg(p)
+    add_prefix_cache_args(p)
     add_listen_args(p, PORTS["draft"])
     add_runtime_args(p, DraftConfig)
     add_metrics_port_arg(p)
@@ -191,9 +194,16 @@ def run_target(args: argparse.Namespace) -> int:
         tree_sizes = {"cuda_graph_tree_sizes": args.cuda_graph_tree_sizes}
         images = {name: getattr(args, name) for name in IMAGE_LIMITS}
         tp = {"tensor_parallel_size": args.tensor_parallel_size}
+        prefix = {"prefix_cache_tokens": args.prefix_cache_tokens,
+                  "prefix_block_size": args.prefix_block_size}  # fmt: skip
         return TargetRuntime(
             TargetConfig(
-                model_dir=args.model, **_runtime_kwargs(args), **tree_sizes, **images, **tp
+                model_dir=args.model,
+                **_runtime_kwargs(args),
+                **tree_sizes,
+                **images,
+                **tp,
+                **prefix,
             )
         )
 
@@ -221,7 +231,8 @@ def run_draft(args: argparse.Namespace) -> int:
     spec.validate()
     cfg = DraftConfig(
         args.kind, args.model, args.target_model, spec, predraft=args.predraft,
-        predraft_steps=args.predraft_steps, **_runtime_kwargs(args),
+        predraft_steps=args.predraft_steps, prefix_cache_tokens=args.prefix_cache_tokens,
+        prefix_block_size=args.prefix_block_size, **_runtime_kwargs(args),
     )  # fmt: skip
     credentials = _model_service_credentials(args)
 

@@ -130,6 +130,25 @@ def add_predraft_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_prefix_cache_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--prefix-cache-tokens",
+        type=int,
+        default=config_default(TargetConfig, "prefix_cache_tokens"),
+        metavar="N",
+        help="prompt tokens the prefix cache keeps at most (0 = off): prompts that start like "
+        "an earlier one reuse its KV and draft feature rows; unreferenced entries are given back "
+        "whenever requests need KV slots",
+    )
+    p.add_argument(
+        "--prefix-block-size",
+        type=int,
+        default=config_default(TargetConfig, "prefix_block_size"),
+        metavar="N",
+        help="tokens per prefix-cache block (a multiple of the KV page size)",
+    )
+
+
 def add_tensor_parallel_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tensor-parallel-size",

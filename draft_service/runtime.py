@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
@@ -22,7 +23,9 @@ from typing import Protocol
 import torch
 
 from specmesh.draft_service.drafter import TreeDrafter
+from specmesh.draft_service.feature_drafter import FeatureDrafter
 from specmesh.draft_service.predraft import Outcome, PreDrafter
+from specmesh.draft_service.predraft_budget import PredraftBudget
 from specmesh.protocol.config import DRAFT_KINDS, DraftConfig, SpecParams
 from specmesh.protocol.errors import (
     DuplicateRequestError,
@@ -66,6 +69,7 @@ class DraftRuntime:
             else None
         )
         self.pending: _AfterStep | None = None  # the work `after_step` does once answered
+        self.budget = PredraftBudget()  # whether a pre-draft pays, per batch size
 
     def info(self) -> DraftInfo:
         s = self.cfg.spec
@@ -76,9 +80,14 @@ class DraftRuntime:
         return rid in self.live
 
     def kv_slots(self) -> tuple[int, int]:
-        """(used, free) KV slots; (0, 0) for a drafter without a KV cache (n-gram)."""
+        """(used, free) KV slots; (0, 0) for a drafter without a KV cache (n-gram). Prefix
+        cache slots no request lists count as free."""
         cache = getattr(self.drafter, "cache", None)
-        return (0, 0) if cache is None else (cache.num_used_slots, cache.num_free_slots)
+        if cache is None:
+            return (0, 0)
+        prefixes = getattr(self.drafter, "prefixes", None)
+        spare = 0 if prefixes is None else prefixes.num_evictable_slots
+        return cache.num_used_slots - spare, cache.num_free_slots + spare
 
     # -- step ----------------------------------------------------------------------------------
     def step(self, extends: list[ExtendInput], propose: bool = True) -> DraftStepResult:
@@ -88,6 +97,7 @@ class DraftRuntime:
         With pre-drafting, a request whose extend matches an outcome drafted ahead gets that
         tree; when every request of the batch does, the answer goes out before the extend,
         which `after_step` then runs (with the next pre-draft) while the target verifies."""
+        started = time.perf_counter()
         result = DraftStepResult()
         ok = [e for e in extends if self._admit(e, result.errors)]
         hits = {e.rid: o for e in ok if self.ahead and (o := self.ahead.take(e)) is not None}
@@ -95,7 +105,8 @@ class DraftRuntime:
             self.live[inp.rid] = inp.next_token
         if propose and ok and len(hits) == len(ok):
             self._answer_hits(hits, result)
-            self.pending = _AfterStep(ok, hits, [e.rid for e in ok])
+            self.budget.observe(len(ok), True, time.perf_counter() - started)
+            self._after(ok, hits, [e.rid for e in ok])
             return result
         ok = self._extend(ok, result.errors)
         hits = {e.rid: hits[e.rid] for e in ok if e.rid in hits}
@@ -105,8 +116,16 @@ class DraftRuntime:
             self._answer_hits(hits, result)
             self._propose([e for e in ok if e.rid not in hits], result)
             if self.ahead is not None:
-                self.pending = _AfterStep([], {}, [e.rid for e in ok if e.rid in self.live])
+                self.budget.observe(len(ok), False, time.perf_counter() - started)
+                self._after([], {}, [e.rid for e in ok if e.rid in self.live])
         return result
+
+    def _after(self, extends: list[ExtendInput], hits: dict, rids: list[str]) -> None:
+        """Leave for `after_step` the extends answered ahead and, when the budget says it
+        pays, the next pre-draft."""
+        if not self.budget.allows(len(rids)):
+            rids = []
+        self.pending = _AfterStep(extends, hits, rids) if extends or rids else None
 
     def _answer_hits(self, hits: dict, result: DraftStepResult) -> None:
         result.trees.update({rid: _wire(o.tree) for rid, o in hits.items()})
@@ -123,10 +142,13 @@ class DraftRuntime:
         errors: dict[str, SpecmeshError] = {}
         for inp in self._extend(work.extends, errors):
             self.ahead.adopt(inp.rid, work.hits[inp.rid])
+        if not work.rids:
+            return
         try:
             self.ahead.predraft([r for r in work.rids if r in self.live])
         except Exception:
             log.exception("pre-draft failed for %s", work.rids)
+        self.budget.pre_drafted()
 
     def propose(self, roots: list[ExtendInput]) -> DraftStepResult:
         """Trees for requests already extended; ``roots[i].next_token`` must be the request's
@@ -249,6 +271,8 @@ def load_draft(cfg: DraftConfig, target_model: torch.nn.Module | None = None) ->
         cfg, max_context=resolve_max_context(cfg.max_context, target.max_position, cfg.target_dir)
     )
     drafter = kinds.build_drafter(cfg, target_model)
+    if cfg.prefix_cache_tokens > 0 and isinstance(drafter, FeatureDrafter):
+        drafter.enable_prefix_cache(cfg.prefix_cache_tokens, cfg.prefix_block_size)
     if isinstance(drafter, TreeDrafter) and graphs_enabled(
         cfg.cuda_graph, cfg.device, cfg.attention_backend
     ):

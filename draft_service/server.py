@@ -109,6 +109,10 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServicer):
             r.predrafted = r.request_id in done.predrafted
         return [draft_pb2.DraftStepResponse(results=results)]
 
+    def before_step(self, runtime: DraftRuntime) -> None:
+        """A batch arrived: the pre-draft budget measures how long it waits behind one."""
+        runtime.budget.arrived()
+
     def after_answer(self, runtime: DraftRuntime) -> None:
         """What the step left for after its answer (pre-drafting) runs on the worker now, while
         the target verifies; the stream's next batch queues behind it."""

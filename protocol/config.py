@@ -54,6 +54,10 @@ class TargetConfig:
     attention_backend: str = "torch"
     num_kv_slots: int = 65536
     page_size: int = 1
+    # Prefix caching (`runtime.prefix_cache`): cached prompt tokens at most (0 = off), in blocks
+    # of this many tokens (a multiple of page_size)
+    prefix_cache_tokens: int = 32768
+    prefix_block_size: int = 16
     max_requests: int = 256
     max_context: int | None = None  # None = the model's max_position_embeddings
     max_prefill_tokens: int = 8192  # chunk size of one extend
@@ -93,3 +97,6 @@ class DraftConfig:
     # `specmesh.draft_service.predraft`
     predraft: int = 0
     predraft_steps: int = 3  # search depth of a pre-drafted tree (at most spec.num_steps)
+    # Prefix caching of the draft's own rows (EAGLE / EAGLE-3 drafts; `runtime.prefix_cache`)
+    prefix_cache_tokens: int = 32768
+    prefix_block_size: int = 16

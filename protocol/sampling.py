@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specmesh.protocol.constraints import Constraint
 from specmesh.protocol.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20  # most alternatives a request may ask for per token
@@ -35,6 +36,9 @@ class SamplingParams:
     # distribution: None = none, 0 = the chosen token's, k = it plus the top k alternatives.
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
+    # A grammar every output token follows (structured outputs, required tool calls): the
+    # target masks each token it samples, each tree node's by the node's own path.
+    constraint: Constraint | None = None
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -76,6 +80,12 @@ class SamplingParams:
             if n is not None and not 0 <= n <= MAX_LOGPROBS:
                 raise InvalidRequestError(f"{name} must be in [0, {MAX_LOGPROBS}], got {n}")
         self.check_vocab(2**31)
+        if self.constraint is not None and (self.ignore_eos or self.min_tokens):
+            # The grammar's end allows only EOS: neither may keep a finished document going.
+            raise InvalidRequestError(
+                "ignore_eos and min_tokens cannot be combined with a grammar constraint "
+                "(structured output, a required tool call): the grammar decides where it ends"
+            )
 
     def check_vocab(self, vocab_size: int) -> None:
         """The logit_bias ids exist in a ``vocab_size`` vocabulary (and their biases in range)."""

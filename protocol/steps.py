@@ -84,6 +84,8 @@ class StepOutput:
     # (with the last piece of an input prefilled in pieces, for every piece).
     prompt_logprobs: dict[str, list[Logprob]] = field(default_factory=dict)
     errors: dict[str, SpecmeshError] = field(default_factory=dict)
+    # Prefill: input tokens whose KV came from the target's prefix cache.
+    cached_tokens: dict[str, int] = field(default_factory=dict)
 
 
 # -- draft ---------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from typing import Any
 
 from specmesh.protocol.errors import InvalidRequestError
 from specmesh.router.openai_schema import ChatMessage
+from specmesh.router.tools import parser_for
 
 DEFAULT_IMAGE_TOKEN = "<image>"
 
@@ -30,9 +31,15 @@ class ChatRenderer:
         adds_bos = bool(bos) and tokenizer.encode("a")[:1] == [tokenizer.bos_token_id]
         self.strip_prefix = bos if adds_bos else None
 
-    def render(self, messages: list[dict]) -> str:
-        """The prompt text for ``messages`` (from `flatten`), ending with the assistant turn's
-        start. Blocking (Jinja): call it off the event loop."""
+    @property
+    def tool_parser(self) -> str:
+        """How ``auto`` tool calls are read from the output (`specmesh.router.tools`)."""
+        return parser_for(self.template or getattr(self.tokenizer, "chat_template", None))
+
+    def render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """The prompt text for ``messages`` (from `flatten`) and ``tools`` (OpenAI's tool
+        objects, given to the template as ``tools``), ending with the assistant turn's start.
+        Blocking (Jinja): call it off the event loop."""
         if self.template is None and not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError(
                 "the model has no chat template: start the router with --chat-template FILE, "
@@ -40,8 +47,9 @@ class ChatRenderer:
             )
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, chat_template=self.template, tokenize=False, add_generation_prompt=True
-            )
+                messages, tools=tools, chat_template=self.template, tokenize=False,
+                add_generation_prompt=True,
+            )  # fmt: skip
         except Exception as e:  # jinja's TemplateError, raise_exception() in templates
             raise InvalidRequestError(f"the chat template failed on these messages: {e}") from e
         if self.strip_prefix and text.startswith(self.strip_prefix):
@@ -65,8 +73,9 @@ class ChatRenderer:
                         pieces.append(self.image_token)
                 text = "".join(pieces)
             entry = {"role": msg.role, "content": text}
-            if msg.name is not None:
-                entry["name"] = msg.name
+            for key in ("name", "tool_calls", "tool_call_id"):
+                if getattr(msg, key) is not None:
+                    entry[key] = getattr(msg, key)
             out.append(entry)
         return out, images
 

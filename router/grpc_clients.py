@@ -242,6 +242,8 @@ class GrpcTargetClient(_GrpcClient):
                     out.logprobs[rid] = logprobs_from_pb(result.logprobs, Logprob)
                 if result.prompt_logprobs:
                     out.prompt_logprobs[rid] = logprobs_from_pb(result.prompt_logprobs, Logprob)
+                if result.cached_tokens:
+                    out.cached_tokens[rid] = result.cached_tokens
         return out
 
 

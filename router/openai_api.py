@@ -31,6 +31,7 @@ from dataclasses import replace
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response
 
+from specmesh.protocol.constraints import Constraint
 from specmesh.protocol.sampling import SamplingParams
 from specmesh.protocol.steps import Logprob
 from specmesh.router.chat import ChatRenderer, read_template
@@ -44,6 +45,7 @@ from specmesh.router.openai_body import (
     read_json,
 )
 from specmesh.router.openai_schema import (
+    ChatBody,
     CompletionBody,
     OpenAIError,
     SamplingBody,
@@ -52,6 +54,8 @@ from specmesh.router.openai_schema import (
 )
 from specmesh.router.openai_stream import merge, sse_event, sse_response, unless_disconnected
 from specmesh.router.openai_views import ChatView, Choice, CompletionView
+from specmesh.router.structured import constraint_of
+from specmesh.router.tools import ToolPlan, plan_tools
 from specmesh.rpc.security import model_name
 from specmesh.v1 import generation_pb2
 
@@ -115,7 +119,7 @@ class OpenAIService:
 
     def sampling(
         self, body: SamplingBody, max_tokens: int | None, logprobs: int | None,
-        prompt_logprobs: int | None, seed: int | None,
+        prompt_logprobs: int | None, seed: int | None, constraint: Constraint | None = None,
     ) -> SamplingParams:  # fmt: skip
         if not body.skip_special_tokens:
             raise OpenAIError(
@@ -141,7 +145,7 @@ class OpenAIService:
             min_p=body.min_p, repetition_penalty=body.repetition_penalty,
             frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
             logit_bias=bias, min_tokens=body.min_tokens, logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
+            prompt_logprobs=prompt_logprobs, constraint=constraint,
         )  # fmt: skip
 
     async def make_choices(
@@ -220,7 +224,11 @@ class OpenAIService:
             score_only = _scores_only(body)
             max_tokens = 1 if score_only else body.max_tokens  # vLLM: one token, never shown
             lp = body.logprobs
-            params = self.sampling(body, max_tokens, lp, lp if body.echo else None, body.seed)
+            structured = constraint_of(body)
+            constraint = structured[1] if structured else None
+            params = self.sampling(
+                body, max_tokens, lp, lp if body.echo else None, body.seed, constraint
+            )
             rid = f"cmpl-{uuid.uuid4().hex}"
             choices = await self.make_choices(
                 rid, prompts, body.n, params, max_tokens, echo=body.echo, score_only=score_only
@@ -231,8 +239,6 @@ class OpenAIService:
         body = parse_chat(await self.read(http, "chat"), self.limits)
         async with self.work():
             self.check_model(body.model)
-            if body.tools:
-                raise OpenAIError(400, "tools are not supported", param="tools")
             if body.chat_template is not None:
                 raise OpenAIError(
                     400,
@@ -242,15 +248,25 @@ class OpenAIService:
             if body.max_new_tokens == 0:
                 name = body.max_tokens_param
                 raise OpenAIError(400, f"{name} must be at least 1, got 0", param=name)
+            tools = self.tool_plan(body)
+            constraint = _one_constraint(constraint_of(body), tools)
             messages, images = self.chat.flatten(body.messages)
-            prompt = await asyncio.to_thread(self.chat.render, messages)
+            prompt = await asyncio.to_thread(self.chat.render, messages, tools.tools)
             lp = (body.top_logprobs or 0) if body.logprobs else None
-            params = self.sampling(body, body.max_new_tokens, lp, None, body.seed)
+            params = self.sampling(body, body.max_new_tokens, lp, None, body.seed, constraint)
             rid = f"chatcmpl-{uuid.uuid4().hex}"
             choices = await self.make_choices(
                 rid, [prompt], body.n, params, body.max_new_tokens, images
             )
-            return await self.answer(http, choices, ChatView(self, rid, body.logprobs), body)
+            view = ChatView(self, rid, body.logprobs, tools)
+            return await self.answer(http, choices, view, body)
+
+    def tool_plan(self, body: ChatBody) -> ToolPlan:
+        tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
+        choice = body.tool_choice
+        if choice is not None and not isinstance(choice, str):
+            choice = choice.model_dump()
+        return plan_tools(tools, choice, body.parallel_tool_calls, self.chat.tool_parser)
 
     async def answer(
         self, http: HttpRequest, choices: list[Choice], view, body: SamplingBody
@@ -258,7 +274,8 @@ class OpenAIService:
         """The SSE stream, or the whole response once every choice ended (aborted if the client
         goes away first)."""
         if body.stream:
-            return sse_response(self.stream(choices, view, body.include_usage))
+            usage = "every" if body.continuous_usage else "last" if body.include_usage else ""
+            return sse_response(self.stream(choices, view, usage))
         await unless_disconnected(http, self.run(choices))
         return JSONResponse(view.response(choices))
 
@@ -266,9 +283,11 @@ class OpenAIService:
         async for i, chunk in merge([self.core.generate(c.req) for c in choices]):
             choices[i].add(chunk)
 
-    async def stream(self, choices: list[Choice], view, include_usage: bool) -> AsyncIterator[str]:
-        """SSE events: the choices' chunks as they come, the usage chunk if asked, [DONE]. An
+    async def stream(self, choices: list[Choice], view, usage: str) -> AsyncIterator[str]:
+        """SSE events: the choices' chunks as they come, the usage chunk if asked (``usage``
+        "last"; "every": also on every chunk, vLLM's ``continuous_usage_stats``), [DONE]. An
         error after the headers went out is sent as an error event."""
+        include_usage = bool(usage)
         try:
             async with self.work():
                 for c in choices:
@@ -276,7 +295,12 @@ class OpenAIService:
                         yield sse_event(first, include_usage)
                 async for i, chunk in merge([self.core.generate(c.req) for c in choices]):
                     choices[i].add(chunk)
-                    yield sse_event(view.chunk(choices[i], chunk), include_usage)
+                    event = view.chunk(choices[i], chunk)
+                    if event is None:  # held back (a tool call is parsed once it is whole)
+                        continue
+                    if usage == "every":
+                        event["usage"] = view.usage(choices)
+                    yield sse_event(event, include_usage)
             if include_usage:
                 yield sse_event(
                     {**view.header("chunk"), "choices": [], "usage": view.usage(choices)}, True
@@ -293,6 +317,18 @@ class OpenAIService:
             "owned_by": "specmesh", "max_model_len": core.targets[0].info_pb.max_context_len,
         }  # fmt: skip
         return JSONResponse({"object": "list", "data": [card]})
+
+
+def _one_constraint(
+    structured: tuple[str, Constraint] | None, tools: ToolPlan
+) -> Constraint | None:
+    """The request's one grammar: a structured output's or a forced tool call's."""
+    if structured is not None and tools.constraint is not None:
+        raise OpenAIError(
+            400, f"{structured[0]} cannot be combined with tool_choice {tools.mode!r}",
+            param=structured[0],
+        )  # fmt: skip
+    return tools.constraint if structured is None else structured[1]
 
 
 def _scores_only(body: CompletionBody) -> bool:

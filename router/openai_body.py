@@ -30,7 +30,13 @@ from fastapi import Request as HttpRequest
 from starlette.requests import ClientDisconnect
 
 from specmesh.router.limits import RouterLimits
-from specmesh.router.openai_schema import ChatBody, ClientGone, CompletionBody, OpenAIError
+from specmesh.router.openai_schema import (
+    ChatBody,
+    ClientGone,
+    CompletionBody,
+    OpenAIError,
+    refuse_unsupported,
+)
 
 SEPARATORS = (b",", b":", b"[", b"{")
 OVERHEAD = 64 << 10  # bytes and separators of everything but prompts and messages
@@ -176,6 +182,7 @@ def parse_chat(obj: dict, limits: RouterLimits) -> ChatBody:
 
 def validate(model: type[pydantic.BaseModel], obj: dict) -> Any:
     try:
+        refuse_unsupported(obj, model.unsupported)
         return model.model_validate(obj)
     except pydantic.ValidationError as e:
         first = e.errors()[0]

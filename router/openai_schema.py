@@ -3,19 +3,23 @@ one table from specmesh's status codes to HTTP statuses. Responses are built as 
 `specmesh.router.openai_api`, field for field the OpenAI schema.
 
 Fields accepted beyond OpenAI's are vLLM's (``top_k``, ``min_p``, ``repetition_penalty``,
-``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``); unknown fields are
-ignored, as OpenAI and vLLM do.
+``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``, ``guided_json``,
+``guided_regex``, ``guided_choice``, ``structured_outputs``). OpenAI fields (and vLLM extras)
+specmesh does not implement are refused with a 400 naming them (`refuse_unsupported`), never
+silently ignored; fields nobody defines are ignored, as OpenAI and vLLM do.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
 
 from specmesh.protocol.errors import SpecmeshError
+from specmesh.router.structured import ResponseFormat, StructuredOutputs
+from specmesh.router.tools import NamedToolChoice, Tool
 
 log = logging.getLogger(__name__)
 
@@ -103,13 +107,39 @@ def reported(exc: Exception, where: str) -> OpenAIError:
 
 # -- request bodies ----------------------------------------------------------------------------
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage on every chunk (implies include_usage)
+
+
+# Fields OpenAI or vLLM define that specmesh does not implement -> the values it accepts as
+# "not asking for anything" (None always counts as absent).
+_UNSUPPORTED_COMMON: dict[str, tuple] = {
+    "guided_grammar": (), "guided_decoding_backend": (), "guided_whitespace_pattern": (),
+    "structural_tag": (), "service_tier": ("auto", "default"), "store": (False,),
+    "metadata": ({},), "prompt_cache_key": (), "safety_identifier": (),
+}  # fmt: skip
+_UNSUPPORTED_CHAT = {
+    **_UNSUPPORTED_COMMON, "audio": (), "modalities": (["text"],), "prediction": (),
+    "reasoning_effort": (), "verbosity": (), "web_search_options": (), "functions": (),
+    "function_call": ("none",),
+}  # fmt: skip
+
+
+def refuse_unsupported(obj: dict, unsupported: dict[str, tuple]) -> None:
+    """A 400 naming the first field of ``obj`` that asks for what specmesh does not do."""
+    for name, accepted in unsupported.items():
+        value = obj.get(name)
+        if value is not None and value not in accepted:
+            raise OpenAIError(400, f"{name} is not supported by specmesh", param=name)
 
 
 class SamplingBody(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model_config = ConfigDict(extra="ignore")
+    unsupported: ClassVar[dict[str, tuple]] = _UNSUPPORTED_COMMON
 
     model: str
     n: int = Field(1, ge=1, le=128)
@@ -131,6 +161,12 @@ class SamplingBody(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[NonNegativeInt] | None = None
     skip_special_tokens: bool = True
+    # structured outputs (`specmesh.router.structured`): OpenAI's, then vLLM's
+    response_format: ResponseFormat | None = None
+    guided_json: dict | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @property
     def stop_list(self) -> list[str]:
@@ -138,7 +174,12 @@ class SamplingBody(BaseModel):
 
     @property
     def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+        so = self.stream_options
+        return so is not None and (so.include_usage or so.continuous_usage_stats)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
 
 class CompletionBody(SamplingBody):
@@ -149,6 +190,11 @@ class CompletionBody(SamplingBody):
     echo: bool = False
     suffix: str | None = None  # refused (no insertion)
     best_of: int | None = None  # only best_of == n
+    unsupported: ClassVar[dict[str, tuple]] = {
+        **_UNSUPPORTED_COMMON,
+        "tools": (),
+        "tool_choice": (),
+    }
 
 
 class ImageUrl(BaseModel):
@@ -169,6 +215,8 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant turn's calls, for the chat template
+    tool_call_id: str | None = None  # a tool turn's answer to that call
 
 
 class ChatBody(SamplingBody):
@@ -177,8 +225,11 @@ class ChatBody(SamplingBody):
     max_completion_tokens: int | None = Field(None, ge=0, lt=2**31)  # wins over max_tokens
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[Any] | None = None  # refused when not empty
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     chat_template: str | None = None  # refused: the router's template (--chat-template) only
+    unsupported: ClassVar[dict[str, tuple]] = _UNSUPPORTED_CHAT
 
     @property
     def max_tokens_param(self) -> str:
@@ -191,12 +242,14 @@ class ChatBody(SamplingBody):
 
 
 # -- response pieces ---------------------------------------------------------------------------
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; ``cached_tokens``: prompt tokens the target's prefix cache had."""
     total = prompt_tokens + completion_tokens
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": total,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 

@@ -19,6 +19,7 @@ from specmesh.router.request import Chunk, Request
 
 if TYPE_CHECKING:
     from specmesh.router.openai_api import OpenAIService
+    from specmesh.router.tools import ToolPlan
 
 
 Pairs = list[tuple[int, "Logprob | None"]]  # (token id, its logprob)
@@ -131,11 +132,17 @@ class CompletionView:
 
 
 class ChatView:
-    """``chat.completion`` / ``chat.completion.chunk`` objects from choices and chunks."""
+    """``chat.completion`` / ``chat.completion.chunk`` objects from choices and chunks. With
+    tools in play (`ToolPlan`), a streamed choice's text is held back and sent whole with its
+    last chunk: as ``tool_calls`` (the whole call in one delta) or, if it is no call, as
+    content."""
 
-    def __init__(self, api: OpenAIService, rid: str, logprobs: bool) -> None:
+    def __init__(
+        self, api: OpenAIService, rid: str, logprobs: bool, tools: ToolPlan | None = None
+    ) -> None:
         self.api, self.rid, self.want_logprobs = api, rid, logprobs
         self.model, self.created = api.model, int(time.time())
+        self.tools = tools if tools is not None and tools.mode != "none" else None
 
     def header(self, kind: str) -> dict:
         obj = "chat.completion.chunk" if kind == "chunk" else "chat.completion"
@@ -149,15 +156,20 @@ class ChatView:
             return None
         return chat_logprobs(self.api.entries(list(zip(ids, lps, strict=False))))
 
+    def message(self, c: Choice) -> tuple[dict, str | None]:
+        if self.tools is None:
+            return {"role": "assistant", "content": c.text}, c.finish_reason
+        return self.tools.message(c.text, c.finish_reason)
+
     def response(self, choices: list[Choice]) -> dict:
-        out = [
-            {
-                "index": c.index, "message": {"role": "assistant", "content": c.text},
+        out = []
+        for c in choices:
+            message, finish_reason = self.message(c)
+            out.append({
+                "index": c.index, "message": message,
                 "logprobs": self.logprobs(c.req.output_ids, c.logprobs),
-                "finish_reason": c.finish_reason,
-            }
-            for c in choices
-        ]  # fmt: skip
+                "finish_reason": finish_reason,
+            })  # fmt: skip
         return {**self.header(""), "choices": out, "usage": self.usage(choices)}
 
     def first_chunk(self, c: Choice) -> dict:
@@ -165,7 +177,9 @@ class ChatView:
         choice = {"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None}
         return {**self.header("chunk"), "choices": [choice]}
 
-    def chunk(self, c: Choice, chunk: Chunk) -> dict:
+    def chunk(self, c: Choice, chunk: Chunk) -> dict | None:
+        if self.tools is not None:
+            return self.tool_chunk(c, chunk)
         delta = {"content": chunk.text} if chunk.text or not chunk.finish_reason else {}
         choice = {
             "index": c.index, "delta": delta,
@@ -174,8 +188,26 @@ class ChatView:
         }  # fmt: skip
         return {**self.header("chunk"), "choices": [choice]}
 
+    def tool_chunk(self, c: Choice, chunk: Chunk) -> dict | None:
+        """None until the choice ends; then its whole message as one delta (tool calls with an
+        ``index`` each, as OpenAI streams them)."""
+        if not chunk.finish_reason:
+            return None
+        message, finish_reason = self.message(c)
+        delta = {k: v for k, v in message.items() if k != "role" and v is not None}
+        for i, call in enumerate(delta.get("tool_calls", [])):
+            call["index"] = i
+        choice = {
+            "index": c.index, "delta": delta,
+            "logprobs": self.logprobs(c.req.output_ids, c.logprobs),
+            "finish_reason": finish_reason,
+        }  # fmt: skip
+        return {**self.header("chunk"), "choices": [choice]}
+
 
 def usage_of(choices: list[Choice]) -> dict:
     """Each prompt's tokens once, whatever ``n`` (as vLLM); every choice's completion tokens."""
     prompts = {c.prompt_index: len(c.req.prompt_ids) for c in choices}
-    return usage(sum(prompts.values()), sum(c.num_generated for c in choices))
+    cached = {c.prompt_index: c.req.cached_tokens for c in choices}
+    return usage(sum(prompts.values()), sum(c.num_generated for c in choices),
+                 sum(cached.values()))  # fmt: skip

@@ -49,6 +49,7 @@ class Request:
     accept_lens: list[int] = field(default_factory=list)
     num_draft_tokens: int = 0  # draft tree nodes its rounds verified, roots excluded
     num_predraft_hits: int = 0  # trees its draft had ready (pre-drafted) when asked
+    cached_tokens: int = 0  # prompt tokens the target's prefix cache had (its last prefill)
     draft_wait_s: float = 0.0  # time its rounds waited on the draft for a tree
     replays: int = 0  # times a failed target sent it back to be replayed elsewhere
     arrival_s: float = field(default_factory=time.monotonic)

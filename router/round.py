@@ -95,6 +95,8 @@ class RoundRunner:
             return
         for s in batch.slots:
             s.prefill_sent += len(pieces[s.rid].input_ids) if s.rid in out.tokens else 0
+            if not pieces[s.rid].input_start and s.rid in out.tokens:  # a first piece
+                s.request.cached_tokens = out.cached_tokens.get(s.rid, 0)
         more = await self._settle([s for s in batch.slots if pieces[s.rid].more_input], out)
         live = await self._emit([s for s in batch.slots if not pieces[s.rid].more_input], out)
         for s in live:

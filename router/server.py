@@ -36,6 +36,7 @@ from specmesh.router.limits import (
     check_stop_rules,
 )
 from specmesh.router.request import Chunk, Request
+from specmesh.router.structured import ConstraintChecker
 from specmesh.router.tokenizer import fetch_tokenizer, load_tokenizer, resolve_seed
 from specmesh.rpc.malformed import add_servicer
 from specmesh.rpc.security import TlsFiles, api_key_interceptors, model_name
@@ -78,6 +79,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.core: RouterCore | None = None  # set by `attach` once every service answered
         self.tokenizer = None
         self.prompts = PromptEncoder(settings.limits)  # tokenizes off the event loop
+        self.constraints = ConstraintChecker()  # grammar compile checks, off the event loop
 
     async def attach(self, core: RouterCore, tokenizer) -> None:
         self.core, self.tokenizer = core, tokenizer
@@ -153,6 +155,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if params is None:
             params = sampling_from_pb(msg.sampling, self.settings.max_new_tokens)
         check_stop_rules(params, core.info.vocab_size)
+        if params.constraint is not None:
+            info = core.info
+            await self.constraints.check(
+                params.constraint, self.tokenizer, info.vocab_size, info.eos_token_ids
+            )
         if msg.prompt_token_ids:
             ids = list(msg.prompt_token_ids)
         else:
@@ -198,6 +205,7 @@ def _response(req: Request, chunk: Chunk) -> generation_pb2.GenerateResponse:
                 num_draft_tokens=req.num_draft_tokens,
                 num_predraft_hits=req.num_predraft_hits,
                 draft_wait_s=req.draft_wait_s,
+                cached_tokens=req.cached_tokens,
                 mean_accept_len=req.mean_accept_len or 1.0,
                 time_to_first_token_s=(req.first_token_s or now) - req.arrival_s,
                 total_time_s=now - req.arrival_s,

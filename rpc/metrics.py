@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 if TYPE_CHECKING:
     from specmesh.rpc.service_common import ModelServicer
@@ -120,4 +120,22 @@ class _Occupancy:
             family = GaugeMetricFamily(f"specmesh_{name}", doc, labels=["service"])
             family.add_metric([self.service], value)
             families.append(family)
-        return families
+        return families + self._prefix_cache(runtime)
+
+    def _prefix_cache(self, runtime) -> list:
+        """vLLM's prefix-cache counters, in prompt tokens (a target with its cache on)."""
+        blocks = getattr(getattr(runtime, "prefixes", None), "blocks", None)
+        if blocks is None:
+            return []
+        families = []
+        for name, doc, value in [
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", blocks.num_queried),
+            ("prefix_cache_hits", "Prompt tokens found in the prefix cache", blocks.num_hit),
+        ]:  # fmt: skip
+            family = CounterMetricFamily(f"specmesh_{name}", doc, labels=["service"])
+            family.add_metric([self.service], value)
+            families.append(family)
+        gauge = GaugeMetricFamily("specmesh_prefix_cache_tokens", "Tokens the prefix cache holds",
+                                  labels=["service"])  # fmt: skip
+        gauge.add_metric([self.service], blocks.num_tokens)
+        return [*families, gauge]

@@ -226,6 +226,7 @@ class ModelServicer:
     async def _step(self, runtime, stream: StreamOwner, chunks: list):
         """One batch's answer: inline when `InlineSteps` allows, else on the worker."""
         timed = self.metrics.timed(self._answer)
+        self.before_step(runtime)
         started = time.perf_counter()
         if self.inline.allow():
             answer = timed(runtime, stream, chunks)
@@ -240,6 +241,9 @@ class ModelServicer:
 
     def run_batch(self, runtime, stream: StreamOwner, chunks: list) -> list:
         raise NotImplementedError
+
+    def before_step(self, runtime) -> None:
+        """Called as a batch arrives, before it waits for the worker; nothing by default."""
 
     def after_answer(self, runtime) -> None:
         """Called once a batch's answer is sent (the draft's pre-drafting); nothing by

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
+from specmesh.protocol.constraints import Constraint
 from specmesh.protocol.errors import (
     DuplicateRequestError,
     InvalidRequestError,
@@ -147,6 +148,11 @@ def sampling_from_pb(msg: generation_pb2.SamplingParams, default_max_new: int) -
         min_tokens=msg.min_tokens,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
+        constraint=(
+            Constraint(msg.constraint.kind, msg.constraint.text)
+            if msg.HasField("constraint")
+            else None
+        ),
     )  # range-checked as it is made
     return params
 
@@ -169,6 +175,11 @@ def sampling_to_pb(params: SamplingParams) -> generation_pb2.SamplingParams:
         min_tokens=params.min_tokens,
         logprobs=params.logprobs,
         prompt_logprobs=params.prompt_logprobs,
+        constraint=(
+            None
+            if params.constraint is None
+            else generation_pb2.Constraint(kind=params.constraint.kind, text=params.constraint.text)
+        ),
     )
 
 

@@ -17,6 +17,7 @@ for its next round; no K/V is copied and nothing is freed per round.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -62,6 +63,10 @@ class KVCache:
         self.free_pages = list(range(num_slots // page_size - 1, -1, -1))
         self.free_rows = list(range(max_requests - 1, -1, -1))
         self.requests: dict[str, RequestSlots] = {}
+        # Pages a prefix cache owns (`runtime.prefix_cache`): rows list them, releases skip them;
+        # ``reclaim(n)`` asks it to free n pages when the pool runs short (returns pages freed).
+        self.shared: set[int] = set()
+        self.reclaim: Callable[[int], int] | None = None
 
     # -- ask ----------------------------------------------------------------------------------
     def pages_needed(self, rid: str | None, num_tokens: int) -> int:
@@ -70,9 +75,17 @@ class KVCache:
         return max(0, -(-num_tokens // self.page_size) - have)
 
     def can_allocate(self, demands: dict[str | None, int]) -> bool:
+        """Whether ``demands`` fit; unreferenced prefix-cache pages are given back for them if
+        needed (they are a cache: taking them changes no request)."""
         pages = sum(self.pages_needed(rid, n) for rid, n in demands.items())
         new_rows = sum(1 for rid in demands if rid not in self.requests)
+        self._make_room(pages)
         return pages <= len(self.free_pages) and new_rows <= len(self.free_rows)
+
+    def _make_room(self, num_pages: int) -> None:
+        short = num_pages - len(self.free_pages)
+        if short > 0 and self.reclaim is not None:
+            self.reclaim(short)
 
     @property
     def num_free_slots(self) -> int:
@@ -106,6 +119,7 @@ class KVCache:
                     f"{self.max_context}"
                 )
             needs[rid] = self.pages_needed(rid, num_tokens)
+        self._make_room(sum(needs.values()))
         if sum(needs.values()) > len(self.free_pages):
             raise KVCacheFullError(
                 f"requests {list(needs)} need {sum(needs.values())} more KV pages of "
@@ -133,8 +147,30 @@ class KVCache:
         req = self.requests.pop(rid, None)
         if req is None:
             raise UnknownRequestError(f"unknown request id {rid!r}")
-        self.free_pages.extend(reversed(req.pages))
+        self.free_pages.extend(p for p in reversed(req.pages) if p not in self.shared)
         self.free_rows.append(req.row)
+
+    # -- pages shared with a prefix cache -------------------------------------------------------
+    def attach_shared(self, rid: str, pages: list[int]) -> None:
+        """Start ``rid``'s row (new, nothing reserved) with the cache's ``pages``: their tokens
+        are committed, never written again."""
+        req = self.get(rid)
+        if req.pages:
+            raise ValueError(f"request {rid!r} already holds pages")
+        req.pages = list(pages)
+        ps = self.page_size
+        slots = (torch.tensor(pages, dtype=torch.int64)[:, None] * ps + torch.arange(ps)).flatten()
+        self.req_to_slot[req.row, : len(slots)] = slots.to(self.req_to_slot.device)
+        req.committed_len = len(slots)
+
+    def share(self, pages: list[int]) -> None:
+        """The prefix cache takes ``pages`` (listed by a request's row): releases skip them."""
+        self.shared.update(pages)
+
+    def unshare(self, pages: list[int]) -> None:
+        """The prefix cache evicted ``pages``, which no row lists any more: free them."""
+        self.shared.difference_update(pages)
+        self.free_pages.extend(pages)
 
     def get(self, rid: str) -> RequestSlots:
         req = self.requests.get(rid)

@@ -1,5 +1,6 @@
 """Which draft tokens the target accepts: pad every request's tree to one shape, process each
-node's logits (the tokens before a node count: per-node history for penalties), draw each node's
+node's logits (the tokens before a node count: per-node history for penalties, per-node grammar
+masks for constrained requests, `target_service.grammar`), draw each node's
 token as plain decoding would at that output position (the argmax, or the keyed inverse-CDF
 draw: `runtime.sampling`), then follow the draws down the tree (`kernels.tree_verify`'s greedy
 verifier): a child is accepted exactly when it is its parent's draw, and the last accepted
@@ -21,6 +22,7 @@ from specmesh.runtime.sampling import (
     draw_tokens,
     processed_logprobs,
 )
+from specmesh.target_service.grammar import mask_logits, padded_masks
 
 if TYPE_CHECKING:
     from specmesh.target_service.verify import VerifyRow
@@ -59,6 +61,10 @@ def accept_trees(
     tree = [t.to(dev) for t in (tokens, first_child, next_sibling)]
     counts = [i.tree.num_nodes for i in inputs]
     padded = pad_rows(logits, counts, n_max).flatten(0, 1)  # [bs * n_max, vocab]
+    if any(i.grammar is not None for i in inputs):  # -inf where a node's path forbids a token
+        trees = [(i.tree.tokens.tolist(), i.tree.parents.tolist()) for i in inputs]
+        allow = padded_masks([i.grammar for i in inputs], trees, n_max, padded.shape[-1])
+        padded = mask_logits(padded, allow)
     params = [i.params for i in inputs for _ in range(n_max)]
     histories, generated = node_histories(inputs, n_max)
     padded = apply_history(padded, params, histories, generated)

@@ -123,6 +123,7 @@ def merge_outputs(parts: list[StepOutput]) -> StepOutput:
         out.logprobs.update(p.logprobs)
         out.prompt_logprobs.update(p.prompt_logprobs)
         out.errors.update(p.errors)
+        out.cached_tokens.update(p.cached_tokens)
     return out
 
 

@@ -37,7 +37,7 @@ class PartialPrefill:
 
     params: SamplingParams  # from the first piece
     sample_offset: int  # from the first piece
-    ids: list[int] | None  # the input so far, kept only when the params' processors read it
+    ids: list[int] | None  # the input so far, kept only when processors or a grammar read it
     prompt_logprobs: list[Logprob] = field(default_factory=list)  # gathered so far, when asked
     # The last piece's last (token id, hidden row [1, hidden]), when prompt logprobs are asked.
     last_row: tuple[int, torch.Tensor] | None = None
@@ -121,7 +121,8 @@ class PartialPrefills:
         returns the prompt logprobs of the whole prompt (None when not asked or empty)."""
         rec = self.held.pop(inp.rid, None) if inp.input_start else None
         if rec is None:
-            keep_ids = [] if inp.params.uses_history else None
+            reads_ids = inp.params.uses_history or inp.params.constraint is not None
+            keep_ids = [] if reads_ids else None
             rec = PartialPrefill(inp.params, inp.sample_offset, keep_ids)
         rec.prompt_logprobs += entries or []
         if inp.more_input:

@@ -17,6 +17,7 @@ import itertools
 import logging
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -39,16 +40,19 @@ from specmesh.runtime.graph_runner import graphs_enabled
 from specmesh.runtime.kv_cache import KVCache
 from specmesh.runtime.llava_checkpoint import is_llava_checkpoint
 from specmesh.runtime.models.causal_lm import CausalLM, ModelOutput, load_causal_lm
+from specmesh.runtime.prefix_cache import Match
 from specmesh.runtime.sampling import (
     TokenHistory,
     processed_logprobs,
     sample_tokens,
 )
 from specmesh.target_service.batching import extend_chunked, pick_logprobs, run_isolated
+from specmesh.target_service.grammar import Grammars, consume, mask_logits, row_masks
 from specmesh.target_service.graphs import TargetGraphs
 from specmesh.target_service.llava import ImageEncoder, load_llava
 from specmesh.target_service.multimodal import merge_images
 from specmesh.target_service.prefill_pieces import PartialPrefills
+from specmesh.target_service.prefix import TargetPrefixes, feature_key
 from specmesh.target_service.state import TargetRequest
 from specmesh.target_service.tp_model import start_tensor_parallel
 from specmesh.target_service.verify import verify_trees
@@ -88,11 +92,13 @@ class TargetRuntime:
             max_requests=cfg.max_requests,
             max_context=cfg.max_context,
         )
+        self.prefixes = TargetPrefixes(self.cache, cfg.prefix_block_size, cfg.prefix_cache_tokens)
         self.backend = make_backend(cfg.attention_backend, cfg.device, mc.head_dim, mc.dtype)
         self.kernel_impl = kernel_impl(cfg.attention_backend)
         self.graphs = self._capture_graphs()
         self.requests: dict[str, TargetRequest] = {}
         self.partial = PartialPrefills()  # requests whose input is still arriving in pieces
+        self.grammars = Grammars(cfg.model_dir, mc.vocab_size, mc.eos_token_ids)
 
     def _capture_graphs(self) -> TargetGraphs | None:
         cfg = self.cfg
@@ -174,9 +180,11 @@ class TargetRuntime:
         merged = merge_images(whole, self.mm, self.model.embed, cfg.model_dir, limits)
         errors.update(merged.errors)
         ok: list[PrefillInput] = []
+        key = self._feature_key(feature)
         for inp in merged.inputs:
             try:
                 ok.append(self._admit(inp, {i.rid: i.input_start + len(i.input_ids) for i in ok}))
+                self.prefixes.attach(ok[-1], key)  # its cached prefix, if any
             except SpecmeshError as e:
                 errors[inp.rid] = e
         for inp in inputs:  # a request refused in the middle of its input is dropped
@@ -192,24 +200,33 @@ class TargetRuntime:
     def _prefill_batch(self, ok: list[PrefillInput], feature: Feature) -> StepOutput:
         """Extend over every input (piece); sample where an input ends. State changes only
         after every computation, so `run_isolated` may run a failed batch again."""
-        chunk = self.cfg.max_prefill_tokens
-        outputs = extend_chunked(self.model, self.cache, self.backend, ok, chunk)
-        ends = list(itertools.accumulate([len(i.input_ids) for i in ok]))
+        chunk, key, pre = self.cfg.max_prefill_tokens, self._feature_key(feature), self.prefixes
+        run = pre.to_run(ok)  # past each cached prefix
+        outputs = extend_chunked(self.model, self.cache, self.backend, run, chunk)
+        ends = list(itertools.accumulate([len(i.input_ids) for i in run]))
         last = [(inp, end) for inp, end in zip(ok, ends, strict=True) if not inp.more_input]
         final = [inp for inp, _ in last]
         histories = [self._history(i, self.partial.whole_ids(i)) for i in final]
-        out = StepOutput(features=self.select_feature(outputs, feature))
-        out.mm_input_embeds = outputs.mm_input_embeds
-        first = self._sample_first(final, outputs.hidden[[e - 1 for _, e in last]], histories, out)
-        entries = self.partial.prompt_logprobs(self.model, ok, outputs.hidden)
+        grammars = [self._grammar(i, self.partial.whole_ids(i)) for i in final]
+        feats = self.select_feature(outputs, feature)
+        out = StepOutput(features=pre.whole_rows(ok, feats, pre.cached_features(key)))
+        out.mm_input_embeds = pre.whole_rows(ok, outputs.mm_input_embeds, self._embed_cached)
+        hidden = outputs.hidden[[e - 1 for _, e in last]]
+        first = self._sample_first(final, hidden, histories, grammars, out)
+        entries = self.partial.prompt_logprobs(self.model, run, outputs.hidden)
         for inp, end in zip(ok, ends, strict=True):  # rows in batch order
             self.cache.commit(inp.rid, inp.input_start + len(inp.input_ids))
             out.tokens[inp.rid], out.row_counts[inp.rid] = [], len(inp.input_ids)
             whole = self.partial.advance(inp, outputs.hidden[end - 1 : end], entries.get(inp.rid))
             if whole is not None:
                 out.prompt_logprobs[inp.rid] = whole
-        for inp, tok, history in zip(final, first, histories, strict=True):
-            self.requests[inp.rid] = TargetRequest(inp.params, inp.sample_offset, tok, history)
+        for inp, rows in zip(ok, _per_input(out.features, ok), strict=True):
+            pre.insert(inp, key, rows)
+            if cached := pre.num_cached_tokens(inp.rid) if not inp.input_start else 0:
+                out.cached_tokens[inp.rid] = cached
+        for inp, tok, history, grammar in zip(final, first, histories, grammars, strict=True):
+            req = TargetRequest(inp.params, inp.sample_offset, tok, history, grammar)
+            self.requests[inp.rid] = req
             self.advance(inp.rid, [tok], out)
             out.row_counts[inp.rid] = len(inp.input_ids)
         return out
@@ -219,12 +236,15 @@ class TargetRuntime:
         final: list[PrefillInput],
         hidden: torch.Tensor,  # [len(final), hidden]: each input's last row
         histories: list[TokenHistory | None],
+        grammars: list[Any],
         out: StepOutput,
     ) -> list[int]:
-        """The first token of each input that ended, with its logprobs when asked."""
+        """The first token of each input that ended (within its grammar's mask, if any), with
+        its logprobs when asked."""
         if not final:
             return []
         logits = self.model.compute_logits(hidden)
+        logits = mask_logits(logits, row_masks(grammars, logits.shape[-1]))
         params, offsets = [i.params for i in final], [i.sample_offset for i in final]
         first = sample_tokens(logits, params, offsets, histories).tolist()
         asked = [b for b, p in enumerate(params) if p.logprobs is not None]
@@ -237,6 +257,14 @@ class TargetRuntime:
                 )
         return first
 
+    def _feature_key(self, feature: Feature) -> str | None:
+        return feature_key(feature, self.aux_points if feature is Feature.AUX_HIDDEN else ())
+
+    def _embed_cached(self, inp: PrefillInput, match: Match) -> torch.Tensor:
+        """A cached prefix's embedding rows (`mm_input_embeds` of a batch with images)."""
+        ids = torch.tensor(inp.input_ids[: match.num_tokens], device=self.cache.pools[0].k.device)
+        return self.model.embed(ids)
+
     def _history(self, inp: PrefillInput, ids: list[int]) -> TokenHistory | None:
         """What the request's logit processors read: prompt and output so far, from its whole
         input ``ids`` (a replay's ends with its ``sample_offset`` emitted tokens); None when
@@ -247,6 +275,14 @@ class TargetRuntime:
         eos = self.model_config.eos_token_ids
         return TokenHistory.start(ids[:cut], ids[cut:], inp.params, eos)
 
+    def _grammar(self, inp: PrefillInput, ids: list[int]) -> Any:
+        """A constrained request's matcher after the tokens it emitted (a replay's input ends
+        with its ``sample_offset`` emitted tokens); None for an unconstrained one."""
+        if inp.params.constraint is None:
+            return None
+        emitted = ids[len(ids) - inp.sample_offset :] if inp.sample_offset else []
+        return self.grammars.start(inp.params.constraint, emitted)
+
     def _admit(self, inp: PrefillInput, admitted: dict[str, int]) -> PrefillInput:
         """Validate one request (or a later piece of its input, with its sampling state filled
         in) and reserve its row, if its input so far fits in the KV cache beside the requests
@@ -255,6 +291,8 @@ class TargetRuntime:
         if inp.input_start:
             inp = self.partial.resolve(inp, self.cache)
         inp.params.check_vocab(self.model_config.vocab_size)
+        if inp.params.constraint is not None and not inp.input_start:
+            self.grammars.compiled(inp.params.constraint)  # refused before any KV is reserved
         end, limit = inp.input_start + len(inp.input_ids), self.cfg.max_context - 1
         if end > limit:
             raise InvalidRequestError(
@@ -293,6 +331,8 @@ class TargetRuntime:
         req.next_offset += len(tokens)
         if req.history is not None:
             req.history.add(tokens)
+        if req.grammar is not None:
+            consume(req.grammar, tokens)
         out.tokens[rid], out.row_counts[rid] = tokens, len(tokens)
 
     @staticmethod
@@ -302,6 +342,11 @@ class TargetRuntime:
             Feature.HIDDEN: res.hidden,
             Feature.HIDDEN_PRE_NORM: res.hidden_pre_norm,
         }.get(feature)
+
+    def kv_slots(self) -> tuple[int, int]:
+        """(used, free) KV slots; unreferenced prefix-cache slots count as free."""
+        spare = self.prefixes.num_evictable_slots
+        return self.cache.num_used_slots - spare, self.cache.num_free_slots + spare
 
     def _get(self, rid: str) -> TargetRequest:
         req = self.requests.get(rid)
@@ -315,7 +360,15 @@ class TargetRuntime:
         """Free ``rid``'s KV and state; False (a no-op) when the target holds none."""
         self.requests.pop(rid, None)
         self.partial.pop(rid)
+        self.prefixes.release(rid)
         if rid not in self.cache.requests:
             return False
         self.cache.release(rid)
         return True
+
+
+def _per_input(rows: torch.Tensor | None, inputs: list[PrefillInput]) -> list[torch.Tensor | None]:
+    """``rows`` (one per input token, inputs in order) cut per input."""
+    if rows is None:
+        return [None] * len(inputs)
+    return list(rows.split([len(i.input_ids) for i in inputs]))

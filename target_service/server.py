@@ -155,7 +155,7 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServicer):
 
     def info(self, runtime: TargetRuntime) -> target_pb2.TargetInfo:
         mc, cfg = runtime.model_config, runtime.cfg
-        return target_pb2.TargetInfo(
+        info = target_pb2.TargetInfo(
             model_path=model_name(cfg.model_dir),  # a name: never where the host keeps files
             architecture=mc.architecture,
             dtype=DTYPE_NAMES[mc.dtype],
@@ -176,12 +176,10 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServicer):
             chunk_bytes=self.chunk_bytes,
             version=__version__,
             tensor_parallel_size=cfg.tensor_parallel_size,
-            occupancy=self.occupancy(
-                runtime,
-                runtime.num_requests,
-                (runtime.cache.num_used_slots, runtime.cache.num_free_slots),
-            ),
+            occupancy=self.occupancy(runtime, runtime.num_requests, runtime.kv_slots()),
         )
+        info.occupancy.prefix_cached_tokens = runtime.prefixes.num_tokens
+        return info
 
     # -- codec -------------------------------------------------------------------------------------
     def _prefill(self, runtime: TargetRuntime, requests, feature: Feature) -> StepOutput:
@@ -215,6 +213,7 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServicer):
                         prompt_ids=out.prompt_ids.get(rid, []),
                         logprobs=logprobs_to_pb(out.logprobs.get(rid, [])),
                         prompt_logprobs=logprobs_to_pb(out.prompt_logprobs.get(rid, [])),
+                        cached_tokens=out.cached_tokens.get(rid, 0),
                     )
                 )
             row_counts.append(0 if error is not None else out.row_counts[rid])

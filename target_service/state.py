@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from specmesh.protocol.sampling import SamplingParams
 from specmesh.runtime.sampling import TokenHistory
@@ -17,3 +18,6 @@ class TargetRequest:
     pending: int  # the last sampled token, not yet in the KV cache
     # Tokens so far (pending included), kept only when the params' processors read them.
     history: TokenHistory | None = None
+    # Constrained requests: the grammar matcher after every committed token, pending included
+    # (`target_service.grammar`).
+    grammar: Any = None

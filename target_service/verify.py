@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -38,6 +38,7 @@ class VerifyRow:
     params: SamplingParams
     sample_offset: int
     history: TokenHistory | None = None
+    grammar: Any = None  # the request's matcher (constrained requests): masks every node
     item: BatchItem | None = None  # the forward's row (set once the tree fits the KV cache)
 
 
@@ -73,7 +74,8 @@ def _verify_row(rt: TargetRuntime, inp: VerifyInput) -> VerifyRow:
             f"request {inp.rid!r}: tree root {tokens[0]} is not the pending token {req.pending}"
         )
     rt.check_ids(inp.rid, tokens, what="draft tree")
-    return VerifyRow(inp.rid, tree_of(inp.tree), req.params, req.next_offset, req.history)
+    tree = tree_of(inp.tree)
+    return VerifyRow(inp.rid, tree, req.params, req.next_offset, req.history, req.grammar)
 
 
 def _verify_item(rt: TargetRuntime, row: VerifyRow, demand: dict[str, int]) -> BatchItem:
@@ -154,4 +156,5 @@ def tree_of(draft: DraftTree) -> Tree:
 
 def _plain_greedy(params: SamplingParams) -> bool:
     """Greedy on the raw logits with nothing else to compute: the fast decode path."""
-    return params.greedy and not params.uses_history and params.logprobs is None
+    plain = not params.uses_history and params.logprobs is None and params.constraint is None
+    return params.greedy and plain

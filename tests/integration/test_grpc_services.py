@@ -304,3 +304,20 @@ def test_a_seed_fixes_the_output_through_the_cluster(stack) -> None:
     )
     outputs = {run() for _ in range(4)}
     assert outputs == {run(disable_speculation=True)}
+
+
+def test_a_shared_prefix_comes_from_the_prefix_cache(stack) -> None:
+    """The second of two prompts sharing 40 tokens reuses the first's two full 16-token blocks
+    (KV and the draft's feature rows): stats say so, the output is exact, GetInfo counts the
+    cached tokens and nothing stays held."""
+    shared = [(7 * i + 3) % 200 + 4 for i in range(40)]
+    cached = []
+    for tail in ([5, 6, 7], [9, 8]):
+        prompt = shared + tail
+        ids, _, last = collect(stack.client.generate(prompt_token_ids=prompt, sampling=greedy(8)))
+        assert ids == stack.expected(prompt, 8)
+        cached.append(last.stats.cached_tokens)
+    assert cached[0] == 0 and cached[1] == 32
+    target = f"127.0.0.1:{stack.target.host.port}"
+    assert wait_until(lambda: is_empty(occupancy(target, "target")))
+    assert occupancy(target, "target").prefix_cached_tokens >= 32

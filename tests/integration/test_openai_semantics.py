@@ -176,3 +176,15 @@ def test_probes_may_use_head(http) -> None:
         r = request(http.port, "HEAD", path)
         assert (r.status, r.body) == (200, b""), path
     assert request(http.port, "GET", "/health").json() == {"status": "ok"}
+
+
+def test_usage_counts_prompt_tokens_from_the_prefix_cache(http) -> None:
+    """usage.prompt_tokens_details.cached_tokens: the prompt tokens whose KV the target's
+    prefix cache had (two full 16-token blocks of a 40-token shared prefix)."""
+    shared = [(11 * i + 5) % 200 + 4 for i in range(40)]
+    got = [
+        http.oa.completions.create(model="target", prompt=shared + tail, max_tokens=2)
+        for tail in ([3, 4], [6, 7, 8])
+    ]
+    assert [u.usage.prompt_tokens_details.cached_tokens for u in got] == [0, 32]
+    assert got[1].usage.prompt_tokens == 43

@@ -48,11 +48,7 @@ def engine(tiny_dir: Path, budget: int, *, speculate: bool = True, **cfg) -> Eng
 def holds_nothing(e: Engine) -> bool:
     draft_used = e.draft.kv_slots()[0] if e.draft else 0
     live = e.draft.live if e.draft else {}
-    return (
-        e.target.num_requests == 0
-        and e.target.cache.num_used_slots == 0
-        and not (live or draft_used)
-    )
+    return e.target.num_requests == 0 and e.target.kv_slots()[0] == 0 and not (live or draft_used)
 
 
 @pytest.mark.parametrize("draft", [None, "eagle3", "oracle"])
@@ -130,7 +126,7 @@ def test_target_refuses_bad_pieces_and_drops_their_request(tiny_dir: Path) -> No
     cont = lambda rid, at: rt.prefill([PrefillInput(rid, [8], SamplingParams(), input_start=at)])
     start("a")
     assert isinstance(cont("a", 2).errors["a"], InvalidRequestError)  # the target holds 3
-    assert not rt.holds("a") and rt.cache.num_used_slots == 0
+    assert not rt.holds("a") and rt.kv_slots()[0] == 0
     assert isinstance(cont("never", 3).errors["never"], UnknownRequestError)
     start("b")
     out = rt.verify([VerifyInput("b", DraftTree.chain([1]))])
@@ -260,5 +256,5 @@ def test_target_failover_mid_prefill_replays_the_prompt(tiny_dir: Path, oracle) 
 
     out, replays, runtimes = asyncio.run(scenario())
     assert out == oracle(tiny_dir / "target", LONG, 10) and replays == 1
-    assert all(rt.num_requests == 0 and rt.cache.num_used_slots == 0 for rt in runtimes)
+    assert all(rt.num_requests == 0 and rt.kv_slots()[0] == 0 for rt in runtimes)
     assert not e.draft.live

@@ -92,7 +92,7 @@ def test_small_kv_cache_preempts_and_replays(
     if case in ("failing_draft", "no_speculation"):  # every round decoded one token
         assert mean_accept(results) == 1.0
     assert (draft_calls["propose"] >= 1) == (case == "failing_draft")
-    assert not engine.target.cache.requests and engine.target.cache.num_free_slots == 64
+    assert not engine.target.cache.requests and engine.target.kv_slots() == (0, 64)
 
 
 def test_request_that_never_fits_fails_once_alone(tiny_dir: Path, oracle) -> None:
@@ -115,7 +115,7 @@ def test_request_that_never_fits_fails_once_alone(tiny_dir: Path, oracle) -> Non
     results = asyncio.run(_serve(engine, reqs))
     assert all(isinstance(r, KVCacheFullError) for r in results[:2]), results
     assert results[2].token_ids == oracle(tiny_dir / "target", small, 4)
-    assert not engine.target.cache.requests and engine.target.cache.num_free_slots == 16
+    assert not engine.target.cache.requests and engine.target.kv_slots() == (0, 16)
 
 
 async def _serve(engine: Engine, reqs: list[Request]) -> list[object]:
@@ -229,4 +229,4 @@ def test_replays_after_preemption_leave_nothing_in_the_draft(tiny_dir: Path, ora
     assert seen["duplicates"] == 0
     assert engine.draft.live == {} and engine.draft.kv_slots()[0] == 0
     assert not engine.target.cache.requests
-    assert engine.target.cache.num_free_slots == REPLAY_SLOTS
+    assert engine.target.kv_slots()[1] == REPLAY_SLOTS

@@ -25,25 +25,25 @@ _sym_db = _symbol_database.Default()
 from specmesh.v1 import tensor_pb2 as specmesh_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specmesh/v1/common.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/tensor.proto\"\'\n\x06Status\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"#\n\x0cReleaseBatch\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"d\n\tOccupancy\x12\x14\n\x0cnum_requests\x18\x01 \x01(\r\x12\x13\n\x0bnum_streams\x18\x02 \x01(\r\x12\x15\n\rkv_slots_used\x18\x03 \x01(\x04\x12\x15\n\rkv_slots_free\x18\x04 \x01(\x04\"<\n\tDraftTree\x12\x0e\n\x06tokens\x18\x01 \x03(\r\x12\x0f\n\x07parents\x18\x02 \x03(\x05\x12\x0e\n\x06scores\x18\x03 \x03(\x02\"\x9e\x01\n\x0cHiddenStates\x12\x12\n\nrow_counts\x18\x01 \x03(\r\x12\'\n\naux_hidden\x18\x02 \x01(\x0b\x32\x13.specmesh.v1.Tensor\x12#\n\x06hidden\x18\x03 \x01(\x0b\x32\x13.specmesh.v1.Tensor\x12,\n\x0fmm_input_embeds\x18\x04 \x01(\x0b\x32\x13.specmesh.v1.Tensor*d\n\x07\x46\x65\x61ture\x12\x10\n\x0c\x46\x45\x41TURE_NONE\x10\x00\x12\x16\n\x12\x46\x45\x41TURE_AUX_HIDDEN\x10\x01\x12\x12\n\x0e\x46\x45\x41TURE_HIDDEN\x10\x02\x12\x1b\n\x17\x46\x45\x41TURE_HIDDEN_PRE_NORM\x10\x03*A\n\x0c\x41uxNumbering\x12\x17\n\x13\x41UX_NUMBERING_INPUT\x10\x00\x12\x18\n\x14\x41UX_NUMBERING_OUTPUT\x10\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specmesh/v1/common.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/tensor.proto\"\'\n\x06Status\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"#\n\x0cReleaseBatch\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\x82\x01\n\tOccupancy\x12\x14\n\x0cnum_requests\x18\x01 \x01(\r\x12\x13\n\x0bnum_streams\x18\x02 \x01(\r\x12\x15\n\rkv_slots_used\x18\x03 \x01(\x04\x12\x15\n\rkv_slots_free\x18\x04 \x01(\x04\x12\x1c\n\x14prefix_cached_tokens\x18\x05 \x01(\x04\"<\n\tDraftTree\x12\x0e\n\x06tokens\x18\x01 \x03(\r\x12\x0f\n\x07parents\x18\x02 \x03(\x05\x12\x0e\n\x06scores\x18\x03 \x03(\x02\"\x9e\x01\n\x0cHiddenStates\x12\x12\n\nrow_counts\x18\x01 \x03(\r\x12\'\n\naux_hidden\x18\x02 \x01(\x0b\x32\x13.specmesh.v1.Tensor\x12#\n\x06hidden\x18\x03 \x01(\x0b\x32\x13.specmesh.v1.Tensor\x12,\n\x0fmm_input_embeds\x18\x04 \x01(\x0b\x32\x13.specmesh.v1.Tensor*d\n\x07\x46\x65\x61ture\x12\x10\n\x0c\x46\x45\x41TURE_NONE\x10\x00\x12\x16\n\x12\x46\x45\x41TURE_AUX_HIDDEN\x10\x01\x12\x12\n\x0e\x46\x45\x41TURE_HIDDEN\x10\x02\x12\x1b\n\x17\x46\x45\x41TURE_HIDDEN_PRE_NORM\x10\x03*A\n\x0c\x41uxNumbering\x12\x17\n\x13\x41UX_NUMBERING_INPUT\x10\x00\x12\x18\n\x14\x41UX_NUMBERING_OUTPUT\x10\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specmesh.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FEATURE']._serialized_start=470
-  _globals['_FEATURE']._serialized_end=570
-  _globals['_AUXNUMBERING']._serialized_start=572
-  _globals['_AUXNUMBERING']._serialized_end=637
+  _globals['_FEATURE']._serialized_start=501
+  _globals['_FEATURE']._serialized_end=601
+  _globals['_AUXNUMBERING']._serialized_start=603
+  _globals['_AUXNUMBERING']._serialized_end=668
   _globals['_STATUS']._serialized_start=67
   _globals['_STATUS']._serialized_end=106
   _globals['_RELEASEBATCH']._serialized_start=108
   _globals['_RELEASEBATCH']._serialized_end=143
-  _globals['_OCCUPANCY']._serialized_start=145
-  _globals['_OCCUPANCY']._serialized_end=245
-  _globals['_DRAFTTREE']._serialized_start=247
-  _globals['_DRAFTTREE']._serialized_end=307
-  _globals['_HIDDENSTATES']._serialized_start=310
-  _globals['_HIDDENSTATES']._serialized_end=468
+  _globals['_OCCUPANCY']._serialized_start=146
+  _globals['_OCCUPANCY']._serialized_end=276
+  _globals['_DRAFTTREE']._serialized_start=278
+  _globals['_DRAFTTREE']._serialized_end=338
+  _globals['_HIDDENSTATES']._serialized_start=341
+  _globals['_HIDDENSTATES']._serialized_end=499
 # @@protoc_insertion_point(module_scope)

@@ -41,16 +41,18 @@ class ReleaseBatch(_message.Message):
     def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Occupancy(_message.Message):
-    __slots__ = ("num_requests", "num_streams", "kv_slots_used", "kv_slots_free")
+    __slots__ = ("num_requests", "num_streams", "kv_slots_used", "kv_slots_free", "prefix_cached_tokens")
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_STREAMS_FIELD_NUMBER: _ClassVar[int]
     KV_SLOTS_USED_FIELD_NUMBER: _ClassVar[int]
     KV_SLOTS_FREE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     num_requests: int
     num_streams: int
     kv_slots_used: int
     kv_slots_free: int
-    def __init__(self, num_requests: _Optional[int] = ..., num_streams: _Optional[int] = ..., kv_slots_used: _Optional[int] = ..., kv_slots_free: _Optional[int] = ...) -> None: ...
+    prefix_cached_tokens: int
+    def __init__(self, num_requests: _Optional[int] = ..., num_streams: _Optional[int] = ..., kv_slots_used: _Optional[int] = ..., kv_slots_free: _Optional[int] = ..., prefix_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class DraftTree(_message.Message):
     __slots__ = ("tokens", "parents", "scores")

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecmesh/v1/generation.proto\x12\x0bspecmesh.v1\"\xed\x03\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\r\n\x05min_p\x18\t \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\n \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x01\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x01\x12>\n\nlogit_bias\x18\r \x03(\x0b\x32*.specmesh.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0e \x01(\r\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\x01\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\rH\x02\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.specmesh.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xab\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\x1b\n\x13\x64isable_speculation\x18\x05 \x01(\x08\x12\x0e\n\x06images\x18\x06 \x03(\x0c\"\xe9\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12(\n\x05stats\x18\x05 \x01(\x0b\x32\x19.specmesh.v1.RequestStats\x12+\n\x08logprobs\x18\x06 \x03(\x0b\x32\x19.specmesh.v1.TokenLogprob\x12\x32\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x19.specmesh.v1.TokenLogprob\"\x82\x02\n\x0cRequestStats\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x12\n\nnum_rounds\x18\x03 \x01(\r\x12\x13\n\x0b\x61\x63\x63\x65pt_lens\x18\x04 \x03(\r\x12\x17\n\x0fmean_accept_len\x18\x05 \x01(\x02\x12\x1d\n\x15time_to_first_token_s\x18\x06 \x01(\x02\x12\x14\n\x0ctotal_time_s\x18\x07 \x01(\x02\x12\x18\n\x10num_draft_tokens\x18\x08 \x01(\r\x12\x19\n\x11num_predraft_hits\x18\t \x01(\r\x12\x14\n\x0c\x64raft_wait_s\x18\n \x01(\x02\"\r\n\x0bInfoRequest\"\x95\x02\n\x0cInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x17\n\x0fmax_context_len\x18\x04 \x01(\r\x12\x12\n\ndraft_kind\x18\x05 \x01(\t\x12\x11\n\tnum_steps\x18\x06 \x01(\r\x12\x0c\n\x04topk\x18\x07 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x08 \x01(\r\x12\x1b\n\x13num_target_replicas\x18\t \x01(\r\x12\x1a\n\x12num_draft_replicas\x18\n \x01(\r\x12\x0f\n\x07version\x18\x0b \x01(\t\x12\x17\n\x0fsupports_images\x18\x0c \x01(\x08\x32\x97\x01\n\nGeneration\x12I\n\x08Generate\x12\x1c.specmesh.v1.GenerateRequest\x1a\x1d.specmesh.v1.GenerateResponse0\x01\x12>\n\x07GetInfo\x12\x18.specmesh.v1.InfoRequest\x1a\x19.specmesh.v1.InfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecmesh/v1/generation.proto\x12\x0bspecmesh.v1\"\x9a\x04\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\r\n\x05min_p\x18\t \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\n \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x01\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x01\x12>\n\nlogit_bias\x18\r \x03(\x0b\x32*.specmesh.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0e \x01(\r\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\x01\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\rH\x02\x88\x01\x01\x12+\n\nconstraint\x18\x11 \x01(\x0b\x32\x17.specmesh.v1.Constraint\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"(\n\nConstraint\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.specmesh.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xab\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\x1b\n\x13\x64isable_speculation\x18\x05 \x01(\x08\x12\x0e\n\x06images\x18\x06 \x03(\x0c\"\xe9\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12(\n\x05stats\x18\x05 \x01(\x0b\x32\x19.specmesh.v1.RequestStats\x12+\n\x08logprobs\x18\x06 \x03(\x0b\x32\x19.specmesh.v1.TokenLogprob\x12\x32\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x19.specmesh.v1.TokenLogprob\"\x99\x02\n\x0cRequestStats\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x12\n\nnum_rounds\x18\x03 \x01(\r\x12\x13\n\x0b\x61\x63\x63\x65pt_lens\x18\x04 \x03(\r\x12\x17\n\x0fmean_accept_len\x18\x05 \x01(\x02\x12\x1d\n\x15time_to_first_token_s\x18\x06 \x01(\x02\x12\x14\n\x0ctotal_time_s\x18\x07 \x01(\x02\x12\x18\n\x10num_draft_tokens\x18\x08 \x01(\r\x12\x19\n\x11num_predraft_hits\x18\t \x01(\r\x12\x14\n\x0c\x64raft_wait_s\x18\n \x01(\x02\x12\x15\n\rcached_tokens\x18\x0b \x01(\r\"\r\n\x0bInfoRequest\"\x95\x02\n\x0cInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x17\n\x0fmax_context_len\x18\x04 \x01(\r\x12\x12\n\ndraft_kind\x18\x05 \x01(\t\x12\x11\n\tnum_steps\x18\x06 \x01(\r\x12\x0c\n\x04topk\x18\x07 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x08 \x01(\r\x12\x1b\n\x13num_target_replicas\x18\t \x01(\r\x12\x1a\n\x12num_draft_replicas\x18\n \x01(\r\x12\x0f\n\x07version\x18\x0b \x01(\t\x12\x17\n\x0fsupports_images\x18\x0c \x01(\x08\x32\x97\x01\n\nGeneration\x12I\n\x08Generate\x12\x1c.specmesh.v1.GenerateRequest\x1a\x1d.specmesh.v1.GenerateResponse0\x01\x12>\n\x07GetInfo\x12\x18.specmesh.v1.InfoRequest\x1a\x19.specmesh.v1.InfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,23 +34,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=46
-  _globals['_SAMPLINGPARAMS']._serialized_end=539
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=449
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=497
-  _globals['_TOKENLOGPROB']._serialized_start=541
-  _globals['_TOKENLOGPROB']._serialized_end=628
-  _globals['_TOPLOGPROB']._serialized_start=630
-  _globals['_TOPLOGPROB']._serialized_end=677
-  _globals['_GENERATEREQUEST']._serialized_start=680
-  _globals['_GENERATEREQUEST']._serialized_end=851
-  _globals['_GENERATERESPONSE']._serialized_start=854
-  _globals['_GENERATERESPONSE']._serialized_end=1087
-  _globals['_REQUESTSTATS']._serialized_start=1090
-  _globals['_REQUESTSTATS']._serialized_end=1348
-  _globals['_INFOREQUEST']._serialized_start=1350
-  _globals['_INFOREQUEST']._serialized_end=1363
-  _globals['_INFORESPONSE']._serialized_start=1366
-  _globals['_INFORESPONSE']._serialized_end=1643
-  _globals['_GENERATION']._serialized_start=1646
-  _globals['_GENERATION']._serialized_end=1797
+  _globals['_SAMPLINGPARAMS']._serialized_end=584
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=494
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=542
+  _globals['_CONSTRAINT']._serialized_start=586
+  _globals['_CONSTRAINT']._serialized_end=626
+  _globals['_TOKENLOGPROB']._serialized_start=628
+  _globals['_TOKENLOGPROB']._serialized_end=715
+  _globals['_TOPLOGPROB']._serialized_start=717
+  _globals['_TOPLOGPROB']._serialized_end=764
+  _globals['_GENERATEREQUEST']._serialized_start=767
+  _globals['_GENERATEREQUEST']._serialized_end=938
+  _globals['_GENERATERESPONSE']._serialized_start=941
+  _globals['_GENERATERESPONSE']._serialized_end=1174
+  _globals['_REQUESTSTATS']._serialized_start=1177
+  _globals['_REQUESTSTATS']._serialized_end=1458
+  _globals['_INFOREQUEST']._serialized_start=1460
+  _globals['_INFOREQUEST']._serialized_end=1473
+  _globals['_INFORESPONSE']._serialized_start=1476
+  _globals['_INFORESPONSE']._serialized_end=1753
+  _globals['_GENERATION']._serialized_start=1756
+  _globals['_GENERATION']._serialized_end=1907
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,170 @@
+"""Prefix caching: the KV of token prefixes a finished prefill computed, kept for later prompts
+that start the same way.
+
+The cache owns whole blocks of ``block_size`` tokens (a multiple of the KV page size), keyed by a
+hash chained over the block's tokens and every block before it, so a key names a whole prefix:
+
+    prompt:  [ block 0 | block 1 | block 2 | rest ... ]
+    keys:      h0 = H(b0), h1 = H(h0, b1), h2 = H(h1, b2)
+
+A request that starts with cached blocks gets their pages at the front of its KV row (the pages
+are shared, never written again: a request writes only past its cached length, and rollback
+permutes only entries past the committed length) and computes only the rest. A block may also
+hold the draft features of its rows (EAGLE-3 aux states, hidden states), by feature kind, so a
+speculative request's draft can extend over the whole prompt with rows the target did not
+compute again; a block without the features a request needs ends that request's match.
+
+Lifetimes: a block is referenced by every running request whose row lists it; unreferenced
+blocks are evicted least recently used first, leaves before their parents (a parent's key is in
+its children's), when the KV pool runs short (`KVCache.reclaim`) or the cache exceeds
+``max_tokens``. Cached pages belong to the cache, not to a request or a stream: a request's
+release drops its references only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from specmesh.runtime.kv_cache import KVCache
+
+
+@dataclass
+class Block:
+    key: bytes
+    parent: bytes | None
+    tokens: tuple[int, ...]
+    pages: list[int]
+    features: dict[str, torch.Tensor] = field(default_factory=dict)  # kind -> [block, dim]
+    refs: int = 0
+    children: int = 0
+
+
+@dataclass
+class Match:
+    """The longest cached prefix of a prompt: its blocks, and the tokens they cover."""
+
+    blocks: list[Block]
+    num_tokens: int
+
+
+class PrefixCache:
+    def __init__(
+        self, cache: KVCache, block_size: int, max_tokens: int, lookahead: int = 0
+    ) -> None:
+        if block_size % cache.page_size:
+            raise ValueError(
+                f"prefix cache block size {block_size} is not a multiple of the KV page size "
+                f"{cache.page_size}"
+            )
+        self.cache, self.block_size, self.max_tokens = cache, block_size, max_tokens
+        # Tokens past a block its rows depend on: 0 for the target (row t holds token t); 1 for
+        # an EAGLE draft, whose row t pairs the target's feature t with token t + 1.
+        self.lookahead = lookahead
+        self.blocks: OrderedDict[bytes, Block] = OrderedDict()  # least recently used first
+        self.held: dict[str, list[Block]] = {}  # request -> the blocks its row lists
+        self.num_queried = self.num_hit = 0  # prompt tokens looked up / found, for metrics
+        cache.reclaim = self.evict
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.blocks) * self.block_size
+
+    @property
+    def num_evictable_slots(self) -> int:
+        """Slots of blocks no request lists (free for the taking)."""
+        return sum(len(b.pages) for b in self.blocks.values() if not b.refs) * self.cache.page_size
+
+    # -- lookup --------------------------------------------------------------------------------
+    def match(self, ids: list[int], feature: str | None) -> Match:
+        """The cached blocks ``ids`` starts with, leaving at least one token to compute (its
+        logits sample the first token); with ``feature``, only blocks holding it."""
+        blocks, key, span = [], None, self.block_size + self.lookahead
+        for start in range(0, len(ids) - span, self.block_size):
+            tokens = tuple(ids[start : start + span])
+            key = _key(key, tokens)
+            block = self.blocks.get(key)
+            if block is None or block.tokens != tokens:
+                break
+            if feature is not None and feature not in block.features:
+                break
+            blocks.append(block)
+        self.num_queried += len(ids)
+        self.num_hit += len(blocks) * self.block_size
+        return Match(blocks, len(blocks) * self.block_size)
+
+    def attach(self, rid: str, match: Match) -> None:
+        """Give a new request (added to the KV cache, nothing reserved) the matched pages."""
+        pages = [p for b in match.blocks for p in b.pages]
+        self.cache.attach_shared(rid, pages)
+        for b in match.blocks:
+            b.refs += 1
+            self.blocks.move_to_end(b.key)
+        self.held[rid] = list(match.blocks)
+
+    def features(self, match: Match, feature: str) -> torch.Tensor:
+        """The matched blocks' feature rows ``[num_tokens, dim]``."""
+        return torch.cat([b.features[feature] for b in match.blocks])
+
+    # -- insert / release ---------------------------------------------------------------------
+    def insert(
+        self, rid: str, ids: list[int], feature: str | None, rows: torch.Tensor | None
+    ) -> None:
+        """After ``rid``'s prefill committed ``ids``: its full blocks join the cache (the
+        request keeps them referenced); ``rows`` are the feature rows of all of ``ids``."""
+        held = self.held.setdefault(rid, [])
+        table = self.cache.slots(rid, 0, len(ids) - self.lookahead)
+        key: bytes | None = None
+        ps, span = self.cache.page_size, self.block_size + self.lookahead
+        for i, start in enumerate(range(0, len(ids) - span + 1, self.block_size)):
+            tokens = tuple(ids[start : start + span])
+            parent, key = key, _key(key, tokens)
+            block = self.blocks.get(key)
+            if block is None or block.tokens != tokens:
+                if block is not None:  # a hash collision: keep the older, stop here
+                    return
+                slot_ids = table[start : start + self.block_size : ps].tolist()
+                block = Block(key, parent, tokens, [s // ps for s in slot_ids])
+                self.blocks[key] = block
+                self.cache.share(block.pages)
+                if parent is not None:
+                    self.blocks[parent].children += 1
+            if i >= len(held):
+                held.append(block)
+                block.refs += 1
+            if feature is not None and rows is not None and feature not in block.features:
+                block.features[feature] = rows[start : start + self.block_size].clone()
+            self.blocks.move_to_end(key)
+        self.evict(0)
+
+    def release(self, rid: str) -> None:
+        """``rid`` no longer lists its blocks; the cache is brought back within its bound."""
+        for b in self.held.pop(rid, ()):
+            b.refs -= 1
+        self.evict(0)
+
+    # -- evict ---------------------------------------------------------------------------------
+    def evict(self, num_pages: int) -> int:
+        """Free at least ``num_pages`` pages of unreferenced blocks (leaves first, least
+        recently used first) if there are, and whatever the cache holds beyond ``max_tokens``;
+        returns the pages freed."""
+        freed = 0
+        while freed < num_pages or self.num_tokens > self.max_tokens:
+            victim = next((b for b in self.blocks.values() if not b.refs and not b.children), None)
+            if victim is None:
+                break
+            del self.blocks[victim.key]
+            if victim.parent is not None:
+                self.blocks[victim.parent].children -= 1
+            self.cache.unshare(victim.pages)
+            freed += len(victim.pages)
+        return freed
+
+
+def _key(parent: bytes | None, tokens: tuple[int, ...]) -> bytes:
+    h = hashlib.blake2b(parent or b"", digest_size=16)
+    h.update(b"".join(t.to_bytes(4, "little") for t in tokens))
+    return h.digest()

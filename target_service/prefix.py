@@ -1,0 +1,119 @@
+"""The target's prefix cache around its prefill (`runtime.prefix_cache` holds the blocks).
+
+A prompt's first piece looks its prefix up as it is admitted; the request's row starts with the
+matched pages and the forward runs only the rest. Its draft still gets a feature row for every
+prompt token: the cached rows come from the blocks (each block keeps the features of the kind
+the stream asked for when it was filled, EAGLE-3 aux states by their capture points), so a
+draft extends over the whole prompt exactly as for a cold request (its own KV, the shifted
+pairing, is computed by the draft as always). After a one-shot prefill the prompt's full blocks
+join the cache.
+
+Not cached (looked up nor inserted): prompts with images (their rows come from the vision
+tower, keyed by more than the token ids), requests that ask for prompt logprobs (they need every
+row's logits), and pieces after the first of a chunked prompt (only the first piece looks up;
+the prompt is inserted only when it ran in one piece).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+
+from specmesh.protocol.features import Feature
+from specmesh.protocol.steps import PrefillInput
+from specmesh.runtime.kv_cache import KVCache
+from specmesh.runtime.prefix_cache import Match, PrefixCache
+
+
+class TargetPrefixes:
+    def __init__(self, cache: KVCache, block_size: int, max_tokens: int) -> None:
+        self.blocks = PrefixCache(cache, block_size, max_tokens) if max_tokens > 0 else None
+        self.matched: dict[str, Match] = {}  # requests whose row starts with cached pages
+
+    @staticmethod
+    def cacheable(inp: PrefillInput) -> bool:
+        return not inp.images and inp.input_embeds is None and inp.params.prompt_logprobs is None
+
+    def attach(self, inp: PrefillInput, key: str | None) -> None:
+        """A first piece just admitted (its row added, empty): start it with its cached
+        prefix (at most all but the piece's last token)."""
+        if self.blocks is None or inp.input_start or not self.cacheable(inp):
+            return
+        match = self.blocks.match(inp.input_ids, key)
+        if match.num_tokens:
+            self.blocks.attach(inp.rid, match)
+            self.matched[inp.rid] = match
+
+    def to_run(self, ok: list[PrefillInput]) -> list[PrefillInput]:
+        """The inputs as the forward runs them: past their cached tokens."""
+        return [self._rest(i) for i in ok]
+
+    def _rest(self, inp: PrefillInput) -> PrefillInput:
+        match = self.matched.get(inp.rid) if not inp.input_start else None
+        if match is None:
+            return inp
+        n = match.num_tokens
+        return replace(inp, input_ids=inp.input_ids[n:], input_start=n)
+
+    def whole_rows(
+        self,
+        ok: list[PrefillInput],
+        rows: torch.Tensor | None,
+        cached: Callable[[PrefillInput, Match], torch.Tensor],
+    ) -> torch.Tensor | None:
+        """``rows`` (of the inputs as run) with each cached prefix's rows (``cached(inp,
+        match)``) in front: one row per input token, as a cold prefill returns them."""
+        if rows is None or not any(i.rid in self.matched and not i.input_start for i in ok):
+            return rows
+        parts, start = [], 0
+        for inp, run in zip(ok, self.to_run(ok), strict=True):
+            match = self.matched.get(inp.rid) if not inp.input_start else None
+            if match is not None:
+                parts.append(cached(inp, match).to(rows.device, rows.dtype))
+            parts.append(rows[start : start + len(run.input_ids)])
+            start += len(run.input_ids)
+        return torch.cat(parts)
+
+    def cached_features(self, key: str | None) -> Callable[[PrefillInput, Match], torch.Tensor]:
+        """A matched prefix's feature rows of kind ``key`` (a match needing features has them:
+        `PrefixCache.match`)."""
+
+        def rows(_inp: PrefillInput, match: Match) -> torch.Tensor:
+            if self.blocks is None or key is None:
+                raise RuntimeError("feature rows asked of a prefill that computes none")
+            return self.blocks.features(match, key)
+
+        return rows
+
+    def insert(self, inp: PrefillInput, key: str | None, rows: torch.Tensor | None) -> None:
+        """After a one-shot prefill committed: the prompt's full blocks join the cache
+        (``rows``: its feature rows, one per input token)."""
+        one_shot = not inp.input_start and not inp.more_input
+        if self.blocks is not None and one_shot and self.cacheable(inp):
+            self.blocks.insert(inp.rid, inp.input_ids, key, rows)
+
+    def release(self, rid: str) -> None:
+        self.matched.pop(rid, None)
+        if self.blocks is not None:
+            self.blocks.release(rid)
+
+    @property
+    def num_tokens(self) -> int:
+        return 0 if self.blocks is None else self.blocks.num_tokens
+
+    @property
+    def num_evictable_slots(self) -> int:
+        return 0 if self.blocks is None else self.blocks.num_evictable_slots
+
+    def num_cached_tokens(self, rid: str) -> int:
+        match = self.matched.get(rid)
+        return 0 if match is None else match.num_tokens
+
+
+def feature_key(feature: Feature, aux_points: tuple[int, ...]) -> str | None:
+    """What a block's feature rows are: the feature kind, and for aux states their layers."""
+    if feature is Feature.NONE:
+        return None
+    return f"{feature.value}:{','.join(map(str, aux_points))}" if aux_points else feature.value
