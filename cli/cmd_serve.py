@@ -31,6 +31,7 @@ from specmesh.cli.serve_args import (
 )
 from specmesh.protocol.config import DRAFT_KINDS, DraftConfig, TargetConfig
 from specmesh.router.core import RouterConfig
+from specmesh.router.placement import PLACEMENTS
 from specmesh.router.limits import RouterLimits
 from specmesh.rpc.metrics import add_metrics_port_arg
 from specmesh.rpc.security import add_api_key_arg, add_tls_args, api_key_from_args, tls_from_args
@@ -117,6 +118,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="prompt tokens a micro-batch sends its target per round: a longer prompt is prefilled "
         "over several rounds, the running requests' rounds between its pieces, so they wait "
         "at most one piece between tokens (0 = every prompt in one piece)",
+    )
+    p.add_argument(
+        "--placement",
+        choices=PLACEMENTS,
+        default=config_default(RouterConfig, "placement"),
+        help="which target replica a request goes to: the one it sent the longest prefix of the "
+        "prompt to, among those near the least load (cache-aware), or the least loaded",
     )
     p.add_argument(
         "--max-new-tokens", type=int, default=256, help="default for requests that leave it 0"
@@ -270,6 +278,7 @@ def run_router(args: argparse.Namespace) -> int:
             draft_deadline_floor_s=args.draft_deadline_floor_s,
             speculation=args.speculation,
             prefill_chunk_tokens=args.prefill_chunk_tokens,
+            placement=args.placement,
         ),
         tokenizer=args.tokenizer,
         max_new_tokens=args.max_new_tokens,

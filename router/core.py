@@ -83,6 +83,9 @@ class RouterConfig:
     # target per round, so a long prompt is prefilled over several rounds with the running
     # requests' rounds between them; 0 = every prompt in one piece.
     prefill_chunk_tokens: int = 512
+    # Which target replica a request goes to (`specmesh.router.placement`): "cache-aware" (the
+    # longest prefix it was sent, among replicas near the least load) or "least-loaded".
+    placement: str = "cache-aware"
 
     def __post_init__(self) -> None:
         if self.prefill_chunk_tokens < 0:
@@ -125,6 +128,7 @@ class RouterCore:
             [TargetReplica(t, cfg.target_cooldown_s, self.policy, self.metrics) for t in targets],
             [DraftReplica(d, cfg.draft_cooldown_s, self.policy, self.metrics, cfg.draft_deadline())
              for d in drafts],
+            cfg.placement,
         )  # fmt: skip
         self.rounds = RoundRunner(self)
         self._workers: list[asyncio.Task] = []
@@ -339,7 +343,7 @@ class RouterCore:
                 self.waiting.popleft()
                 continue
             try:
-                placement = self.replicas.place(slot.speculate)
+                placement = self.replicas.place(slot.speculate, slot.request.prompt_ids)
             except ServiceDownError as e:
                 self.waiting.popleft()
                 self.fail(slot.request, e)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specmesh.protocol.errors import ServiceDownError
+from specmesh.router.prefix_index import PrefixIndex, prompt_keys
 from specmesh.router.replica import DraftReplica, Replica, TargetReplica
 
 
@@ -30,9 +31,21 @@ class Placement:
         return [self.target] if self.draft is None else [self.target, self.draft]
 
 
+PLACEMENTS = ("cache-aware", "least-loaded")
+SLACK = 4  # cache-aware: requests a replica may run beyond the least loaded one's
+
+
 class Balancer:
-    def __init__(self, targets: list[TargetReplica], drafts: list[DraftReplica]) -> None:
+    def __init__(
+        self,
+        targets: list[TargetReplica],
+        drafts: list[DraftReplica],
+        placement: str = "cache-aware",
+    ) -> None:
+        if placement not in PLACEMENTS:
+            raise ValueError(f"placement {placement!r}: choose from {', '.join(PLACEMENTS)}")
         self.targets, self.drafts = targets, drafts
+        self.indexes = {t: PrefixIndex() for t in targets} if placement == "cache-aware" else {}
 
     @property
     def all(self) -> list[Replica]:
@@ -48,10 +61,11 @@ class Balancer:
         """A draft has served a step since its last failure (its breaker is fully closed)."""
         return any(d.breaker.failures == 0 for d in self.drafts)
 
-    def place(self, speculate: bool) -> Placement | None:
-        """Pin a request to the least-loaded live replicas with room; None when every live
-        target (or, for a request that speculates, every live draft) is full: it waits. A
-        request is placed without a draft only when no draft is live."""
+    def place(self, speculate: bool, prompt_ids: list[int] | None = None) -> Placement | None:
+        """Pin a request to live replicas with room (the target by `_pick_target`, the least
+        loaded draft); None when every live target (or, for a request that speculates, every
+        live draft) is full: it waits. A request is placed without a draft only when no draft
+        is live."""
         targets = self.live_targets()
         if not targets:
             raise ServiceDownError("no target replica is available")
@@ -59,11 +73,25 @@ class Balancer:
         targets, roomy_drafts = _with_room(targets), _with_room(drafts)
         if not targets or (drafts and not roomy_drafts):
             return None
-        placement = Placement(min(targets, key=_load))
+        placement = Placement(self._pick_target(targets, prompt_ids or []))
         placement.draft = min(roomy_drafts, key=_load) if roomy_drafts else None
         for replica in placement.replicas():
             replica.load += 1
         return placement
+
+    def _pick_target(self, targets: list[TargetReplica], prompt_ids: list[int]) -> TargetReplica:
+        """The least loaded; cache-aware (`router.prefix_index`): the longest remembered prefix
+        among those within ``SLACK`` of the least loaded, else the one remembering the fewest
+        blocks (new prefixes spread evenly), else the less loaded."""
+        least = min(targets, key=_load)
+        if not self.indexes or not prompt_ids:
+            return least
+        keys = prompt_keys(prompt_ids)
+        near = [t for t in targets if t.load <= least.load + SLACK]
+        index = self.indexes
+        best = max(near, key=lambda t: (index[t].match(keys), -len(index[t].blocks), -t.load))
+        self.indexes[best].add(keys)
+        return best
 
     def unpin_draft(self, placement: Placement) -> None:
         if placement.draft is not None:

@@ -23,12 +23,12 @@ release drops its references only.
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 
+from specmesh.protocol.prefix_keys import block_key
 from specmesh.runtime.kv_cache import KVCache
 
 
@@ -85,7 +85,7 @@ class PrefixCache:
         blocks, key, span = [], None, self.block_size + self.lookahead
         for start in range(0, len(ids) - span, self.block_size):
             tokens = tuple(ids[start : start + span])
-            key = _key(key, tokens)
+            key = block_key(key, tokens)
             block = self.blocks.get(key)
             if block is None or block.tokens != tokens:
                 break
@@ -121,7 +121,7 @@ class PrefixCache:
         ps, span = self.cache.page_size, self.block_size + self.lookahead
         for i, start in enumerate(range(0, len(ids) - span + 1, self.block_size)):
             tokens = tuple(ids[start : start + span])
-            parent, key = key, _key(key, tokens)
+            parent, key = key, block_key(key, tokens)
             block = self.blocks.get(key)
             if block is None or block.tokens != tokens:
                 if block is not None:  # a hash collision: keep the older, stop here
@@ -162,9 +162,3 @@ class PrefixCache:
             self.cache.unshare(victim.pages)
             freed += len(victim.pages)
         return freed
-
-
-def _key(parent: bytes | None, tokens: tuple[int, ...]) -> bytes:
-    h = hashlib.blake2b(parent or b"", digest_size=16)
-    h.update(b"".join(t.to_bytes(4, "little") for t in tokens))
-    return h.digest()

@@ -22,7 +22,8 @@ from dataclasses import replace
 import torch
 
 from specmesh.protocol.features import Feature
-from specmesh.protocol.steps import PrefillInput
+from specmesh.protocol.prefix_keys import block_key
+from specmesh.protocol.steps import PrefillInput, StepOutput
 from specmesh.runtime.kv_cache import KVCache
 from specmesh.runtime.prefix_cache import Match, PrefixCache
 
@@ -94,6 +95,27 @@ class TargetPrefixes:
         if self.blocks is not None and one_shot and self.cacheable(inp):
             self.blocks.insert(inp.rid, inp.input_ids, key, rows)
 
+    def split_followers(
+        self, inputs: list[PrefillInput]
+    ) -> tuple[list[PrefillInput], list[PrefillInput]]:
+        """(leaders, followers): a follower is a whole prompt whose first block an earlier
+        prompt of the batch also starts with and the cache does not hold yet; it runs after
+        its leader filled the cache, so a shared prefix is computed once per batch."""
+        if self.blocks is None:
+            return inputs, []
+        size, seen = self.blocks.block_size, set()
+        leaders, followers = [], []
+        for inp in inputs:
+            one_shot = not inp.input_start and not inp.more_input and self.cacheable(inp)
+            first = block_key(None, inp.input_ids[:size]) if len(inp.input_ids) > size else None
+            if one_shot and first in seen and first not in self.blocks.blocks:
+                followers.append(inp)
+                continue
+            leaders.append(inp)
+            if one_shot and first is not None:
+                seen.add(first)
+        return leaders, followers
+
     def release(self, rid: str) -> None:
         self.matched.pop(rid, None)
         if self.blocks is not None:
@@ -117,3 +139,30 @@ def feature_key(feature: Feature, aux_points: tuple[int, ...]) -> str | None:
     if feature is Feature.NONE:
         return None
     return f"{feature.value}:{','.join(map(str, aux_points))}" if aux_points else feature.value
+
+
+def ordered_outputs(
+    parts: list[tuple[list[PrefillInput], StepOutput]], order: list[str]
+) -> StepOutput:
+    """One output from passes that ran parts of a batch: dicts merged, feature and embedding rows
+    put back in the batch's request ``order`` (each pass's rows follow its own inputs, one block
+    of ``row_counts`` rows per request it answered)."""
+    rows: dict[str, dict[str, torch.Tensor]] = {"features": {}, "mm_input_embeds": {}}
+    out = StepOutput()
+    for inputs, part in parts:
+        answered = [i.rid for i in inputs if i.rid in part.tokens]
+        for name, by_rid in rows.items():
+            tensor = getattr(part, name)
+            if tensor is not None:
+                by_rid.update(
+                    zip(answered, tensor.split([part.row_counts[r] for r in answered]), strict=True)
+                )
+        for name in ("tokens", "prompt_ids", "row_counts", "logprobs", "prompt_logprobs", "errors",
+                     "cached_tokens"):  # fmt: skip
+            getattr(out, name).update(getattr(part, name))
+    for name, by_rid in rows.items():
+        if by_rid:
+            setattr(out, name, torch.cat([by_rid[r] for r in order if r in by_rid]))
+    # in process the rows are cut in row_counts' order (`router.draft_rows.split_rows`)
+    out.row_counts = {r: out.row_counts[r] for r in order if r in out.row_counts}
+    return out

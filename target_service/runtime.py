@@ -52,7 +52,7 @@ from specmesh.target_service.graphs import TargetGraphs
 from specmesh.target_service.llava import ImageEncoder, load_llava
 from specmesh.target_service.multimodal import merge_images
 from specmesh.target_service.prefill_pieces import PartialPrefills
-from specmesh.target_service.prefix import TargetPrefixes, feature_key
+from specmesh.target_service.prefix import TargetPrefixes, feature_key, ordered_outputs
 from specmesh.target_service.state import TargetRequest
 from specmesh.target_service.tp_model import start_tensor_parallel
 from specmesh.target_service.verify import verify_trees
@@ -179,23 +179,35 @@ class TargetRuntime:
         whole = [i for i in inputs if i.rid not in errors]
         merged = merge_images(whole, self.mm, self.model.embed, cfg.model_dir, limits)
         errors.update(merged.errors)
+        # Prompts sharing an uncached prefix with an earlier one of this batch (`n > 1`, users
+        # of one system prompt) run after it, from the blocks it leaves in the prefix cache.
+        leaders, followers = self.prefixes.split_followers(merged.inputs)
+        parts = [self._prefill_pass(group, feature, errors) for group in (leaders, followers)]
+        out = ordered_outputs(parts, [i.rid for i in merged.inputs])
+        out.errors.update(errors)
+        for inp in inputs:  # a request refused in the middle of its input is dropped
+            if inp.input_start and inp.rid in errors:
+                self.release(inp.rid)
+        for inp in merged.inputs:
+            if inp.rid in merged.prompt_ids and inp.rid in out.tokens:
+                out.prompt_ids[inp.rid] = inp.input_ids
+        return out
+
+    def _prefill_pass(
+        self, inputs: list[PrefillInput], feature: Feature, errors: dict[str, SpecmeshError]
+    ) -> tuple[list[PrefillInput], StepOutput]:
+        """Admit ``inputs`` (each with its cached prefix, if any) and run them as one batch."""
         ok: list[PrefillInput] = []
         key = self._feature_key(feature)
-        for inp in merged.inputs:
+        for inp in inputs:
             try:
                 ok.append(self._admit(inp, {i.rid: i.input_start + len(i.input_ids) for i in ok}))
                 self.prefixes.attach(ok[-1], key)  # its cached prefix, if any
             except SpecmeshError as e:
                 errors[inp.rid] = e
-        for inp in inputs:  # a request refused in the middle of its input is dropped
-            if inp.input_start and inp.rid in errors:
-                self.release(inp.rid)
-        out = run_isolated(ok, lambda b: self._prefill_batch(b, feature), self.release)
-        out.errors.update(errors)
-        for inp in ok:
-            if inp.rid in merged.prompt_ids and inp.rid in out.tokens:
-                out.prompt_ids[inp.rid] = inp.input_ids
-        return out
+                if inp.input_start:  # a request refused in the middle of its input is dropped
+                    self.release(inp.rid)
+        return ok, run_isolated(ok, lambda b: self._prefill_batch(b, feature), self.release)
 
     def _prefill_batch(self, ok: list[PrefillInput], feature: Feature) -> StepOutput:
         """Extend over every input (piece); sample where an input ends. State changes only

@@ -123,3 +123,16 @@ def test_one_side_hits_the_other_misses(tiny_dir, oracle, target_cache, draft_ca
     assert_speculated(results)
     hits = [e.target.prefixes.num_tokens, e.draft.drafter.prefixes]
     assert (hits[0] > 0) == bool(target_cache) and (hits[1] is not None) == bool(draft_cache)
+
+
+def test_a_batch_sharing_a_new_prefix_computes_it_once(tiny_dir, oracle) -> None:
+    """Prompts that arrive together with a prefix the cache does not hold yet (n > 1, users of
+    one new system prompt): the first runs, the others follow from its blocks, in one prefill
+    call; rows come back in the batch's order and every output is exact, speculating too."""
+    e = engine(tiny_dir, cache_tokens=4096, speculate=True)
+    prompts = [*PROMPTS, PROMPTS[0]]  # the same prompt twice as well
+    results = e.generate(prompts, GREEDY)
+    for prompt, res in zip(prompts, results, strict=True):
+        assert res.token_ids == oracle(tiny_dir / "target", prompt, 12)
+    assert_speculated(results)
+    assert e.target.prefixes.blocks.num_hit == 3 * 40  # three followers of the first
