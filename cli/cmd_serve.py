@@ -31,8 +31,8 @@ from specmesh.cli.serve_args import (
 )
 from specmesh.protocol.config import DRAFT_KINDS, DraftConfig, TargetConfig
 from specmesh.router.core import RouterConfig
-from specmesh.router.placement import PLACEMENTS
 from specmesh.router.limits import RouterLimits
+from specmesh.router.placement import PLACEMENTS
 from specmesh.rpc.metrics import add_metrics_port_arg
 from specmesh.rpc.security import add_api_key_arg, add_tls_args, api_key_from_args, tls_from_args
 
