@@ -26,7 +26,9 @@ DECAY = 0.8  # weight of the past in each average
 class PredraftBudget:
     def __init__(self) -> None:
         n = len(BUCKETS)
-        self.all_hit = [1.0] * n  # optimistic until measured: a bucket starts pre-drafting
+        # Before any measurement: as if each request hit half the time (a batch of 8 then
+        # almost never does); the first batch of a bucket pre-drafts to measure
+        self.all_hit = [0.5**size for size in BUCKETS]
         self.miss_s = [0.0] * n  # time of a batch that missed (extend + propose)
         self.delay_s = [0.0] * n  # wait a batch had behind the pre-draft
         self.skipped = [0] * n  # batches since the bucket last pre-drafted
@@ -52,7 +54,12 @@ class PredraftBudget:
     def allows(self, batch_size: int) -> bool:
         """Whether to pre-draft for the batch that just ran (its requests' next extends)."""
         b = _bucket(batch_size)
-        if self.all_hit[b] * self.miss_s[b] >= self.delay_s[b] or self.skipped[b] >= PROBE_EVERY:
+        first = self.miss_s[b] == 0.0  # nothing measured yet
+        if (
+            first
+            or self.all_hit[b] * self.miss_s[b] > self.delay_s[b]
+            or self.skipped[b] >= PROBE_EVERY
+        ):
             self.skipped[b] = 0
             return True
         self.skipped[b] += 1

@@ -136,3 +136,31 @@ def test_a_batch_sharing_a_new_prefix_computes_it_once(tiny_dir, oracle) -> None
         assert res.token_ids == oracle(tiny_dir / "target", prompt, 12)
     assert_speculated(results)
     assert e.target.prefixes.blocks.num_hit == 3 * 40  # three followers of the first
+
+
+def test_draft_rows_are_keyed_past_the_block(tiny_dir, oracle) -> None:
+    """EAGLE's shifted pairing (SGLang #10846 / #39150): draft row t pairs the target's feature
+    at t with token t + 1, so two prompts that agree on a whole block but not on the token right
+    after it share the target's block and not the draft's; outputs stay exact."""
+    e = engine(tiny_dir, cache_tokens=4096, speculate=True)
+    base = SHARED[:16]
+    prompts = [base + [20, 21, 22], base + [30, 31, 32]]  # differ at token 16
+    results = one_by_one(e, prompts)
+    for prompt, res in zip(prompts, results, strict=True):
+        assert res.token_ids == oracle(tiny_dir / "target", prompt, 12)
+    assert e.target.prefixes.blocks.num_hit == 16  # two target blocks of 8
+    assert e.draft.drafter.prefixes.num_hit == 8  # the draft's second block needs token 16
+
+
+def test_multi_turn_reuse_is_the_same_with_speculation(tiny_dir) -> None:
+    """A chat resent whole each turn (SGLang #32459: reuse collapsed with EAGLE on): the target
+    hits as many prompt tokens with the draft on as with it off."""
+    hits = []
+    for speculate in (False, True):
+        e = engine(tiny_dir, cache_tokens=4096, speculate=speculate)
+        chat = list(SHARED)
+        for turn in range(4):
+            chat += [100 + turn, 101, 102]
+            chat += e.generate([chat], GREEDY)[0].token_ids
+        hits.append(e.target.prefixes.blocks.num_hit)
+    assert hits[0] == hits[1] > 0
