@@ -5,7 +5,7 @@ tokens), then walk the tokens of a valid document: per token, compute the allowe
 (median and p90 over ``--repeats`` walks); also the cost of the tree walk verify does (a copy of
 the matcher per node, `target_service.grammar`). ``--acceptance`` instead runs the demo pair
 in process (EAGLE-3 5/4/8, fp32) on chat prompts with and without the JSON schema and reports
-tokens per round (the draft does not see the grammar: constrained rounds accept less).
+tokens per round (the draft masks its search by the grammar too, `draft_service.grammar`).
 
     python -m specmesh.bench.grammar_mask [--tokenizer DIR] [--repeats 20] [--acceptance]
 """

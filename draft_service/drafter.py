@@ -14,7 +14,8 @@ KV.
 Proposing runs ``num_steps - 1`` forwards of ``topk`` frontier nodes per request, each seeing the
 prefix plus its own ancestors (tree mask), expands every frontier node to ``topk`` children scored
 by cumulative log-probability, keeps the best ``topk`` as the next frontier, and reranks the whole
-pool to ``num_draft_tokens - 1`` nodes (`specmesh.kernels.tree_build`).
+pool to ``num_draft_tokens - 1`` nodes (`specmesh.kernels.tree_build`). A constrained request's
+nodes are masked by its grammar before each top-k (`specmesh.draft_service.grammar`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from specmesh.runtime.models.layers import KVPair
 from specmesh.runtime.tree import Tree
 
 if TYPE_CHECKING:
+    from specmesh.draft_service.grammar import BatchGrammar, FrontierGrammar
     from specmesh.draft_service.step_graphs import DraftStepGraphs
 
 
@@ -139,8 +141,10 @@ class TreeDrafter:
         return BatchItem(rid, tokens, start, torch.full((k,), st.last_pos + step), mask)
 
     # -- propose -------------------------------------------------------------------------------
-    def propose(self, rids: list[str], roots: list[int]) -> list[Tree]:
-        return self.search(rids, [self.roots[r] for r in rids], roots)[0]
+    def propose(
+        self, rids: list[str], roots: list[int], grammar: BatchGrammar | None = None
+    ) -> list[Tree]:
+        return self.search(rids, [self.roots[r] for r in rids], roots, grammar=grammar)[0]
 
     @torch.inference_mode()
     def search(
@@ -152,15 +156,21 @@ class TreeDrafter:
         record: bool = False,
         eager: bool = False,
         num_steps: int | None = None,
+        grammar: BatchGrammar | None = None,
     ) -> tuple[list[Tree], list[Records] | None]:
         """One tree per state (``rids`` may repeat: several trees of one request, each in its own
         KV region). ``record``: also each tree's forwarded nodes (`NodeRecord`), for
         pre-drafting. ``eager``: no step graphs (pre-drafted batches are not the decode shapes
-        they were captured for). ``num_steps``: a shallower search than the draft's own."""
+        they were captured for). ``num_steps``: a shallower search than the draft's own.
+        ``grammar``: its constrained requests' nodes follow their grammars
+        (`specmesh.draft_service.grammar`)."""
         k, steps = self.spec.topk, num_steps or self.spec.num_steps
         bs = len(rids)
-        logp = torch.log_softmax(torch.stack([s.logits for s in states]).float(), -1)
-        dev = logp.device  # the search runs where the draft's logits are; trees go to the host
+        logits = torch.stack([s.logits for s in states])  # [bs, draft_vocab]
+        dev = logits.device  # the search runs where the draft's logits are; trees go to the host
+        masks = None if grammar is None else grammar.frontier(
+            self.to_target_ids(torch.arange(logits.shape[-1], device=dev)))  # fmt: skip
+        logp = _log_probs(logits, masks)
         cand_logp, cand_ids = logp.topk(min(k + EXTRA_CANDIDATES, logp.shape[-1]), dim=-1)
         top_logp, tokens = cand_logp[:, :k], self.to_target_ids(cand_ids[:, :k])  # [bs, k]
         records = [_root_record(s, self.to_target_ids(c), lp) for s, c, lp in
@@ -174,6 +184,7 @@ class TreeDrafter:
             torch.stack([s.hidden for s in states])[:, None].expand(bs, k, -1).clone(),
             [[[] for _ in range(k)] for _ in range(bs)],
             [[(t,) for t in row] for row in tokens.tolist()],
+            None if masks is None else masks.descend(torch.zeros_like(tokens), tokens, top_logp),
         )
         for step in range(1, steps):
             if not eager:
@@ -196,7 +207,8 @@ class TreeDrafter:
             for t in (tree.tokens, tree.parents, tree.depths, tree.mask, tree.first_child,
                       tree.next_sibling)
         ]  # fmt: skip
-        return [Tree(*(f[b] for f in fields)) for b in range(bs)], records
+        trees = [Tree(*(f[b] for f in fields)) for b in range(bs)]
+        return (trees if grammar is None else grammar.on_grammar(trees)), records
 
     def _expand(self, step, rids, states, fr, pool, records, forward):
         k = self.spec.topk
@@ -207,7 +219,7 @@ class TreeDrafter:
             for b, (rid, st) in enumerate(zip(rids, states, strict=True))
         ]
         hidden_out, logits = forward(step, items, fr.hidden.flatten(0, 1))
-        logp = torch.log_softmax(logits.float(), -1)
+        logp = _log_probs(logits, fr.grammar)
         cand_logp, cand_ids = logp.topk(min(k + EXTRA_CANDIDATES, logp.shape[-1]), dim=-1)
         child_logp, child_ids = cand_logp[:, :k], cand_ids[:, :k]  # [bs * k, k]
         cum = (fr.scores.reshape(bs * k, 1) + child_logp).reshape(bs, k * k)
@@ -239,7 +251,13 @@ class TreeDrafter:
             hidden.gather(1, parent[..., None].expand(-1, -1, hidden.shape[-1])),
             ancestors,
             paths,
+            fr.grammar and fr.grammar.descend(parent, child_tokens.gather(1, best), best_scores),
         )
+
+
+def _log_probs(logits: torch.Tensor, masks: FrontierGrammar | None) -> torch.Tensor:
+    """``[rows, draft_vocab]`` log-probabilities of a search's nodes (within their grammars)."""
+    return torch.log_softmax(logits.float(), -1) if masks is None else masks.log_probs(logits)
 
 
 @dataclass
@@ -250,6 +268,7 @@ class _Frontier:
     hidden: torch.Tensor  # [bs, k, hidden] input hidden for each node's forward
     ancestors: list[list[list[int]]]  # KV token indices of each node's forwarded ancestors
     paths: list[list[tuple[int, ...]]]  # each node's tokens below the root, its own last
+    grammar: FrontierGrammar | None = None  # each node's grammar state (constrained requests)
 
 
 @dataclass

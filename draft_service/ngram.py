@@ -14,13 +14,15 @@ With ``topk > 1`` the root gets up to ``topk`` children: the first tokens of dis
 continuations from different earlier occurrences (longer matches first, then more recent). Every
 branch keeps its first token; the remaining node budget extends the branches as chains, best
 branch first, for at most ``num_draft_tokens`` nodes in all. No match: the tree is the root alone
-and the target decodes one token.
+and the target decodes one token. A constrained request's tree is cut where its grammar refuses
+a token (`specmesh.draft_service.grammar`).
 """
 
 from __future__ import annotations
 
 import torch
 
+from specmesh.draft_service.grammar import BatchGrammar
 from specmesh.protocol.config import SpecParams
 from specmesh.protocol.errors import InvalidRequestError, UnknownRequestError
 from specmesh.protocol.features import FeatureSpec
@@ -54,10 +56,14 @@ class NgramDrafter:
             self._get(inp.rid).extend(inp.committed_ids)
             self.pending[inp.rid] = inp.next_token
 
-    def propose(self, rids: list[str], roots: list[int]) -> list[Tree]:
-        return [
+    def propose(
+        self, rids: list[str], roots: list[int], grammar: BatchGrammar | None = None
+    ) -> list[Tree]:
+        """``grammar``: a constrained request's tree is cut to the nodes its grammar allows."""
+        trees = [
             self._propose_one([*self._get(r), root]) for r, root in zip(rids, roots, strict=True)
         ]
+        return trees if grammar is None else grammar.on_grammar(trees)
 
     def _propose_one(self, seq: list[int]) -> Tree:
         budget = self.spec.num_draft_tokens - 1

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from specmesh.draft_service.drafter import NodeRecord, Records, RootState, TreeDrafter
+from specmesh.draft_service.grammar import BatchGrammar
 from specmesh.protocol.steps import ExtendInput
 from specmesh.runtime.model_runner import BatchItem
 from specmesh.runtime.tree import Tree
@@ -48,6 +49,7 @@ from specmesh.runtime.tree import Tree
 log = logging.getLogger(__name__)
 
 Key = tuple[tuple[int, ...], int]  # (committed ids of the next extend, its next token)
+MAX_TREES = 8  # outcome trees one pre-draft grows for a whole batch, at most
 
 
 @dataclass
@@ -79,10 +81,14 @@ class PreDrafter:
         self.num_drafted = self.num_hits = self.num_taken = 0  # counters, for metrics
 
     # -- the request's answered tree ---------------------------------------------------------------
-    def propose(self, rids: list[str], roots: list[int]) -> list[Tree]:
-        """`TreeDrafter.propose`, keeping each tree's forwarded nodes to pre-draft from."""
+    def propose(
+        self, rids: list[str], roots: list[int], grammar: BatchGrammar | None = None
+    ) -> list[Tree]:
+        """`TreeDrafter.propose`, keeping each tree's forwarded nodes to pre-draft from (the
+        runtime pre-drafts no constrained request: its outcomes would need grammar states)."""
         d = self.drafter
-        trees, records = d.search(rids, [d.roots[r] for r in rids], roots, record=True)
+        states = [d.roots[r] for r in rids]
+        trees, records = d.search(rids, states, roots, record=True, grammar=grammar)
         for rid, tree, rec in zip(rids, trees, records or (), strict=True):
             self.trees[rid] = (tree, rec)
         return trees
@@ -133,7 +139,9 @@ class PreDrafter:
         not fit gets none)."""
         rids = [rid for rid in rids if rid in self.trees and self._reserve(rid)]
         self._forward_leaves(rids)
-        guesses = [g for rid in rids for g in self._placed(rid)]
+        # the batch's trees are bounded, not each request's: a pre-draft costs about one search
+        per_request = max(1, min(self.num_outcomes, MAX_TREES // max(len(rids), 1)))
+        guesses = [g for rid in rids for g in self._placed(rid)[:per_request]]
         if not guesses:
             return
         states = self._grow_roots(guesses)

@@ -6,7 +6,8 @@ Draft kinds (``--draft-kind``): ``eagle3`` (SpecForge / SGLang EAGLE-3), ``eagle
 with the target's tokenizer) and ``ngram`` (prompt lookup, no model).
 
 Lifecycle of a request here: created by its starting extend, advanced by later extends, freed
-by `release` or by any step that fails it. A failure is per request: the rows of a batch are
+by `release` or by any step that fails it; a constrained request's grammar matcher with it
+(`specmesh.draft_service.grammar`). A failure is per request: the rows of a batch are
 checked before any state changes, and a batch whose forward raises is retried row by row, so a
 bad row fails alone and leaves nothing allocated.
 """
@@ -24,6 +25,7 @@ import torch
 
 from specmesh.draft_service.drafter import TreeDrafter
 from specmesh.draft_service.feature_drafter import FeatureDrafter
+from specmesh.draft_service.grammar import BatchGrammar, DraftGrammars
 from specmesh.draft_service.predraft import Outcome, PreDrafter
 from specmesh.draft_service.predraft_budget import PredraftBudget
 from specmesh.protocol.config import DRAFT_KINDS, DraftConfig, SpecParams
@@ -38,6 +40,7 @@ from specmesh.protocol.features import FeatureSpec
 from specmesh.protocol.steps import DraftInfo, DraftStepResult, ExtendInput
 from specmesh.protocol.trees import DraftTree
 from specmesh.runtime.config import ModelConfig, resolve_max_context
+from specmesh.runtime.grammar import Grammars
 from specmesh.runtime.graph_runner import graphs_enabled
 from specmesh.runtime.tree import Tree
 
@@ -51,7 +54,11 @@ class Drafter(Protocol):
     def extend(self, inputs: list[ExtendInput]) -> None:
         """Validate every input, then forward them as one batch (state changes only after)."""
 
-    def propose(self, rids: list[str], roots: list[int]) -> list[Tree]: ...
+    def propose(
+        self, rids: list[str], roots: list[int], grammar: BatchGrammar | None = None
+    ) -> list[Tree]:
+        """A tree per request; ``grammar``'s constrained requests' hold only allowed tokens."""
+
     def release(self, rid: str) -> None: ...
     def check_context(self, rid: str, num_new_tokens: int) -> None:
         """Raise unless the request fits its extend and one tree (before any forward)."""
@@ -70,6 +77,10 @@ class DraftRuntime:
         )
         self.pending: _AfterStep | None = None  # the work `after_step` does once answered
         self.budget = PredraftBudget()  # whether a pre-draft pays, per batch size
+        # Constrained requests' matchers, compiled with the target's tokenizer (never pre-drafted)
+        self.grammars = DraftGrammars(
+            Grammars(cfg.target_dir, target.vocab_size, target.eos_token_ids)
+        )
 
     def info(self) -> DraftInfo:
         s = self.cfg.spec
@@ -145,7 +156,9 @@ class DraftRuntime:
         if not work.rids:
             return
         try:
-            self.ahead.predraft([r for r in work.rids if r in self.live])
+            self.ahead.predraft(
+                [r for r in work.rids if r in self.live and not self.grammars.holds(r)]
+            )
         except Exception:
             log.exception("pre-draft failed for %s", work.rids)
         self.budget.pre_drafted()
@@ -172,14 +185,17 @@ class DraftRuntime:
         if not ok:
             return
         propose = self.ahead.propose if self.ahead is not None else self.drafter.propose
+        rids, roots = [i.rid for i in ok], [i.next_token for i in ok]
+        grammar = self.grammars.batch(rids)  # None unless one of them is constrained
         try:
-            trees = propose([i.rid for i in ok], [i.next_token for i in ok])
+            trees = propose(rids, roots) if grammar is None else propose(rids, roots, grammar)
             result.trees.update({i.rid: _wire(t) for i, t in zip(ok, trees, strict=True)})
         except Exception as e:
             self._fail(ok, e, result.errors)
 
     def _admit(self, inp: ExtendInput, errors: dict[str, SpecmeshError]) -> bool:
-        """Checks that need no forward; a continuing request that fails them is dropped."""
+        """Checks that need no forward, then the request's grammar (if any) takes the ids; a
+        continuing request that fails them is dropped."""
         try:
             if inp.new and inp.rid in self.live:
                 raise DuplicateRequestError(f"request {inp.rid!r} already has draft state")
@@ -193,6 +209,7 @@ class DraftRuntime:
                     f"got {len(inp.committed_ids)} ids, max {max(ids)}"
                 )
             self.drafter.check_context(inp.rid, len(inp.committed_ids))
+            self.grammars.advance(inp)
         except SpecmeshError as e:
             errors[inp.rid] = e
             if not isinstance(e, DuplicateRequestError):
@@ -231,11 +248,13 @@ class DraftRuntime:
             with contextlib.suppress(KeyError):
                 self.drafter.release(inp.rid)
             self.live.pop(inp.rid, None)
+            self.grammars.release(inp.rid)
             if self.ahead is not None:
                 self.ahead.release(inp.rid)
 
     def release(self, rid: str) -> bool:
         """Free ``rid``'s draft state; False (a no-op) when it holds none."""
+        self.grammars.release(rid)
         if self.live.pop(rid, None) is None:
             return False
         self.drafter.release(rid)

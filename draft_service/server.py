@@ -19,7 +19,7 @@ from specmesh.protocol.trees import DraftTree
 from specmesh.rpc.ownership import StreamOwner
 from specmesh.rpc.security import model_name
 from specmesh.rpc.service_common import ModelServicer, ServiceHost, log_failure
-from specmesh.rpc.wire import needs_to_pb, status_pb
+from specmesh.rpc.wire import constraint_from_pb, needs_to_pb, status_pb
 from specmesh.runtime.codec import DTYPE_NAMES, DTYPES, join_hidden_states
 from specmesh.runtime.config import parse_dtype
 from specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc
@@ -79,11 +79,14 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServicer):
     def run_batch(self, runtime: DraftRuntime, stream: StreamOwner, chunks: list) -> list:
         req = chunks[0]
         work = req.WhichOneof("work")
+        res = DraftStepResult()
         if work == "extend":
             batch = req.extend
             if batch.propose_after:
                 self._check_params(batch.propose_params)
-            inputs = self._extend_inputs(runtime, batch, [c.extend.states for c in chunks])
+            states = [c.extend.states for c in chunks]
+            inputs = self._extend_inputs(runtime, batch, states, res.errors)
+            self._drop_refused(runtime, stream, batch.requests, res.errors)
             requests, propose = batch.requests, batch.propose_after
         elif work == "propose":
             self._check_params(req.propose.params)
@@ -94,7 +97,7 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServicer):
         rids = [r.request_id for r in requests]
         if len(set(rids)) != len(rids):
             raise InvalidRequestError(f"batch lists a request id twice: {rids}")
-        res, run = DraftStepResult(), []
+        run = []
         for inp in inputs:
             error = self.owners.check(stream, inp.rid, new=inp.new, release=runtime.release)
             if error is None:
@@ -120,20 +123,40 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServicer):
             self._submit(runtime.after_step).add_done_callback(log_failure)
 
     # -- codec -------------------------------------------------------------------------------------
-    def _extend_inputs(self, runtime: DraftRuntime, batch, states: list) -> list[ExtendInput]:
+    def _extend_inputs(
+        self, runtime: DraftRuntime, batch, states: list, errors: dict
+    ) -> list[ExtendInput]:
+        """The batch's extends; one whose constraint is unreadable goes to ``errors`` alone."""
         rows = [len(r.token_ids) for r in batch.requests]
         features, mm = self._decode_states(runtime, states, rows)
         inputs, start = [], 0
         for r, n in zip(batch.requests, rows, strict=True):
             cut = lambda t: None if t is None else t[start : start + n]  # noqa: B023
-            inputs.append(
-                ExtendInput(
-                    r.request_id, list(r.token_ids), r.next_token_id, cut(features), cut(mm),
-                    is_multimodal=r.multimodal, new=r.starts_request,
-                )
-            )  # fmt: skip
+            try:
+                constraint = constraint_from_pb(r.constraint) if r.HasField("constraint") else None
+            except InvalidRequestError as e:
+                errors[r.request_id] = e
+            else:
+                inputs.append(
+                    ExtendInput(
+                        r.request_id, list(r.token_ids), r.next_token_id, cut(features), cut(mm),
+                        is_multimodal=r.multimodal, new=r.starts_request, constraint=constraint,
+                        output_start=r.output_start,
+                    )
+                )  # fmt: skip
             start += n
         return inputs
+
+    def _drop_refused(
+        self, runtime: DraftRuntime, stream: StreamOwner, requests, refused: dict
+    ) -> None:
+        """A continuing request refused while decoding is freed, as any whose step fails."""
+        for r in requests:
+            held = r.request_id in refused and not r.starts_request
+            if held and not self.owners.check(stream, r.request_id, new=False,
+                                              release=runtime.release):  # fmt: skip
+                runtime.release(r.request_id)
+        self.owners.settle(stream, list(refused), runtime.holds)
 
     def _decode_states(self, runtime: DraftRuntime, states: list, rows: list[int]):
         """The batch's feature rows and multimodal embeddings, checked against the requests."""

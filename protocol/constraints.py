@@ -3,10 +3,11 @@ client asks for, and the one translation to the grammar engine both sides use.
 
 A `Constraint` travels with the `SamplingParams` (wire: ``SamplingParams.constraint``) to the
 target, which owns sampling: it masks every token it samples (and every tree node it verifies,
-`target_service.grammar`) to the tokens the grammar allows after that token's path. The router
-compiles it once at its public API to refuse what the engine cannot compile (400 naming the
-problem) before any work. The engine is llguidance (torch-free, so the router may load it;
-bench/README.md "Grammar masks" has the measurements that chose it over xgrammar).
+`target_service.grammar`) to the tokens the grammar allows after that token's path; the draft
+gets it with a request's starting extend and proposes only such tokens (`draft_service.grammar`).
+The router compiles it once at its public API to refuse what the engine cannot compile (400
+naming the problem) before any work. The engine is llguidance (torch-free, so the router may
+load it; bench/README.md "Grammar masks" has the measurements that chose it over xgrammar).
 
 JSON is generated without free whitespace (``whitespace_flexible: false``, separators ``,`` and
 ``:``), as xgrammar's ``any_whitespace=False`` / vLLM's ``disable-any-whitespace``: a small

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from specmesh.protocol.constraints import Constraint
 from specmesh.protocol.errors import SpecmeshError
 from specmesh.protocol.features import FeatureSpec
 from specmesh.protocol.sampling import SamplingParams
@@ -114,6 +115,12 @@ class ExtendInput:
     mm_input_embeds: Rows | None = None  # [len(committed_ids), hidden]
     is_multimodal: bool = False  # the request has images: mm_input_embeds is mandatory on its start
     new: bool = False  # first extend of the request (creates its draft state)
+    # A starting extend of a constrained request: the grammar its output follows (the draft
+    # proposes only tokens it allows, `draft_service.grammar`), and where the output begins in
+    # the request's ids, counted from this extend's first: ids before it (the prompt, image rows
+    # expanded) are not the grammar's; a replay's context ends with output it emitted before.
+    constraint: Constraint | None = None
+    output_start: int = 0
 
 
 @dataclass

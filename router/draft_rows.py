@@ -51,6 +51,8 @@ def with_backlog(slot: Slot, extend: ExtendInput) -> ExtendInput:
         None,  # a multimodal start is never held: its embeddings come with its prompt only
         parts[0].is_multimodal,
         new=not slot.on_draft,
+        constraint=parts[0].constraint,  # a starting extend's, counted from its first id
+        output_start=parts[0].output_start,
     )
 
 

@@ -44,6 +44,7 @@ from specmesh.router.step_stream import CountingChannel, StepStream
 from specmesh.rpc.service_common import channel_options
 from specmesh.rpc.tokenizer_files import TokenizerFiles
 from specmesh.rpc.wire import (
+    constraint_to_pb,
     error_from_rpc,
     error_from_status,
     logprobs_from_pb,
@@ -281,6 +282,8 @@ class GrpcDraftClient(_GrpcClient):
                 next_token_id=e.next_token,
                 starts_request=e.new,
                 multimodal=e.is_multimodal and e.new,
+                constraint=constraint_to_pb(e.constraint if e.new else None),
+                output_start=e.output_start if e.new else 0,
             )
             for e in extends
         ]

@@ -49,6 +49,9 @@ class Proposer:
                 feats, mm = rows.get(s.rid, (None, None))
                 extend = ExtendInput(s.rid, ids[s.rid], out.tokens[s.rid][-1], feats, mm,
                                      bool(s.request.images))  # fmt: skip
+                if not s.on_draft and not s.draft_backlog:  # it starts: the whole context
+                    emitted_before = s.request.num_generated - len(out.tokens[s.rid])
+                    _constrain(extend, s, len(ids[s.rid]) - emitted_before)
                 groups[s.placement.draft].append((s, extend))
         await asyncio.gather(*(self._plan_and_draft(d, g, len(live)) for d, g in groups.items()))
 
@@ -65,6 +68,8 @@ class Proposer:
                 feats, mm = rows[s.rid]
                 extend = ExtendInput(s.rid, pieces[s.rid].input_ids, next_context_token(s),
                                      feats, mm, False, new=not s.on_draft)  # fmt: skip
+                if extend.new:  # a first piece: the output starts after the prompt
+                    _constrain(extend, s, len(s.request.prompt_ids))
                 groups[s.placement.draft].append((s, extend))
         await asyncio.gather(*(self._step(d, g, Plan(tree_size=1)) for d, g in groups.items()))
 
@@ -119,6 +124,14 @@ class Proposer:
             if s.placement.draft is not None:
                 s.speculate = False
                 await self.core.drop_draft(s, release=s.on_draft)
+
+
+def _constrain(extend: ExtendInput, s: Slot, output_start: int) -> None:
+    """A starting extend carries the request's grammar, if any, and where its output begins
+    (``output_start`` ids into this extend's): the draft then proposes only what the grammar
+    allows (`draft_service.grammar`)."""
+    extend.constraint = s.request.params.constraint
+    extend.output_start = output_start if extend.constraint is not None else 0
 
 
 def _count_wait(sent: Sent, res: DraftStepResult | None, seconds: float) -> None:

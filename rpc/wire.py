@@ -148,11 +148,7 @@ def sampling_from_pb(msg: generation_pb2.SamplingParams, default_max_new: int) -
         min_tokens=msg.min_tokens,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
-        constraint=(
-            Constraint(msg.constraint.kind, msg.constraint.text)
-            if msg.HasField("constraint")
-            else None
-        ),
+        constraint=constraint_from_pb(msg.constraint) if msg.HasField("constraint") else None,
     )  # range-checked as it is made
     return params
 
@@ -175,12 +171,19 @@ def sampling_to_pb(params: SamplingParams) -> generation_pb2.SamplingParams:
         min_tokens=params.min_tokens,
         logprobs=params.logprobs,
         prompt_logprobs=params.prompt_logprobs,
-        constraint=(
-            None
-            if params.constraint is None
-            else generation_pb2.Constraint(kind=params.constraint.kind, text=params.constraint.text)
-        ),
+        constraint=constraint_to_pb(params.constraint),
     )
+
+
+def constraint_from_pb(msg: generation_pb2.Constraint) -> Constraint:
+    """Wire -> `Constraint`, checked as it is made (`InvalidRequestError`)."""
+    return Constraint(msg.kind, msg.text)
+
+
+def constraint_to_pb(constraint: Constraint | None) -> generation_pb2.Constraint | None:
+    if constraint is None:
+        return None
+    return generation_pb2.Constraint(kind=constraint.kind, text=constraint.text)
 
 
 def logprobs_to_pb(entries) -> list[generation_pb2.TokenLogprob]:

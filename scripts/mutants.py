@@ -78,7 +78,7 @@ MUTANTS = (
         "draft-always-fails",
         "every draft step raises: the router silently falls back to plain decoding",
         "draft_service/runtime.py",
-        "trees = self.drafter.propose([i.rid for i in ok], [i.next_token for i in ok])",
+        "trees = propose(rids, roots) if grammar is None else propose(rids, roots, grammar)",
         'raise RuntimeError("mutant: the draft fails")',
         (
             "tests/unit/test_oracle_paths.py",
@@ -90,6 +90,14 @@ MUTANTS = (
             "tests/unit/test_kv_pressure.py::test_small_kv_cache_preempts_and_replays",
             "tests/integration/test_chunked_prefill_grpc.py::test_concurrent_requests_equal_transformers_greedy",
         ),
+    ),
+    Mutant(
+        "draft-ignores-grammar",
+        "the draft proposes a constrained request's trees without its grammar's masks",
+        "draft_service/runtime.py",
+        "grammar = self.grammars.batch(rids)",
+        "grammar = None",
+        ("tests/unit/test_draft_grammar.py",),
     ),
     Mutant(
         "aux-layers-off-by-one",

@@ -5,23 +5,34 @@ same request on a router that never speculates (greedy and seeded), ``json_objec
 ``guided_choice`` / ``guided_regex`` hold, a schema the engine cannot compile is a 400 naming
 the problem with nothing held afterwards, ``tool_choice: required`` / named return calls whose
 arguments validate, streamed calls arrive as ``tool_calls`` deltas, ``continuous_usage_stats``
-puts usage on every chunk, and unsupported OpenAI fields are 400s naming them."""
+puts usage on every chunk, and unsupported OpenAI fields are 400s naming them. Over the gRPC
+API the draft gets the grammar with each request's starting extend and proposes within it
+(constrained rounds accept >= 2 tokens), a constraint the draft cannot read or compile is
+INVALID_ARGUMENT for its request alone, and no matcher outlives its request, cancelled or not."""
 
 from __future__ import annotations
 
 import json
 import re
+from types import SimpleNamespace
 
+import grpc
 import jsonschema
 import openai
 import pytest
-from grpc_harness import LoopThread, serve_draft, serve_router, serve_target, wait_until
+import torch
+from grpc_harness import LoopThread, collect, serve_draft, serve_router, serve_target, wait_until
 from procs import is_empty, occupancy
 
+from specmesh.client import GenerationClient
 from specmesh.defaults import REPO_MODELS
 from specmesh.draft_service.runtime import load_draft
 from specmesh.protocol.config import DraftConfig, SpecParams, TargetConfig
+from specmesh.protocol.constraints import Constraint
+from specmesh.protocol.sampling import SamplingParams
+from specmesh.runtime.codec import split_hidden_states
 from specmesh.target_service.runtime import TargetRuntime
+from specmesh.v1 import draft_pb2, draft_pb2_grpc, generation_pb2
 
 SCHEMA = {
     "type": "object",
@@ -57,7 +68,7 @@ MAX_TOKENS = 120  # the demo model finishes these documents well within it
 @pytest.fixture(scope="module")
 def demo():
     """Demo target + EAGLE-3 draft services; one router that always speculates and one that
-    never does, both serving HTTP with the demo's chat template."""
+    never does, both serving HTTP with the demo's chat template, and gRPC clients of both."""
     target_dir, draft_dir = str(REPO_MODELS / "target"), str(REPO_MODELS / "draft")
     loop = LoopThread()
     target = loop.run(serve_target(TargetRuntime(TargetConfig(target_dir, dtype="float32"))))
@@ -76,8 +87,9 @@ def demo():
         for mode, r in routers.items()
     }
     services = {"target": f"127.0.0.1:{target.host.port}", "draft": f"127.0.0.1:{draft.host.port}"}
-    yield clients, services
-    for client in clients.values():
+    grpcs = {mode: GenerationClient(f"127.0.0.1:{r.port}") for mode, r in routers.items()}
+    yield SimpleNamespace(clients=clients, services=services, grpc=grpcs, draft=draft.runtime)
+    for client in [*clients.values(), *grpcs.values()]:
         client.close()
     for router in routers.values():
         loop.run(router.stop(0.5))
@@ -97,7 +109,7 @@ def _empty(services: dict) -> bool:
 
 @pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 0.8, "seed": 7}])
 def test_json_schema_validates_and_equals_no_speculation(demo, sampling) -> None:
-    clients, _ = demo
+    clients = demo.clients
     outputs = {}
     for mode, client in clients.items():
         r = _chat(client, response_format=FORMAT, **sampling)
@@ -109,7 +121,7 @@ def test_json_schema_validates_and_equals_no_speculation(demo, sampling) -> None
 
 
 def test_completions_guided_json_and_json_object(demo) -> None:
-    client = demo[0]["always"]
+    client = demo.clients["always"]
     r = client.completions.create(
         model="target", prompt="import json\n\nDEFAULTS = ", max_tokens=MAX_TOKENS, temperature=0,
         extra_body={"guided_json": SCHEMA},
@@ -123,7 +135,7 @@ def test_completions_guided_json_and_json_object(demo) -> None:
 
 
 def test_guided_choice_and_regex(demo) -> None:
-    client = demo[0]["always"]
+    client = demo.clients["always"]
     choices = ["yes", "no way", "maybe (later)"]
     for seed in range(3):
         r = _chat(client, temperature=1.0, seed=seed, extra_body={"guided_choice": choices})
@@ -134,7 +146,7 @@ def test_guided_choice_and_regex(demo) -> None:
 
 
 def test_invalid_schema_is_a_400_naming_it_and_holds_nothing(demo) -> None:
-    clients, services = demo
+    clients, services = demo.clients, demo.services
     bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}
     with pytest.raises(openai.BadRequestError) as e:
         _chat(clients["always"], response_format=bad)
@@ -149,7 +161,7 @@ def test_invalid_schema_is_a_400_naming_it_and_holds_nothing(demo) -> None:
 
 
 def test_tool_choice_required_and_named_validate(demo) -> None:
-    client = demo[0]["always"]
+    client = demo.clients["always"]
     params_schema = WEATHER["function"]["parameters"]
     for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
         r = _chat(client, temperature=0, tools=[WEATHER], tool_choice=choice)
@@ -161,7 +173,7 @@ def test_tool_choice_required_and_named_validate(demo) -> None:
 
 
 def test_streamed_tool_calls_and_continuous_usage(demo) -> None:
-    client = demo[0]["always"]
+    client = demo.clients["always"]
     chunks = list(
         _chat(client, temperature=0, tools=[WEATHER], tool_choice="required", stream=True,
               stream_options={"include_usage": True, "continuous_usage_stats": True})
@@ -176,7 +188,7 @@ def test_streamed_tool_calls_and_continuous_usage(demo) -> None:
 
 
 def test_text_stream_has_usage_on_every_chunk(demo) -> None:
-    client = demo[0]["always"]
+    client = demo.clients["always"]
     chunks = list(
         client.completions.create(
             model="target", prompt="def f():\n", max_tokens=8, temperature=0, stream=True,
@@ -195,6 +207,81 @@ def test_text_stream_has_usage_on_every_chunk(demo) -> None:
 )  # fmt: skip
 def test_unsupported_fields_are_400_naming_them(demo, field, value) -> None:
     with pytest.raises(openai.BadRequestError) as e:
-        _chat(demo[0]["always"], extra_body={field: value})
+        _chat(demo.clients["always"], extra_body={field: value})
     error = e.value.response.json()["error"]
     assert error["param"] == field and field in error["message"]
+
+
+# -- the draft within the grammar (gRPC) ------------------------------------------------------------
+PROMPT = "# user:\nDescribe the function fibonacci as JSON\n# assistant:\n"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_draft_proposes_within_the_grammar_over_grpc(demo, monkeypatch, temperature) -> None:
+    """The starting extend carries the constraint over the wire; output equals the router that
+    never speculates; greedy rounds accept >= 2 tokens (an unmasked draft: ~1.3)."""
+    starts = []
+    advance = demo.draft.grammars.advance
+    monkeypatch.setattr(demo.draft.grammars, "advance",
+                        lambda inp: (inp.new and starts.append(inp)) or advance(inp))  # fmt: skip
+    params = SamplingParams(
+        MAX_TOKENS, temperature, seed=3, constraint=Constraint.json_schema(SCHEMA)
+    )
+    out = {m: collect(c.generate(PROMPT, sampling=params)) for m, c in demo.grpc.items()}
+    ids, text, last = out["always"]
+    assert ids == out["never"][0] and last.finish_reason == "stop"
+    jsonschema.validate(json.loads(text), SCHEMA)
+    assert last.stats.num_draft_tokens >= last.stats.num_rounds  # a tree every round
+    if temperature == 0.0:
+        assert last.stats.mean_accept_len >= 2.0, list(last.stats.accept_lens)
+    (start,) = starts
+    assert start.constraint == params.constraint
+    assert start.output_start == last.stats.prompt_tokens == len(start.committed_ids)
+    assert wait_until(lambda: not demo.draft.grammars.tracks and _empty(demo.services))
+
+
+def test_a_cancelled_request_leaves_no_matcher(demo) -> None:
+    params = SamplingParams(MAX_TOKENS, 0.0, constraint=Constraint.json_schema(SCHEMA))
+    call = demo.grpc["always"].generate(PROMPT, sampling=params)
+    next(call)
+    assert wait_until(lambda: demo.draft.grammars.tracks)  # its draft holds its matcher
+    call.cancel()
+    assert wait_until(lambda: not demo.draft.grammars.tracks and _empty(demo.services))
+
+
+def test_a_bad_constraint_fails_only_its_request_on_the_draft(demo) -> None:
+    """On the draft's Step stream: an unknown kind, a schema that does not compile and a
+    constraint on a later extend are INVALID_ARGUMENT each; the batch's other request is served,
+    and the draft holds nothing once the stream ends."""
+    width, c = 3 * 256, generation_pb2.Constraint
+    good = c(kind="json_schema", text=json.dumps(SCHEMA))
+    reqs = {
+        "kind": c(kind="ebnf", text="x"),
+        "objectx": c(kind="json_schema", text='{"type": "objectx"}'),
+        "ok": good,
+    }
+    extends = [draft_pb2.ExtendRequest(request_id=rid, token_ids=[5, 6, 7], next_token_id=93,
+                                       starts_request=True, constraint=con, output_start=3)
+               for rid, con in reqs.items()]  # fmt: skip
+    later = draft_pb2.ExtendRequest(request_id="ok", token_ids=[93], next_token_id=5,
+                                    constraint=good)  # fmt: skip
+    batches = [
+        _draft_step(1, extends, torch.randn(9, width)),
+        _draft_step(2, [later], torch.randn(1, width)),
+    ]
+    with grpc.insecure_channel(demo.services["draft"]) as channel:
+        out = list(draft_pb2_grpc.DraftStub(channel).Step(iter(batches), timeout=30))
+    first = {r.request_id: r for r in out[0].results}
+    invalid = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert first["ok"].status.code == 0 and first["ok"].tree.tokens[0] == 93
+    for rid in ("kind", "objectx"):
+        assert first[rid].status.code == invalid and rid in first[rid].status.message
+    assert out[1].results[0].status.code == invalid, out[1].results[0].status
+    assert "starting extend" in out[1].results[0].status.message
+    assert wait_until(lambda: not demo.draft.grammars.tracks and not demo.draft.live)
+
+
+def _draft_step(batch_id: int, requests: list, feats: torch.Tensor) -> draft_pb2.DraftStepRequest:
+    states = split_hidden_states([len(r.token_ids) for r in requests], {"aux_hidden": feats})[0]
+    batch = draft_pb2.ExtendBatch(requests=requests, states=states, propose_after=True)
+    return draft_pb2.DraftStepRequest(batch_id=batch_id, extend=batch)
