@@ -144,7 +144,7 @@ def test_draft_rows_are_keyed_past_the_block(tiny_dir, oracle) -> None:
     after it share the target's block and not the draft's; outputs stay exact."""
     e = engine(tiny_dir, cache_tokens=4096, speculate=True)
     base = SHARED[:16]
-    prompts = [base + [20, 21, 22], base + [30, 31, 32]]  # differ at token 16
+    prompts = [[*base, 20, 21, 22], [*base, 30, 31, 32]]  # differ at token 16
     results = one_by_one(e, prompts)
     for prompt, res in zip(prompts, results, strict=True):
         assert res.token_ids == oracle(tiny_dir / "target", prompt, 12)
