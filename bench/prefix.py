@@ -1,5 +1,5 @@
 """Prefix caching through the cluster: time to the first token and to the 16th of a request
-whose 400-token prefix an earlier request computed, against the same request with the target's
+whose 400-token prefix an earlier request computed, against the same request with the services'
 prefix cache off (the demo pair, EAGLE-3, fp32, greedy).
 
     python -m specmesh.bench.prefix [--out DIR] [--repeats 3] [--requests 6]

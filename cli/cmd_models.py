@@ -12,7 +12,7 @@ from specmesh.protocol.config import DRAFT_KINDS
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("make-tiny", help="write a tiny random target (and draft) checkpoint")
     p.add_argument("out_dir", metavar="OUT_DIR")
-    p.add_argument("--arch", choices=["llama", "qwen2", "qwen3"], default="llama")
+    p.add_argument("--arch", choices=["llama", "qwen2", "qwen3", "deepseek_v3"], default="llama")
     p.add_argument("--draft-kind", choices=DRAFT_KINDS)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(run=run_tiny)
@@ -36,11 +36,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_tiny(args: argparse.Namespace) -> int:
-    from specmesh.runtime.tiny import make_tiny_target
+    from specmesh.runtime.tiny import make_tiny_deepseek, make_tiny_target
     from specmesh.runtime.tiny_drafts import make_tiny_draft
 
     out = Path(args.out_dir)
-    paths = {"target": str(make_tiny_target(out / "target", arch=args.arch, seed=args.seed))}
+    if args.arch == "deepseek_v3":
+        target = make_tiny_deepseek(out / "target", seed=args.seed)
+    else:
+        target = make_tiny_target(out / "target", arch=args.arch, seed=args.seed)
+    paths = {"target": str(target)}
     if args.draft_kind and args.draft_kind != "ngram":
         paths["draft"] = str(
             make_tiny_draft(out / "draft", out / "target", args.draft_kind, seed=args.seed)

@@ -11,6 +11,10 @@ from typing import Any
 import torch
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# Multi-head latent attention + MoE targets (`runtime.models.deepseek`); not a Llama block, so
+# kept apart from the list above, which MTP drafts build their layers from.
+MLA_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
+CAUSAL_LM_ARCHITECTURES = (*SUPPORTED_ARCHITECTURES, *MLA_ARCHITECTURES)
 
 _DTYPES = {
     "float32": torch.float32,
@@ -34,14 +38,28 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     return _DTYPES[name]
 
 
+def require(cfg: dict[str, Any], *keys: str) -> None:
+    for key in keys:
+        if cfg.get(key) is None:
+            raise CheckpointError(f"config.json lacks required field {key!r}")
+
+
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float = 10000.0
-    kind: str = "default"  # "default", "linear" or "llama3"
+    kind: str = "default"  # "default", "linear", "llama3" or "yarn"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    # YaRN (`runtime.models.yarn`): ramp bounds, and the magnitude scales of cos / sin and of
+    # DeepSeek's softmax (``mscale_all_dim``); None where the config leaves them out.
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
 
     @staticmethod
     def from_hf(cfg: dict[str, Any]) -> RopeConfig:
@@ -51,8 +69,15 @@ class RopeConfig:
         params.update(cfg.get("rope_parameters") or {})
         theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
         kind = params.get("rope_type", params.get("type", "default")) or "default"
-        if kind not in ("default", "linear", "llama3"):
+        if kind not in ("default", "linear", "llama3", "yarn"):
             raise CheckpointError(f"unsupported rope scaling type {kind!r}")
+        if kind == "yarn":  # transformers' defaults: the context the factor stretches to
+            max_position = cfg.get("max_position_embeddings", 8192)
+            params.setdefault("original_max_position_embeddings", max_position)
+            if params.get("factor") is None:
+                params["factor"] = max_position / params["original_max_position_embeddings"]
+        optional = {k: None if params.get(k) is None else float(params[k])
+                    for k in ("mscale", "mscale_all_dim", "attention_factor")}  # fmt: skip
         return RopeConfig(
             theta=theta,
             kind=kind,
@@ -60,7 +85,83 @@ class RopeConfig:
             low_freq_factor=float(params.get("low_freq_factor", 1.0)),
             high_freq_factor=float(params.get("high_freq_factor", 4.0)),
             original_max_position=int(params.get("original_max_position_embeddings", 8192)),
+            beta_fast=float(params.get("beta_fast") or 32.0),
+            beta_slow=float(params.get("beta_slow") or 1.0),
+            truncate=bool(params.get("truncate", True)),
+            **optional,
         )
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): queries through a LoRA (``q_lora_rank``, or
+    one ``q_proj`` when None), keys and values from one latent of ``kv_lora_rank`` per token plus
+    a shared rope key of ``qk_rope_head_dim`` (`runtime.models.mla`)."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool  # the checkpoint's rope dims come in (even, odd) pairs
+    attention_bias: bool
+
+    @staticmethod
+    def from_hf(cfg: dict[str, Any]) -> MLAConfig:
+        require(cfg, "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        q_lora = cfg.get("q_lora_rank")
+        return MLAConfig(
+            q_lora_rank=None if q_lora is None else int(q_lora),
+            kv_lora_rank=int(cfg["kv_lora_rank"]),
+            qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
+            qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
+            v_head_dim=int(cfg["v_head_dim"]),
+            rope_interleave=bool(cfg.get("rope_interleave", True)),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+        )
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """DeepSeek-V3 mixture of experts (`runtime.models.moe`): layers from
+    ``first_k_dense_replace`` on route each token to ``num_experts_per_tok`` of
+    ``n_routed_experts`` (sigmoid scores, noaux_tc grouped top-k) beside shared experts."""
+
+    n_routed_experts: int
+    num_experts_per_tok: int
+    n_group: int
+    topk_group: int
+    n_shared_experts: int
+    moe_intermediate_size: int
+    routed_scaling_factor: float
+    norm_topk_prob: bool
+    first_k_dense_replace: int
+
+    @staticmethod
+    def from_hf(cfg: dict[str, Any]) -> MoEConfig:
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise CheckpointError(f"unsupported hidden_act {cfg['hidden_act']!r}; expected silu")
+        for key, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+            if cfg.get(key, want) != want:
+                raise CheckpointError(f"unsupported {key} {cfg[key]!r}; expected {want!r}")
+        require(cfg, "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
+        moe = MoEConfig(
+            n_routed_experts=int(cfg["n_routed_experts"]),
+            num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+            n_group=int(cfg.get("n_group") or 1),
+            topk_group=int(cfg.get("topk_group") or 1),
+            n_shared_experts=int(cfg.get("n_shared_experts") or 0),
+            moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+            routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+            first_k_dense_replace=int(cfg.get("first_k_dense_replace") or 0),
+        )
+        if moe.n_routed_experts % moe.n_group or moe.topk_group > moe.n_group:
+            raise CheckpointError(
+                f"{moe.n_routed_experts} experts in {moe.n_group} groups, top {moe.topk_group} "
+                "groups: the groups must split the experts evenly and number at least topk_group"
+            )
+        return moe
 
 
 @dataclass(frozen=True)
@@ -71,6 +172,8 @@ class ModelConfig:
     intermediate_size: int
     num_layers: int
     num_heads: int
+    # What one layer's KV cache holds per token: num_kv_heads x head_dim. With MLA that is one
+    # "head" of kv_lora_rank + qk_rope_head_dim (the latent and the rope key; see `mla`).
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
@@ -82,24 +185,35 @@ class ModelConfig:
     dtype: torch.dtype
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    mla: MLAConfig | None = None  # DeepSeek-V3: multi-head latent attention
+    moe: MoEConfig | None = None  # DeepSeek-V3: mixture of experts
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def rope_dim(self) -> int:
+        """Width RoPE rotates: the whole head, or MLA's decoupled rope part."""
+        return self.head_dim if self.mla is None else self.mla.qk_rope_head_dim
+
+    @property
+    def kv_latent_dim(self) -> int | None:
+        """MLA: V is the first ``kv_lora_rank`` columns of the cached K (the latent); else None."""
+        return None if self.mla is None else self.mla.kv_lora_rank
 
     @staticmethod
     def from_dict(
-        cfg: dict[str, Any], *, architectures: tuple[str, ...] = SUPPORTED_ARCHITECTURES
+        cfg: dict[str, Any], *, architectures: tuple[str, ...] = CAUSAL_LM_ARCHITECTURES
     ) -> ModelConfig:
         arch = (cfg.get("architectures") or ["<missing>"])[0]
         if arch not in architectures:
             raise CheckpointError(
                 f"unsupported architecture {arch!r}; supported: {', '.join(architectures)}"
             )
-        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"):
-            if key not in cfg:
-                raise CheckpointError(f"config.json lacks required field {key!r}")
+        require(cfg, "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        mla = MLAConfig.from_hf(cfg) if arch in MLA_ARCHITECTURES else None
         return ModelConfig(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
@@ -107,8 +221,12 @@ class ModelConfig:
             intermediate_size=int(cfg["intermediate_size"]),
             num_layers=int(cfg["num_hidden_layers"]),
             num_heads=num_heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
-            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+            num_kv_heads=1 if mla else int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=(
+                mla.kv_lora_rank + mla.qk_rope_head_dim
+                if mla
+                else int(cfg.get("head_dim") or hidden // num_heads)
+            ),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope=RopeConfig.from_hf(cfg),
             max_position=int(cfg.get("max_position_embeddings", 4096)),
@@ -118,6 +236,8 @@ class ModelConfig:
             dtype=parse_dtype(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
+            mla=mla,
+            moe=MoEConfig.from_hf(cfg) if mla else None,
             extra=cfg,
         )
 

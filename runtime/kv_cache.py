@@ -26,6 +26,18 @@ from specmesh.protocol.errors import DuplicateRequestError, KVCacheFullError, Un
 from specmesh.runtime.models.layers import KVPair
 
 
+def _pools(
+    shape: tuple[int, int, int],
+    dtype: torch.dtype,
+    device: str | torch.device,
+    latent_dim: int | None,
+) -> KVPair:
+    k = torch.zeros(shape, dtype=dtype, device=device)
+    if latent_dim is not None:
+        return KVPair(k, k[..., :latent_dim])  # [slots, 1, latent_dim], K's latent columns
+    return KVPair(k, torch.zeros(shape, dtype=dtype, device=device))
+
+
 @dataclass
 class RequestSlots:
     row: int
@@ -46,17 +58,15 @@ class KVCache:
         page_size: int = 1,
         max_requests: int = 256,
         max_context: int = 4096,
+        latent_dim: int | None = None,
     ) -> None:
+        """``latent_dim`` (multi-head latent attention, `runtime.models.mla`): each layer stores
+        one pool, K ``[slots, 1, head_dim]`` = [latent c_kv | rope key] per token, and V is a view
+        of K's first ``latent_dim`` columns (the latent itself), so nothing is stored twice."""
         if num_slots % page_size:
             raise ValueError(f"num_slots {num_slots} is not a multiple of page_size {page_size}")
         shape = (num_slots + 1, num_kv_heads, head_dim)  # + scratch_slot
-        self.pools = [
-            KVPair(
-                torch.zeros(shape, dtype=dtype, device=device),
-                torch.zeros(shape, dtype=dtype, device=device),
-            )
-            for _ in range(num_layers)
-        ]
+        self.pools = [_pools(shape, dtype, device, latent_dim) for _ in range(num_layers)]
         self.page_size, self.max_context = page_size, max_context
         self.num_slots = self.scratch_slot = num_slots
         self.req_to_slot = torch.zeros(max_requests, max_context, dtype=torch.int64, device=device)

@@ -103,6 +103,11 @@ def check_tensor_parallel(cfg: ModelConfig, world_size: int) -> None:
     n = world_size
     if n < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {n}")
+    if cfg.mla is not None and n > 1:
+        raise ValueError(
+            f"{cfg.architecture} targets run with tensor_parallel_size 1 for now (multi-head "
+            f"latent attention and experts are not sharded yet), got {n}"
+        )
     if cfg.num_heads % n:
         raise ValueError(
             f"tensor_parallel_size {n} does not divide the {cfg.num_heads} attention heads"

@@ -96,6 +96,67 @@ def make_tiny_target(
     return out
 
 
+TINY_DEEPSEEK_DIMS = {
+    "vocab_size": 320,  # the tokenizer's 256 bytes + 3 specials + merges
+    "hidden_size": 64,
+    "intermediate_size": 96,  # the dense layers'
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 4,
+    "first_k_dense_replace": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_group": 2,
+    "topk_group": 1,
+    "n_shared_experts": 1,
+    "q_lora_rank": 32,
+    "kv_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 16,
+    "max_position_embeddings": 1024,
+    # YaRN as DeepSeek-V3 configures it (mscale = mscale_all_dim: cos / sin unscaled, softmax
+    # scaled by mscale(4, 1) ** 2), stretching 256 trained positions to 1024.
+    "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                        "original_max_position_embeddings": 256, "beta_fast": 32,
+                        "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+}  # fmt: skip
+
+
+def make_tiny_deepseek(
+    out_dir: str | Path,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    initializer_range: float = 0.3,
+    **overrides: object,
+) -> Path:
+    """Write a random ``DeepseekV3ForCausalLM`` (multi-head latent attention, MoE with a shared
+    expert and grouped routing after one dense layer) with the tiny tokenizer. The routing bias
+    ``e_score_correction_bias`` is drawn at random too (transformers initializes it to zero),
+    so a test sees it steer the choice of experts."""
+    import transformers
+
+    dims = {**TINY_DEEPSEEK_DIMS, **overrides}
+    tokenizer = build_tokenizer(int(dims["vocab_size"]))  # type: ignore[call-overload]
+    config = transformers.DeepseekV3Config(
+        **dims,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        initializer_range=initializer_range,
+    )
+    torch.manual_seed(seed)
+    model = transformers.DeepseekV3ForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers[config.first_k_dense_replace :]:
+            layer.mlp.gate.e_score_correction_bias.uniform_(-0.5, 0.5)
+    model.to(dtype).save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    return Path(out_dir)
+
+
 def make_tiny_eagle3(
     out_dir: str | Path,
     target_dir: str | Path,

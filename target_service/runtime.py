@@ -91,9 +91,12 @@ class TargetRuntime:
             page_size=cfg.page_size,
             max_requests=cfg.max_requests,
             max_context=cfg.max_context,
+            latent_dim=mc.kv_latent_dim,  # MLA: V is K's latent columns
         )
         self.prefixes = TargetPrefixes(self.cache, cfg.prefix_block_size, cfg.prefix_cache_tokens)
-        self.backend = make_backend(cfg.attention_backend, cfg.device, mc.head_dim, mc.dtype)
+        self.backend = make_backend(
+            cfg.attention_backend, cfg.device, mc.head_dim, mc.dtype, latent=mc.mla is not None
+        )
         self.kernel_impl = kernel_impl(cfg.attention_backend)
         self.graphs = self._capture_graphs()
         self.requests: dict[str, TargetRequest] = {}

@@ -124,6 +124,14 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_deepseek_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny DeepSeek-V3 target (`runtime.tiny.make_tiny_deepseek`): MLA, YaRN, MoE."""
+    from specmesh.runtime.tiny import make_tiny_deepseek
+
+    return make_tiny_deepseek(tmp_path_factory.mktemp("deepseek") / "target")
+
+
+@pytest.fixture(scope="session")
 def synthetic_pair(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """The benchmark's Llama-3.1-8B-shaped pair (`bench.synthetic`, forced acceptance) at small
     widths: (target, draft)."""

@@ -64,9 +64,9 @@ class AttentionBackend:
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         k_pool: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
-        v_pool: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
+        v_pool: torch.Tensor,  # [num_slots, num_kv_heads, v_head_dim]
         scale: float,
-    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    ) -> torch.Tensor:  # [num_tokens, num_heads, v_head_dim]; v_head_dim = head_dim but in MLA
         raise NotImplementedError
 
     def init_capture(self, max_bs: int, max_num_tokens: int) -> None:

@@ -104,9 +104,10 @@ class TorchBackend(AttentionBackend):
             q_pad[self.q_valid] = q
             q_heads = q_pad.transpose(1, 2)  # [bs, heads, max_q, head_dim]
         flat = self.kv_slots.flatten()
-        shape = (*self.kv_slots.shape, *k_pool.shape[1:])
-        keys = k_pool.index_select(0, flat).view(shape)  # [bs, max_kv, kv_heads, dim]
-        values = v_pool.index_select(0, flat).view(shape)
+        keys = k_pool.index_select(0, flat).view(*self.kv_slots.shape, *k_pool.shape[1:])
+        # [bs, max_kv, kv_heads, dim]; V may be narrower than K (MLA: V is K's latent columns)
+        values = v_pool.index_select(0, flat).view(*self.kv_slots.shape, *v_pool.shape[1:])
+        v_dim = values.shape[-1]
         if keys.dtype != q.dtype:
             keys, values = keys.to(q.dtype), values.to(q.dtype)
         out = F.scaled_dot_product_attention(
@@ -116,11 +117,11 @@ class TorchBackend(AttentionBackend):
             attn_mask=self.mask,
             scale=scale,
             enable_gqa=num_heads != keys.shape[2],  # grouped-query heads without copying K/V
-        )  # [bs, heads, max_q, head_dim]
+        )  # [bs, heads, max_q, v_dim]
         if max_q == 1:
-            return out.reshape(bs, num_heads, head_dim)
-        out = out.transpose(1, 2)  # [bs, max_q, heads, head_dim]
-        return out.reshape(-1, num_heads, head_dim) if self.q_valid is None else out[self.q_valid]
+            return out.reshape(bs, num_heads, v_dim)
+        out = out.transpose(1, 2)  # [bs, max_q, heads, v_dim]
+        return out.reshape(-1, num_heads, v_dim) if self.q_valid is None else out[self.q_valid]
 
 
 def make_backend(
@@ -128,12 +129,21 @@ def make_backend(
     device: str | torch.device | None = None,
     head_dim: int | None = None,
     dtype: torch.dtype | None = None,
+    *,
+    latent: bool = False,
 ) -> AttentionBackend:
     """Backends by name; GPU-only ones are imported here, lazily, so CPU never touches them.
     With ``device`` (and the model's ``head_dim`` / ``dtype``), a backend that cannot run the
     model there is refused now, at startup, not at the first request: compiled Triton kernels
     need a CUDA device (on CPU only under ``TRITON_INTERPRET=1``, the interpreter the tests
-    use); FlashInfer needs CUDA, fp16 / bf16 and a head_dim its kernels are built for."""
+    use); FlashInfer needs CUDA, fp16 / bf16 and a head_dim its kernels are built for.
+    ``latent``: the model is multi-head latent attention (V inside K), which only ``torch`` runs
+    for now."""
+    if latent and name != "torch":
+        raise ValueError(
+            f"the {name} attention backend has no multi-head latent attention (DeepSeek-V3 MLA) "
+            "kernel yet: use --attention-backend torch for this model"
+        )
     if device is not None:
         check_backend_device(name, torch.device(device))
     if name == "flashinfer" and head_dim is not None and dtype is not None:

@@ -1,5 +1,6 @@
-"""Llama-family decoder-only LM: Llama (incl. llama3 / linear RoPE scaling), Qwen2 (qkv bias),
-Qwen3 (q/k RMSNorm). One class: the three differ only by flags in `ModelConfig`.
+"""Llama-family decoder-only LM: Llama (incl. llama3 / linear / YaRN RoPE scaling), Qwen2 (qkv
+bias), Qwen3 (q/k RMSNorm). One class: the three differ only by flags in `ModelConfig`. Other
+blocks subclass it and override `decoder_layer` (DeepSeek-V3: `runtime.models.deepseek`).
 
 With a `TensorParallel` of world size N > 1 the model is one rank's shard (`runtime.parallel`):
 every rank runs the same forward on its shard and the all-reduces keep the residual stream
@@ -48,17 +49,14 @@ class ModelOutput:
 
 
 class _Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, layers: list[nn.Module]) -> None:
         super().__init__()
-        shape = attention_shape(cfg)
         self.embed_tokens = (
             VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
             if tp.enabled
             else nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         )
-        self.layers = nn.ModuleList(
-            DecoderLayer(shape, cfg.intermediate_size, tp=tp) for _ in range(cfg.num_layers)
-        )
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -68,14 +66,23 @@ class CausalLM(nn.Module):
     ) -> None:
         super().__init__()
         self.config, self.tp = cfg, tp
-        self.model = _Backbone(cfg, tp)
-        self.rotary = Rotary(cfg.rope, cfg.head_dim)
+        self.model = _Backbone(cfg, tp, [self.decoder_layer(i) for i in range(cfg.num_layers)])
+        self.rotary = Rotary(cfg.rope, cfg.rope_dim)
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
             head_rows = vocab_range(cfg.vocab_size, tp)[1]
             self.lm_head = nn.Linear(cfg.hidden_size, head_rows, bias=False)
         self.set_aux_layers(aux)
+
+    def decoder_layer(self, index: int) -> nn.Module:
+        """Layer ``index`` of the stack, called as ``layer(h, positions, rotary, kv, backend)``."""
+        return DecoderLayer(attention_shape(self.config), self.config.intermediate_size, tp=self.tp)
+
+    def reset_fp32_buffers(self, device: str | torch.device) -> None:
+        """Rebuild what stays fp32 whatever the model's dtype (after ``to_empty`` / ``to``):
+        the rotary frequencies."""
+        self.rotary.inv_freq = Rotary(self.config.rope, self.config.rope_dim).inv_freq.to(device)
 
     @property
     def num_local_kv_heads(self) -> int:
@@ -135,9 +142,9 @@ def load_causal_lm(
     if dtype is not None:
         cfg = replace(cfg, dtype=dtype)
     with torch.device("meta"):
-        model = CausalLM(cfg, tp=tp)
+        model = causal_lm_class(cfg)(cfg, tp=tp)
     model = model.to_empty(device=device).to(cfg.dtype)
-    model.rotary.inv_freq = Rotary(cfg.rope, cfg.head_dim).inv_freq.to(device)
+    model.reset_fp32_buffers(device)
     if tp.enabled:
         tensors = load_shard_tensors(model_dir, model.state_dict(), cfg, tp)
     else:
@@ -148,3 +155,12 @@ def load_causal_lm(
         raise CheckpointError(f"{model_dir}: untied checkpoint is missing tensor 'lm_head.weight'")
     assign_parameters(model, tensors, what=str(model_dir))
     return model.requires_grad_(False).eval()
+
+
+def causal_lm_class(cfg: ModelConfig) -> type[CausalLM]:
+    """The model class of ``cfg``'s architecture."""
+    if cfg.mla is None:
+        return CausalLM
+    from specmesh.runtime.models.deepseek import DeepseekV3CausalLM  # imports this module
+
+    return DeepseekV3CausalLM

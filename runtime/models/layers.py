@@ -16,6 +16,7 @@ from torch import nn
 
 from specmesh.runtime.attention.base import AttentionBackend, store_kv
 from specmesh.runtime.config import ModelConfig, RopeConfig
+from specmesh.runtime.models.yarn import rope_attention_factor, yarn_inv_freq
 from specmesh.runtime.parallel import SINGLE, TensorParallel, kv_head_range, vocab_range
 
 
@@ -40,6 +41,8 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    if rope.kind == "yarn":
+        return yarn_inv_freq(rope, head_dim)
     inv_freq = 1.0 / (
         rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
     )
@@ -71,6 +74,7 @@ class Rotary(nn.Module):
     def __init__(self, rope: RopeConfig, head_dim: int) -> None:
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(rope, head_dim), persistent=False)
+        self.attention_factor = rope_attention_factor(rope)  # scales cos and sin (YaRN)
         self._cached: tuple[object, ...] = ()  # (positions, inv_freq, dtype, cos, signed_sin)
 
     def forward(
@@ -90,7 +94,10 @@ class Rotary(nn.Module):
             return c[3], c[4]  # type: ignore[return-value]
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [num_tokens, head_dim / 2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [num_tokens, 1, head_dim]
-        cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        cos, sin = cos.to(dtype), sin.to(dtype)
         half = sin.shape[-1] // 2
         signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
         self._cached = (positions, self.inv_freq, dtype, cos, signed_sin)

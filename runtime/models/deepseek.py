@@ -1,0 +1,72 @@
+"""DeepSeek-V3-class targets (``DeepseekV3ForCausalLM``): the Llama stack's interface (positions,
+KV pools, backend, ids or embeddings in; `ModelOutput` with EAGLE-3 aux captures out, all from
+`CausalLM`), with each layer's attention multi-head latent attention (`mla`) over a latent
+cache and its MLP dense for the first ``first_k_dense_replace`` layers, a mixture of experts
+(`moe`) after.
+
+Not here yet: tensor parallelism (refused), the Triton / FlashInfer MLA kernels (the torch
+backend runs it), the checkpoint's NextN (MTP) layers as a draft (they are not loaded).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specmesh.protocol.features import AuxLayers
+from specmesh.runtime.attention.base import AttentionBackend
+from specmesh.runtime.config import ModelConfig
+from specmesh.runtime.models.causal_lm import CausalLM
+from specmesh.runtime.models.layers import MLP, KVPair, RMSNorm, Rotary
+from specmesh.runtime.models.mla import MLAttention
+from specmesh.runtime.models.moe import MoE, MoEGate
+from specmesh.runtime.parallel import SINGLE, TensorParallel
+
+
+class DeepseekDecoderLayer(nn.Module):
+    """Pre-norm block: MLA, then a dense SwiGLU MLP or the MoE."""
+
+    def __init__(self, cfg: ModelConfig, index: int) -> None:
+        super().__init__()
+        moe, h = cfg.moe, cfg.hidden_size
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.self_attn = MLAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        dense = moe is None or index < moe.first_k_dense_replace
+        self.mlp = MLP(h, cfg.intermediate_size) if dense else MoE(h, moe)
+
+    def forward(
+        self,
+        h: torch.Tensor,  # [num_tokens, hidden]
+        positions: torch.Tensor,
+        rotary: Rotary,
+        kv: KVPair,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), positions, rotary, kv, backend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DeepseekV3CausalLM(CausalLM):
+    def __init__(
+        self, cfg: ModelConfig, aux: AuxLayers | None = None, tp: TensorParallel = SINGLE
+    ) -> None:
+        if tp.enabled:
+            raise ValueError(
+                f"{cfg.architecture} targets run with tensor_parallel_size 1 for now (multi-head "
+                "latent attention and experts are not sharded yet)"
+            )
+        if cfg.mla is None:
+            raise ValueError(f"{cfg.architecture}: the config has no multi-head latent attention")
+        super().__init__(cfg, aux, tp)
+
+    def decoder_layer(self, index: int) -> nn.Module:
+        return DeepseekDecoderLayer(self.config, index)
+
+    def reset_fp32_buffers(self, device: str | torch.device) -> None:
+        """The rotary frequencies, and the routing bias (fp32 in transformers too, whatever the
+        model's dtype: it decides which experts run)."""
+        super().reset_fp32_buffers(device)
+        for gate in self.modules():
+            if isinstance(gate, MoEGate):
+                gate.e_score_correction_bias = gate.e_score_correction_bias.float()
