@@ -20,10 +20,7 @@ from specmesh.target_service.runtime import TargetRuntime
 READY_TIMEOUT_S = 600.0
 # (children, kind, flags) -> address: starts one service and appends its `Child` to children
 Spawn = Callable[[list, str, list[str]], str]
-TARGET_ONLY = (
-    "tensor_parallel_size",
-    "prefix_cache_tokens",
-)  # runtime settings the draft does not take
+TARGET_ONLY = ("tensor_parallel_size",)  # runtime settings the draft does not take
 
 
 def draft_runtime(runtime: dict[str, Any]) -> dict[str, Any]:
