@@ -7,6 +7,7 @@ fails with a clear error, and the router stays TLS-only and key-protected."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -56,6 +57,7 @@ def test_up_over_tls_with_an_api_key(tmp_path: Path, tiny_dir: Path, oracle) -> 
         stdout=subprocess.PIPE,
         stderr=open(tmp_path / "up.log", "w"),  # noqa: SIM115
         text=True,
+        start_new_session=True,  # its services share its process group: a failure kills them all
     )
     try:
         line = up.stdout.readline()  # blocks until ready (or until `up` dies)
@@ -93,6 +95,6 @@ def test_up_over_tls_with_an_api_key(tmp_path: Path, tiny_dir: Path, oracle) -> 
         up.send_signal(signal.SIGINT)
         assert up.wait(60) == 0
     finally:
-        if up.poll() is None:
-            up.kill()
+        with contextlib.suppress(ProcessLookupError):  # `up` and whatever it left running
+            os.killpg(up.pid, signal.SIGKILL)
         up.wait()

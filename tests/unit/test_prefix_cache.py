@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import assert_speculated
 
+from specmesh.kernels.testing import cpu_triton
 from specmesh.protocol.config import SpecParams, TargetConfig
 from specmesh.protocol.features import Feature
 from specmesh.protocol.sampling import SamplingParams
@@ -24,6 +25,7 @@ GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
 def engine(
     tiny_dir, *, cache_tokens: int, speculate: bool, draft_cache: int = 4096, **target
 ) -> Engine:
+    """The tiny target (and its EAGLE-3 draft) with blocks of 8 tokens."""
     draft = {
         "draft_model": tiny_dir / "draft",
         "draft_kind": "eagle3",
@@ -38,9 +40,16 @@ def one_by_one(e: Engine, prompts: list[list[int]], params=GREEDY) -> list:
     return [e.generate([p], params)[0] for p in prompts]
 
 
-@pytest.mark.parametrize("speculate", [False, True], ids=["plain", "eagle3"])
-def test_shared_prefix_is_reused_and_output_unchanged(tiny_dir, oracle, speculate) -> None:
-    e = engine(tiny_dir, cache_tokens=4096, speculate=speculate)
+TRITON = cpu_triton()  # Triton on CPU tensors: the interpreter (conftest turns it on)
+
+
+@pytest.mark.parametrize(
+    "speculate,backend",
+    [(False, "torch"), (True, "torch"), pytest.param(True, "triton", marks=TRITON.marks)],
+    ids=["plain", "eagle3", "eagle3-triton"],
+)
+def test_shared_prefix_is_reused_and_output_unchanged(tiny_dir, oracle, speculate, backend) -> None:
+    e = engine(tiny_dir, cache_tokens=4096, speculate=speculate, attention_backend=backend)
     results = one_by_one(e, PROMPTS)
     for prompt, res in zip(PROMPTS, results, strict=True):
         assert res.token_ids == oracle(tiny_dir / "target", prompt, 12)

@@ -151,3 +151,20 @@ def test_more_ranks_than_devices_and_a_launcher_world_are_refused(
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(ValueError, match="WORLD_SIZE=4"):
         TargetRuntime(TargetConfig(str(tiny_dir / "target"), tensor_parallel_size=2))
+
+
+def test_sharded_target_reuses_a_cached_prefix(pair) -> None:
+    """Prefix caching under tensor parallelism: the slot tables are rank 0's, the cached pages
+    every rank's own heads; a prompt sharing two blocks with an earlier one decodes exactly."""
+    rt = pair[1]
+    shared = [(5 * i + 3) % 300 + 4 for i in range(33)]
+    before = rt.prefixes.blocks.num_hit
+    for tail in ([9], [11, 12]):
+        prompt = shared + tail
+        out = rt.prefill([PrefillInput("c", prompt, SamplingParams(max_new_tokens=4))])
+        tokens = list(out.tokens["c"])
+        while len(tokens) < 4:
+            tokens += rt.decode(["c"]).tokens["c"]
+        rt.release("c")
+        assert tokens == hf_greedy(rt.cfg.model_dir, prompt, 4)
+    assert rt.prefixes.blocks.num_hit - before == 32
