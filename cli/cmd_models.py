@@ -40,12 +40,15 @@ def run_tiny(args: argparse.Namespace) -> int:
     from specmesh.runtime.tiny_drafts import make_tiny_draft
 
     out = Path(args.out_dir)
-    if args.arch == "deepseek_v3":
-        target = make_tiny_deepseek(out / "target", seed=args.seed)
+    own_nextn = args.arch == "deepseek_v3" and args.draft_kind == "mtp"
+    if args.arch == "deepseek_v3":  # with a NextN layer when it is the MTP draft
+        target = make_tiny_deepseek(out / "target", seed=args.seed, nextn=own_nextn)
     else:
         target = make_tiny_target(out / "target", arch=args.arch, seed=args.seed)
     paths = {"target": str(target)}
-    if args.draft_kind and args.draft_kind != "ngram":
+    if own_nextn:
+        paths["draft"] = str(target)  # --draft-model is the DeepSeek checkpoint itself
+    elif args.draft_kind and args.draft_kind != "ngram":
         paths["draft"] = str(
             make_tiny_draft(out / "draft", out / "target", args.draft_kind, seed=args.seed)
         )

@@ -25,8 +25,14 @@ def target_embedding(cfg: DraftConfig, target_model: torch.nn.Module | None) -> 
 
 
 def make_cache(
-    cfg: DraftConfig, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    cfg: DraftConfig,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    latent_dim: int | None = None,
 ) -> KVCache:
+    """The draft's own KV cache; ``latent_dim``: multi-head latent attention pools (V inside K)."""
     return KVCache(
         num_layers=num_layers,
         num_slots=cfg.num_kv_slots,
@@ -36,6 +42,7 @@ def make_cache(
         device=cfg.device,
         max_requests=cfg.max_requests,
         max_context=cfg.max_context,
+        latent_dim=latent_dim,
     )
 
 
@@ -81,6 +88,9 @@ def build_eagle(cfg: DraftConfig, target_model: torch.nn.Module | None) -> TreeD
 
 
 def build_mtp(cfg: DraftConfig, target_model: torch.nn.Module | None) -> TreeDrafter:
+    """Multi-layer EAGLE / MTP layers, one KV pool each. A DeepSeek-V3 checkpoint (``--draft-model``
+    = the target's own directory) gives its NextN layers: MLA blocks over latent pools, so the
+    backend must run latent attention (torch for now)."""
     from specmesh.draft_service.models.mtp import load_mtp
     from specmesh.draft_service.mtp_drafter import MTPDrafter
 
@@ -88,13 +98,11 @@ def build_mtp(cfg: DraftConfig, target_model: torch.nn.Module | None) -> TreeDra
     net = load_mtp(cfg.draft_dir, target_shared_head(cfg, target_model), dtype=dtype)
     b = net.config.base
     num_pools = MTPDrafter.num_active_layers(net.config.num_layers, cfg.spec)
-    cache = make_cache(cfg, num_pools, b.num_kv_heads, b.head_dim, b.dtype)
-    return MTPDrafter(
-        net.to(cfg.device),
-        cache,
-        make_backend(cfg.attention_backend, cfg.device, b.head_dim, b.dtype),
-        cfg.spec,
+    cache = make_cache(cfg, num_pools, b.num_kv_heads, b.head_dim, b.dtype, b.kv_latent_dim)
+    backend = make_backend(
+        cfg.attention_backend, cfg.device, b.head_dim, b.dtype, latent=b.mla is not None
     )
+    return MTPDrafter(net.to(cfg.device), cache, backend, cfg.spec)
 
 
 def build_standalone(cfg: DraftConfig, target_model: torch.nn.Module | None) -> TreeDrafter:

@@ -130,12 +130,18 @@ def make_tiny_deepseek(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     initializer_range: float = 0.3,
+    nextn: bool = False,
+    nextn_copies_layer: int | None = None,
     **overrides: object,
 ) -> Path:
     """Write a random ``DeepseekV3ForCausalLM`` (multi-head latent attention, MoE with a shared
     expert and grouped routing after one dense layer) with the tiny tokenizer. The routing bias
     ``e_score_correction_bias`` is drawn at random too (transformers initializes it to zero),
-    so a test sees it steer the choice of experts."""
+    so a test sees it steer the choice of experts.
+
+    ``nextn``: also write a random NextN (MTP) layer ``model.layers.{num_hidden_layers}.*``;
+    ``nextn_copies_layer``: one that copies that layer's block and predicts well
+    (`runtime.tiny_nextn.add_nextn_layer`)."""
     import transformers
 
     dims = {**TINY_DEEPSEEK_DIMS, **overrides}
@@ -154,6 +160,12 @@ def make_tiny_deepseek(
             layer.mlp.gate.e_score_correction_bias.uniform_(-0.5, 0.5)
     model.to(dtype).save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
+    if nextn or nextn_copies_layer is not None:
+        from specmesh.runtime.tiny_nextn import add_nextn_layer
+
+        add_nextn_layer(
+            out_dir, seed=seed + 1, std=initializer_range, copy_layer=nextn_copies_layer
+        )
     return Path(out_dir)
 
 

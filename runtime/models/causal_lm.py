@@ -147,8 +147,8 @@ def load_causal_lm(
     model.reset_fp32_buffers(device)
     if tp.enabled:
         tensors = load_shard_tensors(model_dir, model.state_dict(), cfg, tp)
-    else:
-        tensors = load_tensors(model_dir)
+    else:  # the model's own tensors only: e.g. not DeepSeek's NextN layers past the stack
+        tensors = load_tensors(model_dir, model.state_dict())
     if cfg.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     elif "lm_head.weight" not in tensors:

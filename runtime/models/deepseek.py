@@ -4,8 +4,12 @@ KV pools, backend, ids or embeddings in; `ModelOutput` with EAGLE-3 aux captures
 cache and its MLP dense for the first ``first_k_dense_replace`` layers, a mixture of experts
 (`moe`) after.
 
+The checkpoint's NextN (MTP) layers (``model.layers.{num_hidden_layers}...``) are not part of
+the target (its loader reads only the stack's tensors): the ``mtp`` draft kind builds them from
+`DeepseekDecoderLayer` (`specmesh.draft_service.models.mtp`).
+
 Not here yet: tensor parallelism (refused), the Triton / FlashInfer MLA kernels (the torch
-backend runs it), the checkpoint's NextN (MTP) layers as a draft (they are not loaded).
+backend runs it).
 """
 
 from __future__ import annotations
@@ -67,6 +71,11 @@ class DeepseekV3CausalLM(CausalLM):
         """The rotary frequencies, and the routing bias (fp32 in transformers too, whatever the
         model's dtype: it decides which experts run)."""
         super().reset_fp32_buffers(device)
-        for gate in self.modules():
-            if isinstance(gate, MoEGate):
-                gate.e_score_correction_bias = gate.e_score_correction_bias.float()
+        routing_bias_to_fp32(self)
+
+
+def routing_bias_to_fp32(module: nn.Module) -> None:
+    """Every MoE gate's ``e_score_correction_bias`` back to fp32 after a cast of ``module``."""
+    for gate in module.modules():
+        if isinstance(gate, MoEGate):
+            gate.e_score_correction_bias = gate.e_score_correction_bias.float()
