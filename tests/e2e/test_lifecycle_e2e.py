@@ -145,6 +145,35 @@ def test_router_sigkill_frees_its_requests(cluster: Services, expected) -> None:
     assert_clean_and_exact(cluster, expected, request_ids=ids)
 
 
+def test_router_sigkill_with_cached_prefixes(cluster: Services, tiny_dir: Path, oracle) -> None:
+    """Requests running on cached prefix blocks when their router is killed: their references
+    go with their streams, the cache stays (it belongs to the service) and serves the next
+    router's request exactly."""
+    shared = [(7 * i + 3) % 200 + 4 for i in range(40)]
+    prompts = [[*shared, 50 + i] for i in range(6)]
+    router = cluster.address("router")
+    want = lambda p: oracle(tiny_dir / "target", p, MAX_NEW)
+    warm = Streams(router, prompts[:1], MAX_NEW)  # fills the cache with the shared blocks
+    warm.join()
+    assert warm.outputs[0] == want(prompts[0])
+    streams = Streams(router, prompts[1:], MAX_NEW)
+    streams.wait_started()
+    cluster.kill("router")
+    streams.join()
+    assert any(e is not None for e in streams.errors), "the kill landed after every request"
+    cluster.wait_empty(*MODEL_SERVICES)
+    assert cluster.occupancy("target0").prefix_cached_tokens >= 32
+    cluster.restart("router")
+    cluster.wait_ready("router")
+    with GenerationClient(cluster.address("router")) as client:
+        ids, last = [], None
+        for response in client.generate(prompt_token_ids=prompts[-1], sampling=GREEDY):
+            ids += response.token_ids
+            last = response
+    assert ids == want(prompts[-1]) and last.stats.cached_tokens == 32
+    cluster.wait_empty(*MODEL_SERVICES)
+
+
 def test_frozen_draft_past_its_timeout_changes_nothing(cluster: Services, expected) -> None:
     n = 8
     streams = Streams(cluster.address("router"), PROMPTS[:n], MAX_NEW)
