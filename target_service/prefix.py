@@ -17,7 +17,7 @@ the prompt is inserted only when it ran in one piece).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -28,10 +28,21 @@ from specmesh.runtime.kv_cache import KVCache
 from specmesh.runtime.prefix_cache import Match, PrefixCache
 
 
+@dataclass
+class _Committed:
+    """A running request's committed tokens and their feature rows (of kind ``key``), so that
+    its whole sequence, answer included, joins the cache when it is released."""
+
+    ids: list[int]
+    rows: list[torch.Tensor] | None
+    key: str | None
+
+
 class TargetPrefixes:
     def __init__(self, cache: KVCache, block_size: int, max_tokens: int) -> None:
         self.blocks = PrefixCache(cache, block_size, max_tokens) if max_tokens > 0 else None
         self.matched: dict[str, Match] = {}  # requests whose row starts with cached pages
+        self.committed: dict[str, _Committed] = {}
 
     @staticmethod
     def cacheable(inp: PrefillInput) -> bool:
@@ -94,6 +105,19 @@ class TargetPrefixes:
         one_shot = not inp.input_start and not inp.more_input
         if self.blocks is not None and one_shot and self.cacheable(inp):
             self.blocks.insert(inp.rid, inp.input_ids, key, rows)
+            kept = None if rows is None else [rows.clone()]
+            self.committed[inp.rid] = _Committed(list(inp.input_ids), kept, key)
+
+    def extend(self, rid: str, ids: list[int], rows: torch.Tensor | None, key: str | None) -> None:
+        """A step committed ``ids`` (the tree's root and accepted nodes) for ``rid``."""
+        rec = self.committed.get(rid)
+        if rec is None:
+            return
+        rec.ids += ids
+        if rec.rows is not None and rows is not None and key == rec.key:
+            rec.rows.append(rows.clone())
+        else:  # the stream's feature changed: the answer's blocks keep no rows
+            rec.rows, rec.key = None, None
 
     def split_followers(
         self, inputs: list[PrefillInput]
@@ -117,9 +141,16 @@ class TargetPrefixes:
         return leaders, followers
 
     def release(self, rid: str) -> None:
+        """Before the request's KV goes: its committed sequence's full blocks (prompt and
+        answer: a chat's next turn resends both) join the cache, then its references go."""
         self.matched.pop(rid, None)
-        if self.blocks is not None:
-            self.blocks.release(rid)
+        rec = self.committed.pop(rid, None)
+        if self.blocks is None:
+            return
+        if rec is not None and rid in self.blocks.cache.requests:
+            rows = None if rec.rows is None else torch.cat(rec.rows)
+            self.blocks.insert(rid, rec.ids, rec.key, rows)
+        self.blocks.release(rid)
 
     @property
     def num_tokens(self) -> int:

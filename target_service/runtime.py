@@ -201,7 +201,7 @@ class TargetRuntime:
     ) -> tuple[list[PrefillInput], StepOutput]:
         """Admit ``inputs`` (each with its cached prefix, if any) and run them as one batch."""
         ok: list[PrefillInput] = []
-        key = self._feature_key(feature)
+        key = self.feature_key(feature)
         for inp in inputs:
             try:
                 ok.append(self._admit(inp, {i.rid: i.input_start + len(i.input_ids) for i in ok}))
@@ -215,7 +215,7 @@ class TargetRuntime:
     def _prefill_batch(self, ok: list[PrefillInput], feature: Feature) -> StepOutput:
         """Extend over every input (piece); sample where an input ends. State changes only
         after every computation, so `run_isolated` may run a failed batch again."""
-        chunk, key, pre = self.cfg.max_prefill_tokens, self._feature_key(feature), self.prefixes
+        chunk, key, pre = self.cfg.max_prefill_tokens, self.feature_key(feature), self.prefixes
         run = pre.to_run(ok)  # past each cached prefix
         outputs = extend_chunked(self.model, self.cache, self.backend, run, chunk)
         ends = list(itertools.accumulate([len(i.input_ids) for i in run]))
@@ -272,7 +272,8 @@ class TargetRuntime:
                 )
         return first
 
-    def _feature_key(self, feature: Feature) -> str | None:
+    def feature_key(self, feature: Feature) -> str | None:
+        """What a prefix block's feature rows are for ``feature`` (`target_service.prefix`)."""
         return feature_key(feature, self.aux_points if feature is Feature.AUX_HIDDEN else ())
 
     def _embed_cached(self, inp: PrefillInput, match: Match) -> torch.Tensor:

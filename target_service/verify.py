@@ -109,11 +109,15 @@ def _verify_batch(rt: TargetRuntime, rows: list[VerifyRow], feature: Feature) ->
     out = StepOutput(features=rt.select_feature(res.select(row_of[flat]), feature))
     # One device-to-host copy per field; the per-request bookkeeping below is host-side.
     paths, lens = result.accept_path.tolist(), result.accept_len.tolist()
+    key, start = rt.feature_key(feature), 0
     for b, (row, full_path, n, bonus) in enumerate(
         zip(rows, paths, lens, result.bonus.tolist(), strict=True)
     ):
         path = full_path[:n]
         rt.cache.accept_path(row.rid, path, row.tree.num_nodes)
+        feats = None if out.features is None else out.features[start : start + n]
+        rt.prefixes.extend(row.rid, row.tree.tokens[path].tolist(), feats, key)
+        start += n
         tokens = [*row.tree.tokens[path[1:]].tolist(), bonus]
         if row.params.logprobs is not None:  # node path[k]'s row drew tokens[k]
             lp = acceptance.logprobs[b, torch.tensor(path, device=acceptance.logprobs.device)]
@@ -133,8 +137,11 @@ def _greedy_decode(
     the argmax and keep the one row, so do just that."""
     feats = rt.select_feature(res, feature)  # a copy: a graph replay's outputs are overwritten
     out = StepOutput(features=None if feats is None else feats.clone())
-    for row, tok in zip(rows, logits.argmax(-1).tolist(), strict=True):
+    key = rt.feature_key(feature)
+    for b, (row, tok) in enumerate(zip(rows, logits.argmax(-1).tolist(), strict=True)):
         rt.cache.commit(row.rid, rt.cache.get(row.rid).committed_len + 1)
+        feats = None if out.features is None else out.features[b : b + 1]
+        rt.prefixes.extend(row.rid, [rt.requests[row.rid].pending], feats, key)
         rt.advance(row.rid, [tok], out)
     return out
 

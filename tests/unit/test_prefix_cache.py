@@ -162,14 +162,21 @@ def test_draft_rows_are_keyed_past_the_block(tiny_dir, oracle) -> None:
 
 
 def test_multi_turn_reuse_is_the_same_with_speculation(tiny_dir) -> None:
-    """A chat resent whole each turn (SGLang #32459: reuse collapsed with EAGLE on): the target
-    hits as many prompt tokens with the draft on as with it off."""
+    """A chat resent whole each turn (SGLang #32459: reuse collapsed with EAGLE on): each turn
+    reuses the previous turn's prompt and answer (a released request's committed sequence joins
+    the cache, its draft feature rows with it), as many tokens with the draft on as off."""
     hits = []
     for speculate in (False, True):
         e = engine(tiny_dir, cache_tokens=4096, speculate=speculate)
-        chat = list(SHARED)
+        blocks, chat, reused, want = e.target.prefixes.blocks, list(SHARED), [], [0]
         for turn in range(4):
             chat += [100 + turn, 101, 102]
-            chat += e.generate([chat], GREEDY)[0].token_ids
-        hits.append(e.target.prefixes.blocks.num_hit)
-    assert hits[0] == hits[1] > 0
+            before = blocks.num_hit
+            answer = e.generate([chat], GREEDY)[0].token_ids
+            reused.append(blocks.num_hit - before)
+            committed = len(chat) + len(answer) - 1  # the last token is pending: no KV yet
+            want.append(committed // 8 * 8)  # the next turn reuses every full block of it
+            chat += answer
+        assert reused == want[:-1] and reused[-1] > len(chat) // 2
+        hits.append(reused)
+    assert hits[0] == hits[1]
