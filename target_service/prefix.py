@@ -9,9 +9,9 @@ pairing, is computed by the draft as always). After a one-shot prefill the promp
 join the cache.
 
 Not cached (looked up nor inserted): prompts with images (their rows come from the vision
-tower, keyed by more than the token ids), requests that ask for prompt logprobs (they need every
-row's logits), and pieces after the first of a chunked prompt (only the first piece looks up;
-the prompt is inserted only when it ran in one piece).
+tower, keyed by more than the token ids) and requests that ask for prompt logprobs (they need
+every row's logits). A chunked prompt is looked up by its first piece only and joins the cache
+when its request is released, as every request's whole committed sequence does.
 """
 
 from __future__ import annotations
@@ -100,13 +100,18 @@ class TargetPrefixes:
         return rows
 
     def insert(self, inp: PrefillInput, key: str | None, rows: torch.Tensor | None) -> None:
-        """After a one-shot prefill committed: the prompt's full blocks join the cache
-        (``rows``: its feature rows, one per input token)."""
-        one_shot = not inp.input_start and not inp.more_input
-        if self.blocks is not None and one_shot and self.cacheable(inp):
+        """After a prefill (piece) committed (``rows``: its feature rows, one per input token):
+        a one-shot prompt's full blocks join the cache now; every prompt's are recorded, with
+        the answer's, to join when the request is released (a chunked prompt's then)."""
+        if self.blocks is None or not self.cacheable(inp):
+            return
+        if inp.input_start:  # a later piece of a chunked prompt
+            self.extend(inp.rid, list(inp.input_ids), rows, key)
+            return
+        if not inp.more_input:
             self.blocks.insert(inp.rid, inp.input_ids, key, rows)
-            kept = None if rows is None else [rows.clone()]
-            self.committed[inp.rid] = _Committed(list(inp.input_ids), kept, key)
+        kept = None if rows is None else [rows.clone()]
+        self.committed[inp.rid] = _Committed(list(inp.input_ids), kept, key)
 
     def extend(self, rid: str, ids: list[int], rows: torch.Tensor | None, key: str | None) -> None:
         """A step committed ``ids`` (the tree's root and accepted nodes) for ``rid``."""

@@ -180,3 +180,18 @@ def test_multi_turn_reuse_is_the_same_with_speculation(tiny_dir) -> None:
         assert reused == want[:-1] and reused[-1] > len(chat) // 2
         hits.append(reused)
     assert hits[0] == hits[1]
+
+
+def test_a_chunked_prompt_joins_the_cache_when_released(tiny_dir, oracle) -> None:
+    """A prompt prefilled in pieces (here 12 tokens a round) is looked up by its first piece and
+    joins the cache, answer included, when its request ends: the next one hits it."""
+    from specmesh.router.core import RouterConfig
+
+    e = Engine(tiny_dir / "target", draft_model=tiny_dir / "draft", draft_kind="eagle3",
+               spec=SpecParams(3, 2, 6), router_config=RouterConfig(prefill_chunk_tokens=12),
+               target_config={"prefix_cache_tokens": 4096, "prefix_block_size": 8})  # fmt: skip
+    results = one_by_one(e, PROMPTS[:2])
+    for prompt, res in zip(PROMPTS[:2], results, strict=True):
+        assert res.token_ids == oracle(tiny_dir / "target", prompt, 12)
+    assert e.target.prefixes.blocks.num_hit == 8  # the second's first piece: one whole block
+    assert e.target.kv_slots()[0] == 0
