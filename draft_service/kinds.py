@@ -90,7 +90,7 @@ def build_eagle(cfg: DraftConfig, target_model: torch.nn.Module | None) -> TreeD
 def build_mtp(cfg: DraftConfig, target_model: torch.nn.Module | None) -> TreeDrafter:
     """Multi-layer EAGLE / MTP layers, one KV pool each. A DeepSeek-V3 checkpoint (``--draft-model``
     = the target's own directory) gives its NextN layers: MLA blocks over latent pools, so the
-    backend must run latent attention (torch for now)."""
+    backend must run latent attention (torch or triton, not yet flashinfer)."""
     from specmesh.draft_service.models.mtp import load_mtp
     from specmesh.draft_service.mtp_drafter import MTPDrafter
 

@@ -36,13 +36,14 @@ if TYPE_CHECKING:  # a type only: kernels do not import the runtime
 def paged_attention_ref(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     k_pool: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
-    v_pool: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
+    v_pool: torch.Tensor,  # [num_slots, num_kv_heads, v_head_dim]; v_head_dim <= head_dim
     meta: AttentionMetadata,
     scale: float,
-) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Plain torch, one request at a time."""
+) -> torch.Tensor:  # [num_tokens, num_heads, v_head_dim]
+    """Plain torch, one request at a time. V may be narrower than K (multi-head latent
+    attention, whose Triton kernel is `kernels.mla_attention`)."""
     group = q.shape[1] // k_pool.shape[1]
-    out = torch.empty_like(q)
+    out = q.new_empty(*q.shape[:2], v_pool.shape[-1])
     qo, kv = meta.qo_indptr.tolist(), meta.kv_indptr.tolist()
     for b in range(meta.batch_size):
         q_len, kv_len = qo[b + 1] - qo[b], kv[b + 1] - kv[b]
@@ -64,6 +65,39 @@ def paged_attention_ref(
 
 
 @triton.jit
+def row_kv_span(
+    qo_indptr, kv_indptr, mask_indptr, batch_size, row, split,
+    HAS_MASK: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_BS: tl.constexpr,
+):  # fmt: skip
+    """What query ``row`` reads (shared by the kernels over the paged layout): its request's
+    first kv entry, this split's kv columns ``[lo, hi)`` and where its custom-mask row starts
+    (0 without a mask)."""
+    # Owning request = number of requests whose query rows end at or before `row`.
+    b = tl.zeros((), tl.int64)
+    for start in range(0, batch_size, BLOCK_BS):
+        offs = start + tl.arange(0, BLOCK_BS)
+        ends = tl.load(qo_indptr + 1 + offs, mask=offs < batch_size, other=row + 1)
+        b += tl.sum((ends <= row).to(tl.int64), axis=0)
+    q_start = tl.load(qo_indptr + b)
+    q_len = tl.load(qo_indptr + b + 1) - q_start
+    kv_start = tl.load(kv_indptr + b)
+    kv_len = tl.load(kv_indptr + b + 1) - kv_start
+    i = row - q_start
+    if HAS_MASK:
+        mask_start = tl.load(mask_indptr + b) + i * kv_len
+        kv_end = kv_len
+    else:
+        mask_start = tl.zeros((), tl.int64)
+        kv_end = kv_len - q_len + i + 1
+    # This program's share of the row's kv: whole tiles, the last split takes the remainder.
+    chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, kv_end)
+    return kv_start, lo, hi, mask_start
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     qo_indptr, kv_indptr, kv_indices, mask_ptr, mask_indptr,
@@ -76,18 +110,10 @@ def _paged_attention_kernel(
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2).to(tl.int64)
-    # Owning request = number of requests whose query rows end at or before `row`.
-    b = tl.zeros((), tl.int64)
-    for start in range(0, batch_size, BLOCK_BS):
-        offs = start + tl.arange(0, BLOCK_BS)
-        ends = tl.load(qo_indptr + 1 + offs, mask=offs < batch_size, other=row + 1)
-        b += tl.sum((ends <= row).to(tl.int64), axis=0)
-    q_start = tl.load(qo_indptr + b)
-    q_len = tl.load(qo_indptr + b + 1) - q_start
-    kv_start = tl.load(kv_indptr + b)
-    kv_len = tl.load(kv_indptr + b + 1) - kv_start
-    i = row - q_start
-
+    kv_start, lo, hi, mask_start = row_kv_span(
+        qo_indptr, kv_indptr, mask_indptr, batch_size, row, split,
+        HAS_MASK=HAS_MASK, NUM_SPLITS=NUM_SPLITS, BLOCK_N=BLOCK_N, BLOCK_BS=BLOCK_BS,
+    )  # fmt: skip
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, DIM_PAD)
     heads = kv_head * GROUP + g
@@ -95,15 +121,6 @@ def _paged_attention_kernel(
     q_offs = row * stride_qt + heads[:, None] * stride_qh + d[None, :]
     queries = tl.load(q_ptr + q_offs, mask=qd_mask, other=0.0).to(tl.float32)  # [G, D]
 
-    if HAS_MASK:
-        mask_row = mask_ptr + tl.load(mask_indptr + b) + i * kv_len
-        kv_end = kv_len
-    else:
-        kv_end = kv_len - q_len + i + 1
-    # This program's share of the row's kv: whole tiles, the last split takes the remainder.
-    chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * chunk
-    hi = tl.minimum(lo + chunk, kv_end)
     # A finite start keeps exp(m_old - m_new) defined when a whole tile is masked.
     m_i = tl.full((GROUP_PAD,), -1.0e30, tl.float32)
     l_i = tl.zeros((GROUP_PAD,), tl.float32)
@@ -120,7 +137,7 @@ def _paged_attention_kernel(
         scores = tl.sum(queries[:, None, :] * keys[None, :, :], axis=2) * scale  # [G, N]
         visible = col_ok
         if HAS_MASK:
-            visible = visible & (tl.load(mask_row + cols, mask=col_ok, other=0) != 0)
+            visible = visible & (tl.load(mask_ptr + mask_start + cols, mask=col_ok, other=0) != 0)
         scores = tl.where(visible[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         alpha = tl.exp(m_i - m_new)
@@ -132,7 +149,7 @@ def _paged_attention_kernel(
         out = acc / l_i[:, None]
         o_offs = row * stride_ot + heads[:, None] * stride_oh + d[None, :]
         tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=qd_mask)
-    else:  # unnormalised partials, combined by _merge_splits_kernel
+    else:  # unnormalised partials, combined by merge_splits_kernel
         part = (row * num_heads + heads) * NUM_SPLITS + split  # [G]
         tl.store(part_m_ptr + part, m_i, mask=g < GROUP)
         tl.store(part_l_ptr + part, l_i, mask=g < GROUP)
@@ -140,7 +157,7 @@ def _paged_attention_kernel(
 
 
 @triton.jit
-def _merge_splits_kernel(
+def merge_splits_kernel(
     out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, num_heads, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
@@ -209,7 +226,7 @@ def paged_attention_triton(
         BLOCK_N=block_n, BLOCK_BS=128, HAS_MASK=has_mask, NUM_SPLITS=splits,
     )  # fmt: skip
     if splits > 1:
-        _merge_splits_kernel[(num_tokens, num_heads)](
+        merge_splits_kernel[(num_tokens, num_heads)](
             out, part_m, part_l, part_acc, num_heads, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, DIM_PAD=dim_pad, NUM_SPLITS=splits, SPLITS_PAD=next_pow2(splits),
         )  # fmt: skip

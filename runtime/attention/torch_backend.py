@@ -137,12 +137,12 @@ def make_backend(
     model there is refused now, at startup, not at the first request: compiled Triton kernels
     need a CUDA device (on CPU only under ``TRITON_INTERPRET=1``, the interpreter the tests
     use); FlashInfer needs CUDA, fp16 / bf16 and a head_dim its kernels are built for.
-    ``latent``: the model is multi-head latent attention (V inside K), which only ``torch`` runs
-    for now."""
-    if latent and name != "torch":
+    ``latent``: the model is multi-head latent attention (V inside K), which ``torch`` and
+    ``triton`` run (`kernels.mla_attention`), not yet ``flashinfer``."""
+    if latent and name == "flashinfer":
         raise ValueError(
-            f"the {name} attention backend has no multi-head latent attention (DeepSeek-V3 MLA) "
-            "kernel yet: use --attention-backend torch for this model"
+            "the flashinfer attention backend has no multi-head latent attention (DeepSeek-V3 "
+            "MLA) kernel yet: use --attention-backend triton (or torch) for this model"
         )
     if device is not None:
         check_backend_device(name, torch.device(device))

@@ -1,4 +1,6 @@
-"""Attention backend on the Triton paged-attention kernel (``specmesh.kernels.attention``).
+"""Attention backend on the Triton paged-attention kernels: ``specmesh.kernels.attention``, and
+``specmesh.kernels.mla_attention`` when V is narrower than K (multi-head latent attention, V a
+view of K's latent columns).
 
 Sync-free: the kernel's grid comes from tensor shapes, so the backend reads no ``*_cpu`` /
 ``max_*`` metadata. Like every backend it expects the caller to have written the new tokens'
@@ -10,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from specmesh.kernels.attention import paged_attention
+from specmesh.kernels.mla_attention import mla_attention
 from specmesh.runtime.attention.base import AttentionBackend, AttentionMetadata
 
 
@@ -23,9 +26,11 @@ class TritonBackend(AttentionBackend):
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         k_pool: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
-        v_pool: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
+        v_pool: torch.Tensor,  # [num_slots, num_kv_heads, v_head_dim]
         scale: float,
-    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    ) -> torch.Tensor:  # [num_tokens, num_heads, v_head_dim]; v_head_dim = head_dim but in MLA
+        if v_pool.shape[-1] != k_pool.shape[-1]:  # MLA: one kv head, V = K's latent columns
+            return mla_attention(q, k_pool, v_pool, self.meta, scale, impl="triton")
         return paged_attention(q, k_pool, v_pool, self.meta, scale, impl="triton")
 
     # -- CUDA-graph hooks ------------------------------------------------------------------------

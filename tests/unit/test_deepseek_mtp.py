@@ -1,8 +1,8 @@
 """DeepSeek-V3's own NextN layers as the MTP draft (issue 29, second milestone): ``--draft-kind
 mtp --draft-model <the DeepSeek checkpoint>``. The NextN step (enorm / hnorm / eh_proj, an MLA +
 MoE block over its own latent pool, shared_head) against transformers' decoder layer; greedy
-top-k trees and seeded sampling through `Engine` equal plain decoding (lossless) with
-speculation accepted; the draft-decode buffers scale with topk and their run-time checks name
+top-k trees (torch and Triton backends) and seeded sampling through `Engine` equal plain
+decoding (lossless) with speculation accepted; the draft-decode buffers scale with topk and their run-time checks name
 the numbers (invariant 5), eagerly and through the static step runners."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from conftest import assert_speculated, hf_greedy
 
 from specmesh.draft_service.mtp_drafter import MTPDrafter
 from specmesh.draft_service.runtime import load_draft
+from specmesh.kernels.testing import cpu_triton
 from specmesh.protocol.config import DraftConfig, SpecParams
 from specmesh.protocol.features import Feature
 from specmesh.protocol.sampling import SamplingParams
@@ -117,13 +118,18 @@ def test_nextn_chain_equals_transformers_layer(random_dir: Path) -> None:
     assert tree.tokens.tolist() == [first, *chain]
 
 
+@pytest.mark.parametrize("backend", ["torch", cpu_triton()])
 @pytest.mark.parametrize("spec", [SpecParams(3, 1, 4), SpecParams(3, 4, 8)], ids=["k1", "k4"])
-def test_greedy_trees_equal_transformers(predictive_dir: Path, spec: SpecParams) -> None:
+def test_greedy_trees_equal_transformers(predictive_dir: Path, spec: SpecParams, backend: str):
     """Two prompts of different lengths in one batch, chains and top-4 trees: transformers'
     fp32 greedy tokens, with the NextN layer's proposals accepted (more than one token per
-    round on average)."""
+    round on average). Target and draft on ``backend`` (Triton: `kernels.mla_attention` for
+    target verify and the draft's tree decode steps alike)."""
     d = predictive_dir
-    engine = Engine(d, draft_model=d, draft_kind="mtp", spec=spec)
+    cfg = {"attention_backend": backend}
+    engine = Engine(d, draft_model=d, draft_kind="mtp", spec=spec, target_config=cfg,
+                    draft_config=cfg)  # fmt: skip
+    assert engine.draft.drafter.backend.name == backend
     results = engine.generate(PROMPTS, SamplingParams(max_new_tokens=16, ignore_eos=True))
     for prompt, res in zip(PROMPTS, results, strict=True):
         assert res.token_ids == hf_greedy(d, prompt, 16)
@@ -241,6 +247,11 @@ def test_make_tiny_with_nextn_then_generate(tmp_path: Path, capsys) -> None:
     out = json.loads(capsys.readouterr().out)
     assert out["token_ids"] == hf_greedy(paths["target"], [5, 6, 7, 8], 8)
     assert out["num_draft_tokens"] > 0
+
+
+def test_flashinfer_is_refused_for_the_nextn_draft(random_dir: Path) -> None:
+    with pytest.raises(ValueError, match=r"flashinfer.*latent attention.*--attention-backend tr"):
+        _drafter(random_dir, SpecParams(3, 1, 4), attention_backend="flashinfer")
 
 
 def test_checkpoint_without_nextn_weights_is_refused(tiny_deepseek_dir: Path) -> None:

@@ -8,54 +8,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
+from paged_batch import paged_batch
 
 from specmesh.kernels.attention import default_num_splits, paged_attention, paged_attention_triton
 from specmesh.kernels.testing import kernel_devices
-from specmesh.runtime.attention.base import AttentionMetadata
 from specmesh.runtime.attention.torch_backend import TorchBackend
 from specmesh.runtime.attention.triton_backend import TritonBackend
-
-
-def make_batch(
-    lens: list[tuple[int, int]],  # (prefix_len, q_len) per request
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    device: str,
-    tree_mask: bool,
-    seed: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
-    gen = torch.Generator().manual_seed(seed)
-    kv_lens = [p + n for p, n in lens]
-    num_slots = sum(kv_lens) + 5
-    slots = torch.randperm(num_slots, generator=gen)[: sum(kv_lens)]  # scattered pages
-    k_pool = torch.randn(num_slots, kv_heads, head_dim, generator=gen).to(dtype)
-    v_pool = torch.randn(num_slots, kv_heads, head_dim, generator=gen).to(dtype)
-    q = torch.randn(sum(n for _, n in lens), heads, head_dim, generator=gen).to(dtype)
-    cum = lambda xs: torch.tensor([0, *torch.tensor(xs).cumsum(0).tolist()])
-    kv_indptr = cum(kv_lens)
-    out_slots = torch.cat([slots[kv_indptr[b + 1] - n : kv_indptr[b + 1]] for b, (_, n) in
-                           enumerate(lens)])  # fmt: skip
-    custom_mask = mask_indptr = None
-    if tree_mask:  # prefix visible, then a random ancestor set that always includes self
-        masks = []
-        for p, n in lens:
-            tree = torch.rand(n, n, generator=gen) < 0.4
-            tree = tree.tril() | torch.eye(n, dtype=torch.bool)
-            masks.append(torch.cat([torch.ones(n, p, dtype=torch.bool), tree], 1).flatten())
-        custom_mask = torch.cat(masks).to(device)
-        mask_indptr = cum([p * n + n * n for p, n in lens]).to(device)
-    meta = AttentionMetadata(
-        qo_indptr=cum([n for _, n in lens]).to(device),
-        kv_indptr=kv_indptr.to(device),
-        kv_indices=slots.to(device),
-        out_slots=out_slots.to(device),
-        custom_mask=custom_mask,
-        mask_indptr=mask_indptr,
-    )
-    return q.to(device), k_pool.to(device), v_pool.to(device), meta
-
 
 CASES = [
     # lens, heads, kv_heads, head_dim
@@ -71,7 +29,7 @@ CASES = [
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_triton_matches_reference_fp32(device: str, tree_mask: bool, case: int) -> None:
     lens, heads, kv_heads, head_dim = CASES[case]
-    q, k_pool, v_pool, meta = make_batch(
+    q, k_pool, v_pool, meta = paged_batch(
         lens, heads, kv_heads, head_dim, torch.float32, device, tree_mask, seed=case
     )
     ref = paged_attention(q, k_pool, v_pool, meta, 0.3, impl="torch")
@@ -85,7 +43,7 @@ def test_triton_matches_reference_fp32(device: str, tree_mask: bool, case: int) 
 def test_split_kv_matches_reference(device: str, tree_mask: bool, num_splits: int) -> None:
     """Flash-decoding: each row's kv cut into pieces merged afterwards, empty pieces included
     (the rows with fewer tiles than pieces)."""
-    q, k_pool, v_pool, meta = make_batch(
+    q, k_pool, v_pool, meta = paged_batch(
         [(0, 1), (70, 1), (21, 4)], 4, 2, 16, torch.float32, device, tree_mask, seed=num_splits
     )
     ref = paged_attention(q, k_pool, v_pool, meta, 0.3, impl="torch")
@@ -104,7 +62,7 @@ def test_splits_fill_a_gpu_only_when_rows_are_few() -> None:
 @pytest.mark.parametrize("device", kernel_devices())
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_triton_half_precision(device: str, dtype: torch.dtype) -> None:
-    q, k_pool, v_pool, meta = make_batch([(6, 3), (0, 2)], 4, 2, 16, dtype, device, True)
+    q, k_pool, v_pool, meta = paged_batch([(6, 3), (0, 2)], 4, 2, 16, dtype, device, True)
     ref = paged_attention(q, k_pool, v_pool, meta, 0.25, impl="torch")
     out = paged_attention(q, k_pool, v_pool, meta, 0.25, impl="triton")
     assert out.dtype == dtype
@@ -114,7 +72,7 @@ def test_triton_half_precision(device: str, dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("tree_mask", [False, True])
 def test_reference_matches_torch_backend(tree_mask: bool) -> None:
-    q, k_pool, v_pool, meta = make_batch([(4, 2), (0, 5), (11, 1)], 4, 2, 8, torch.float32, "cpu",
+    q, k_pool, v_pool, meta = paged_batch([(4, 2), (0, 5), (11, 1)], 4, 2, 8, torch.float32, "cpu",
                                          tree_mask)  # fmt: skip
     backend = TorchBackend()
     backend.prepare(meta)
@@ -125,7 +83,7 @@ def test_reference_matches_torch_backend(tree_mask: bool) -> None:
 
 @pytest.mark.parametrize("device", kernel_devices())
 def test_triton_backend_is_sync_free(device: str) -> None:
-    q, k_pool, v_pool, meta = make_batch([(3, 2), (8, 4)], 2, 1, 8, torch.float32, device, True)
+    q, k_pool, v_pool, meta = paged_batch([(3, 2), (8, 4)], 2, 1, 8, torch.float32, device, True)
     assert meta.q_lens_cpu is None and meta.max_q_len is None  # the sync-free path
     backend = TritonBackend()
     assert backend.name == "triton" and not backend.needs_cpu_metadata
