@@ -13,25 +13,19 @@ before any state changes, and a batch whose forward raises is run again request 
 
 from __future__ import annotations
 
-import itertools
 import logging
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from specmesh.kernels.common import kernel_impl
 from specmesh.protocol.config import TargetConfig
 from specmesh.protocol.errors import (
-    DuplicateRequestError,
     InvalidRequestError,
-    KVCacheFullError,
-    SpecmeshError,
     UnknownRequestError,
 )
 from specmesh.protocol.features import AuxLayers, Feature, FeatureSpec
-from specmesh.protocol.images import ImageLimits
 from specmesh.protocol.steps import PrefillInput, StepOutput, VerifyInput
 from specmesh.protocol.trees import DraftTree
 from specmesh.runtime.attention.torch_backend import make_backend
@@ -40,19 +34,12 @@ from specmesh.runtime.graph_runner import graphs_enabled
 from specmesh.runtime.kv_cache import KVCache
 from specmesh.runtime.llava_checkpoint import is_llava_checkpoint
 from specmesh.runtime.models.causal_lm import CausalLM, ModelOutput, load_causal_lm
-from specmesh.runtime.prefix_cache import Match
-from specmesh.runtime.sampling import (
-    TokenHistory,
-    processed_logprobs,
-    sample_tokens,
-)
-from specmesh.target_service.batching import extend_chunked, pick_logprobs, run_isolated
-from specmesh.target_service.grammar import Grammars, consume, mask_logits, row_masks
+from specmesh.target_service.grammar import Grammars, consume
 from specmesh.target_service.graphs import TargetGraphs
 from specmesh.target_service.llava import ImageEncoder, load_llava
-from specmesh.target_service.multimodal import merge_images
+from specmesh.target_service.prefill import prefill_inputs
 from specmesh.target_service.prefill_pieces import PartialPrefills
-from specmesh.target_service.prefix import TargetPrefixes, feature_key, ordered_outputs
+from specmesh.target_service.prefix import TargetPrefixes, feature_key
 from specmesh.target_service.state import TargetRequest
 from specmesh.target_service.tp_model import start_tensor_parallel
 from specmesh.target_service.verify import verify_trees
@@ -175,155 +162,12 @@ class TargetRuntime:
     def prefill(self, inputs: list[PrefillInput], feature: Feature = Feature.NONE) -> StepOutput:
         """Start requests: run each input (or its next piece, `prefill_pieces`), sample the
         first token after the whole input ran. Rows of the output's ``feature`` (and of
-        ``mm_input_embeds`` when a request has images) follow the ids run."""
-        cfg = self.cfg
-        limits = ImageLimits(cfg.max_images_per_request, cfg.max_image_bytes, cfg.max_image_pixels)
-        errors: dict[str, SpecmeshError] = self.partial.refuse_pieced_images(inputs)
-        whole = [i for i in inputs if i.rid not in errors]
-        merged = merge_images(whole, self.mm, self.model.embed, cfg.model_dir, limits)
-        errors.update(merged.errors)
-        # Prompts sharing an uncached prefix with an earlier one of this batch (`n > 1`, users
-        # of one system prompt) run after it, from the blocks it leaves in the prefix cache.
-        leaders, followers = self.prefixes.split_followers(merged.inputs)
-        parts = [self._prefill_pass(group, feature, errors) for group in (leaders, followers)]
-        out = ordered_outputs(parts, [i.rid for i in merged.inputs])
-        out.errors.update(errors)
-        for inp in inputs:  # a request refused in the middle of its input is dropped
-            if inp.input_start and inp.rid in errors:
-                self.release(inp.rid)
-        for inp in merged.inputs:
-            if inp.rid in merged.prompt_ids and inp.rid in out.tokens:
-                out.prompt_ids[inp.rid] = inp.input_ids
-        return out
-
-    def _prefill_pass(
-        self, inputs: list[PrefillInput], feature: Feature, errors: dict[str, SpecmeshError]
-    ) -> tuple[list[PrefillInput], StepOutput]:
-        """Admit ``inputs`` (each with its cached prefix, if any) and run them as one batch."""
-        ok: list[PrefillInput] = []
-        key = self.feature_key(feature)
-        for inp in inputs:
-            try:
-                ok.append(self._admit(inp, {i.rid: i.input_start + len(i.input_ids) for i in ok}))
-                self.prefixes.attach(ok[-1], key)  # its cached prefix, if any
-            except SpecmeshError as e:
-                errors[inp.rid] = e
-                if inp.input_start:  # a request refused in the middle of its input is dropped
-                    self.release(inp.rid)
-        return ok, run_isolated(ok, lambda b: self._prefill_batch(b, feature), self.release)
-
-    def _prefill_batch(self, ok: list[PrefillInput], feature: Feature) -> StepOutput:
-        """Extend over every input (piece); sample where an input ends. State changes only
-        after every computation, so `run_isolated` may run a failed batch again."""
-        chunk, key, pre = self.cfg.max_prefill_tokens, self.feature_key(feature), self.prefixes
-        run = pre.to_run(ok)  # past each cached prefix
-        outputs = extend_chunked(self.model, self.cache, self.backend, run, chunk)
-        ends = list(itertools.accumulate([len(i.input_ids) for i in run]))
-        last = [(inp, end) for inp, end in zip(ok, ends, strict=True) if not inp.more_input]
-        final = [inp for inp, _ in last]
-        histories = [self._history(i, self.partial.whole_ids(i)) for i in final]
-        grammars = [self._grammar(i, self.partial.whole_ids(i)) for i in final]
-        feats = self.select_feature(outputs, feature)
-        out = StepOutput(features=pre.whole_rows(ok, feats, pre.cached_features(key)))
-        out.mm_input_embeds = pre.whole_rows(ok, outputs.mm_input_embeds, self._embed_cached)
-        hidden = outputs.hidden[[e - 1 for _, e in last]]
-        first = self._sample_first(final, hidden, histories, grammars, out)
-        entries = self.partial.prompt_logprobs(self.model, run, outputs.hidden)
-        for inp, end in zip(ok, ends, strict=True):  # rows in batch order
-            self.cache.commit(inp.rid, inp.input_start + len(inp.input_ids))
-            out.tokens[inp.rid], out.row_counts[inp.rid] = [], len(inp.input_ids)
-            whole = self.partial.advance(inp, outputs.hidden[end - 1 : end], entries.get(inp.rid))
-            if whole is not None:
-                out.prompt_logprobs[inp.rid] = whole
-        for inp, rows in zip(ok, _per_input(out.features, ok), strict=True):
-            pre.insert(inp, key, rows)
-            if cached := pre.num_cached_tokens(inp.rid) if not inp.input_start else 0:
-                out.cached_tokens[inp.rid] = cached
-        for inp, tok, history, grammar in zip(final, first, histories, grammars, strict=True):
-            req = TargetRequest(inp.params, inp.sample_offset, tok, history, grammar)
-            self.requests[inp.rid] = req
-            self.advance(inp.rid, [tok], out)
-            out.row_counts[inp.rid] = len(inp.input_ids)
-        return out
-
-    def _sample_first(
-        self,
-        final: list[PrefillInput],
-        hidden: torch.Tensor,  # [len(final), hidden]: each input's last row
-        histories: list[TokenHistory | None],
-        grammars: list[Any],
-        out: StepOutput,
-    ) -> list[int]:
-        """The first token of each input that ended (within its grammar's mask, if any), with
-        its logprobs when asked."""
-        if not final:
-            return []
-        logits = self.model.compute_logits(hidden)
-        logits = mask_logits(logits, row_masks(grammars, logits.shape[-1]))
-        params, offsets = [i.params for i in final], [i.sample_offset for i in final]
-        first = sample_tokens(logits, params, offsets, histories).tolist()
-        asked = [b for b, p in enumerate(params) if p.logprobs is not None]
-        if asked:
-            lp = processed_logprobs(logits[asked], [params[b] for b in asked],
-                                    [histories[b] for b in asked], [offsets[b] for b in asked])  # fmt: skip
-            for row, b in enumerate(asked):
-                out.logprobs[final[b].rid] = pick_logprobs(
-                    lp[row : row + 1], [first[b]], params[b].logprobs
-                )
-        return first
+        ``mm_input_embeds`` when a request has images) follow the ids run (`prefill`)."""
+        return prefill_inputs(self, inputs, feature)
 
     def feature_key(self, feature: Feature) -> str | None:
         """What a prefix block's feature rows are for ``feature`` (`target_service.prefix`)."""
         return feature_key(feature, self.aux_points if feature is Feature.AUX_HIDDEN else ())
-
-    def _embed_cached(self, inp: PrefillInput, match: Match) -> torch.Tensor:
-        """A cached prefix's embedding rows (`mm_input_embeds` of a batch with images)."""
-        ids = torch.tensor(inp.input_ids[: match.num_tokens], device=self.cache.pools[0].k.device)
-        return self.model.embed(ids)
-
-    def _history(self, inp: PrefillInput, ids: list[int]) -> TokenHistory | None:
-        """What the request's logit processors read: prompt and output so far, from its whole
-        input ``ids`` (a replay's ends with its ``sample_offset`` emitted tokens); None when
-        they read nothing."""
-        if not inp.params.uses_history:
-            return None
-        cut = len(ids) - inp.sample_offset
-        eos = self.model_config.eos_token_ids
-        return TokenHistory.start(ids[:cut], ids[cut:], inp.params, eos)
-
-    def _grammar(self, inp: PrefillInput, ids: list[int]) -> Any:
-        """A constrained request's matcher after the tokens it emitted (a replay's input ends
-        with its ``sample_offset`` emitted tokens); None for an unconstrained one."""
-        if inp.params.constraint is None:
-            return None
-        emitted = ids[len(ids) - inp.sample_offset :] if inp.sample_offset else []
-        return self.grammars.start(inp.params.constraint, emitted)
-
-    def _admit(self, inp: PrefillInput, admitted: dict[str, int]) -> PrefillInput:
-        """Validate one request (or a later piece of its input, with its sampling state filled
-        in) and reserve its row, if its input so far fits in the KV cache beside the requests
-        ``admitted`` before it in this batch (ask first, then act)."""
-        self.check_ids(inp.rid, inp.input_ids, what="prompt")
-        if inp.input_start:
-            inp = self.partial.resolve(inp, self.cache)
-        inp.params.check_vocab(self.model_config.vocab_size)
-        if inp.params.constraint is not None and not inp.input_start:
-            self.grammars.compiled(inp.params.constraint)  # refused before any KV is reserved
-        end, limit = inp.input_start + len(inp.input_ids), self.cfg.max_context - 1
-        if end > limit:
-            raise InvalidRequestError(
-                f"request {inp.rid!r}: prompt of {end} tokens exceeds the limit of {limit}"
-            )
-        if not inp.input_start and inp.rid in self.cache.requests:
-            raise DuplicateRequestError(f"request {inp.rid!r} already has KV state")
-        if not self.cache.can_allocate({**admitted, inp.rid: end + 1}):
-            raise KVCacheFullError(
-                f"request {inp.rid!r}: prompt of {end} tokens does not fit; "
-                f"{self.cache.num_free_slots} KV slots free"
-            )
-        if not inp.input_start:
-            self.cache.add(inp.rid)
-        return inp
 
     # -- decode / verify ------------------------------------------------------------------------
     def decode(self, rids: list[str], feature: Feature = Feature.NONE) -> StepOutput:
@@ -381,10 +225,3 @@ class TargetRuntime:
             return False
         self.cache.release(rid)
         return True
-
-
-def _per_input(rows: torch.Tensor | None, inputs: list[PrefillInput]) -> list[torch.Tensor | None]:
-    """``rows`` (one per input token, inputs in order) cut per input."""
-    if rows is None:
-        return [None] * len(inputs)
-    return list(rows.split([len(i.input_ids) for i in inputs]))
