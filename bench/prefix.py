@@ -2,7 +2,7 @@
 whose 400-token prefix an earlier request computed, against the same request with the services'
 prefix cache off (the demo pair, EAGLE-3, fp32, greedy).
 
-    python -m specmesh.bench.prefix [--out DIR] [--repeats 3] [--requests 6]
+    python -m specmesh.bench.prefix [--out DIR] [--repeats 3] [--requests 6] [--device cuda]
 
 Each side is its own deployment (`bench.stacks.local_deployment`: target, draft and router
 processes), sides alternate per repeat. A deployment first serves one request that fills the
@@ -41,7 +41,7 @@ def prompts(num_requests: int) -> list[list[int]]:
     return [prefix + t[:TAIL_LEN] for t in texts[1:]]
 
 
-async def side(cache_tokens: int, batch: list[list[int]]) -> dict[str, list[float]]:
+async def side(cache_tokens: int, batch: list[list[int]], device: str) -> dict[str, list[float]]:
     """One deployment: per request after the first, seconds to token 1 and to token 16."""
     import grpc
 
@@ -50,7 +50,7 @@ async def side(cache_tokens: int, batch: list[list[int]]) -> dict[str, list[floa
     from specmesh.rpc.wire import sampling_to_pb
     from specmesh.v1 import generation_pb2, generation_pb2_grpc
 
-    runtime = {"dtype": "fp32", "prefix_cache_tokens": cache_tokens}
+    runtime = {"dtype": "fp32", "device": device, "prefix_cache_tokens": cache_tokens}
     params = sampling_to_pb(SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
     out: dict[str, list[float]] = {"ttft_s": [], "t16_s": [], "cached": []}
     deployment = local_deployment(default_models(), SPEC, runtime)
@@ -77,12 +77,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("bench_results/prefix"))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--requests", type=int, default=6)
+    parser.add_argument("--device", default="cpu", help="the services' device (cpu, cuda)")
     args = parser.parse_args(argv)
     batch = prompts(args.requests)
     runs: dict[str, list[dict[str, Any]]] = {"cold": [], "warm": []}
     for repeat in range(args.repeats):
         for name, tokens in (("cold", 0), ("warm", 32768)):
-            res = asyncio.run(side(tokens, batch))
+            res = asyncio.run(side(tokens, batch, args.device))
             runs[name].append(res)
             print(f"[prefix {repeat + 1}/{args.repeats}] {name}: ttft "
                   f"{1e3 * statistics.median(res['ttft_s']):.1f} ms, 16 tokens "
