@@ -183,7 +183,7 @@ class TreeDrafter:
             torch.arange(k, device=dev).expand(bs, k).clone(),
             torch.stack([s.hidden for s in states])[:, None].expand(bs, k, -1).clone(),
             [[[] for _ in range(k)] for _ in range(bs)],
-            [[(t,) for t in row] for row in tokens.tolist()],
+            [[(t,) for t in row] for row in tokens.tolist()] if record else [],
             None if masks is None else masks.descend(torch.zeros_like(tokens), tokens, top_logp),
         )
         for step in range(1, steps):
@@ -239,11 +239,13 @@ class TreeDrafter:
             [fr.ancestors[b][p] + [items[b].start + p] for p in row]
             for b, row in enumerate(parent.tolist())  # one copy for the batch
         ]
-        child_list = child_tokens.tolist()
-        paths = [
-            [fr.paths[b][i // k] + (child_list[b][i],) for i in row]
-            for b, row in enumerate(best.tolist())
-        ]
+        paths = fr.paths  # kept only for records (pre-drafting), off the plain propose path
+        if records is not None:
+            child_list = child_tokens.tolist()
+            paths = [
+                [fr.paths[b][i // k] + (child_list[b][i],) for i in row]
+                for b, row in enumerate(best.tolist())
+            ]
         return _Frontier(
             child_tokens.gather(1, best),
             best_scores,
@@ -267,7 +269,7 @@ class _Frontier:
     pool_idx: torch.Tensor  # [bs, k] index in the candidate pool
     hidden: torch.Tensor  # [bs, k, hidden] input hidden for each node's forward
     ancestors: list[list[list[int]]]  # KV token indices of each node's forwarded ancestors
-    paths: list[list[tuple[int, ...]]]  # each node's tokens below the root, its own last
+    paths: list[list[tuple[int, ...]]]  # each node's tokens below the root (recording only)
     grammar: FrontierGrammar | None = None  # each node's grammar state (constrained requests)
 
 

@@ -40,7 +40,13 @@ from dataclasses import dataclass
 
 import torch
 
-from specmesh.draft_service.drafter import NodeRecord, Records, RootState, TreeDrafter
+from specmesh.draft_service.drafter import (
+    EXTRA_CANDIDATES,
+    NodeRecord,
+    Records,
+    RootState,
+    TreeDrafter,
+)
 from specmesh.draft_service.grammar import BatchGrammar
 from specmesh.protocol.steps import ExtendInput
 from specmesh.runtime.model_runner import BatchItem
@@ -124,7 +130,7 @@ class PreDrafter:
         """The root's record from the request's (exact) state after the extend."""
         k = self.drafter.spec.topk
         logp = torch.log_softmax(st.logits.float(), -1)
-        cand_logp, cand_ids = logp.topk(min(k + 2, logp.numel()))
+        cand_logp, cand_ids = logp.topk(min(k + EXTRA_CANDIDATES, logp.numel()))
         ids = self.drafter.to_target_ids(cand_ids).tolist()
         return NodeRecord(None, [], st.last_pos, st.hidden, ids, cand_logp.tolist(), 0.0)
 

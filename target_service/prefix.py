@@ -182,7 +182,11 @@ def ordered_outputs(
 ) -> StepOutput:
     """One output from passes that ran parts of a batch: dicts merged, feature and embedding rows
     put back in the batch's request ``order`` (each pass's rows follow its own inputs, one block
-    of ``row_counts`` rows per request it answered)."""
+    of ``row_counts`` rows per request it answered). One pass that ran (the usual case) is
+    already in order: its output is returned as it is, nothing copied."""
+    ran = [(inputs, part) for inputs, part in parts if inputs]
+    if len(ran) <= 1:
+        return ran[0][1] if ran else StepOutput()
     rows: dict[str, dict[str, torch.Tensor]] = {"features": {}, "mm_input_embeds": {}}
     out = StepOutput()
     for inputs, part in parts:

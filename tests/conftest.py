@@ -202,3 +202,14 @@ def stack(tiny_dir: Path, oracle):
     from grpc_harness import open_stack
 
     yield from open_stack(tiny_dir, oracle)
+
+
+@pytest.fixture(scope="session")
+def k8s() -> list[dict]:
+    """Every document of deploy/k8s/*.yaml (tests copy before they change one)."""
+    import yaml
+
+    docs = []
+    for path in sorted((Path(__file__).resolve().parents[1] / "deploy" / "k8s").glob("*.yaml")):
+        docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
+    return docs

@@ -10,6 +10,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
+import grpc
+
 from specmesh.client import GenerationClient
 from specmesh.draft_service import server as draft_server
 from specmesh.draft_service.runtime import DraftRuntime, load_draft
@@ -151,3 +153,26 @@ def open_stack(tiny_dir: Path, oracle: Callable) -> Iterator[SimpleNamespace]:
     for servicer in (target, draft):
         loop.run(servicer.host.shutdown(0.5))
     loop.close()
+
+
+def generate_all(
+    client: GenerationClient, prompts: list[list[int]], params: SamplingParams, **kw
+) -> tuple[dict[int, list[int]], dict[int, str]]:
+    """Every prompt at once, one thread each (``kw``: more `GenerationClient.generate`
+    arguments): the tokens of each that finished, and the status of each that failed."""
+    outputs: dict[int, list[int]] = {}
+    errors: dict[int, str] = {}
+
+    def run(k: int) -> None:
+        call = client.generate(prompt_token_ids=prompts[k], sampling=params, timeout=60, **kw)
+        try:
+            outputs[k] = collect(call)[0]
+        except grpc.RpcError as e:
+            errors[k] = f"{e.code().name}: {e.details()}"
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    return outputs, errors

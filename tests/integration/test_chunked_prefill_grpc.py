@@ -19,6 +19,7 @@ from grpc_harness import (
     SPEC,
     LoopThread,
     collect,
+    generate_all,
     greedy,
     serve_draft,
     serve_router,
@@ -182,22 +183,7 @@ def _stop_at_a_later_piece(core, servicer) -> threading.Event:
 
 def _run_burst(client: GenerationClient) -> tuple[dict[int, list[int]], dict[int, str]]:
     """Every BURST prompt at once: the tokens of each, and the status of each that failed."""
-    outputs: dict[int, list[int]] = {}
-    errors: dict[int, str] = {}
-
-    def run(k: int) -> None:
-        call = client.generate(prompt_token_ids=BURST[k], sampling=greedy(BURST_NEW), timeout=60)
-        try:
-            outputs[k] = collect(call)[0]
-        except grpc.RpcError as e:
-            errors[k] = f"{e.code().name}: {e.details()}"
-
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(BURST))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(90)
-    return outputs, errors
+    return generate_all(client, BURST, greedy(BURST_NEW))
 
 
 def test_target_stopped_mid_prefill_replays_every_request_exactly(tiny_dir: Path, oracle) -> None:

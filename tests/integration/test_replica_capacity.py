@@ -7,16 +7,14 @@ and every one is served exactly, none refused."""
 from __future__ import annotations
 
 import asyncio
-import threading
 from pathlib import Path
 from types import SimpleNamespace
 
-import grpc
 import pytest
 from grpc_harness import (
     SPEC,
     LoopThread,
-    collect,
+    generate_all,
     greedy,
     serve_draft,
     serve_router,
@@ -91,25 +89,7 @@ def hold_first_prefill(monkeypatch: pytest.MonkeyPatch, core, num_requests: int)
 
 def run_all(client: GenerationClient, speculate: bool) -> tuple[dict, dict]:
     """Every prompt at once: the tokens of each, and the status of each that failed."""
-    outputs: dict[int, list[int]] = {}
-    errors: dict[int, str] = {}
-
-    def run(k: int) -> None:
-        call = client.generate(
-            prompt_token_ids=PROMPTS[k], sampling=greedy(MAX_NEW),
-            disable_speculation=not speculate, timeout=60,
-        )  # fmt: skip
-        try:
-            outputs[k] = collect(call)[0]
-        except grpc.RpcError as e:
-            errors[k] = f"{e.code().name}: {e.details()}"
-
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(PROMPTS))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(90)
-    return outputs, errors
+    return generate_all(client, PROMPTS, greedy(MAX_NEW), disable_speculation=not speculate)
 
 
 @pytest.mark.parametrize("speculate", [True, False], ids=["draft-bound", "target-bound"])

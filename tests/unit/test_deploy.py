@@ -1,7 +1,6 @@
 """docker-compose.yml (+ docker-compose.tls.yml), the Dockerfile and the Kubernetes manifests.
-Every manifest passes `kubernetes-validate --strict` against the newest Kubernetes schema it
-bundles (field names, types, required fields; no unknown field). What a schema cannot say is
-checked against the real CLI: every command parses with `specmesh`'s own parser, every port a
+Their schemas (`kubernetes-validate --strict`) are `test_deploy_schema.py`'s; what a schema
+cannot say is checked here against the real CLI: every command parses with `specmesh`'s own parser, every port a
 command listens on is the one exposed / probed / dialled / admitted by the NetworkPolicies,
 every health check names a service the servers register, every port serving /metrics (a
 model service's ``--metrics-port``, the router's ``--http-port``) is the one the Prometheus
@@ -16,7 +15,6 @@ import copy
 import re
 from pathlib import Path
 
-import kubernetes_validate
 import pytest
 import yaml
 
@@ -168,47 +166,6 @@ def test_dockerfile_copies_what_the_package_needs() -> None:
 
 
 # -- kubernetes ----------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def k8s() -> list[dict]:
-    docs = []
-    for path in sorted((ROOT / "deploy" / "k8s").glob("*.yaml")):
-        docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
-    return docs
-
-
-def _k8s_schema_version() -> str:
-    """The newest Kubernetes version whose schemas kubernetes-validate bundles (no download)."""
-    version = kubernetes_validate.latest_version()
-    major_minor = tuple(int(n) for n in version.split(".")[:2])
-    assert major_minor >= (1, 30), f"kubernetes-validate bundles schemas up to {version} only"
-    return version
-
-
-def _check_schemas(k8s: list[dict]) -> None:
-    version = _k8s_schema_version()
-    for doc in k8s:  # a kind without a bundled schema raises too: nothing is skipped
-        kubernetes_validate.validate(doc, version, strict=True)
-
-
-def test_k8s_manifests_pass_the_strict_schema(k8s: list[dict]) -> None:
-    _check_schemas(k8s)
-
-
-SCHEMA_MISTAKES = {
-    "unknown field": lambda c: c["ports"][0].update({"containerPorts": 1}),
-    "wrong type": lambda c: c["ports"][0].update({"containerPort": "50052"}),
-    "missing required": lambda c: c.pop("name"),
-}
-
-
-@pytest.mark.parametrize("mistake", SCHEMA_MISTAKES)
-def test_k8s_schema_check_catches_a_malformed_field(k8s: list[dict], mistake: str) -> None:
-    """Each mistake, planted in the target's container in a copy, fails the schema check."""
-    docs = copy.deepcopy(k8s)
-    (target,) = [d for d in docs if d["kind"] == "StatefulSet"]
-    SCHEMA_MISTAKES[mistake](target["spec"]["template"]["spec"]["containers"][0])
-    with pytest.raises(kubernetes_validate.ValidationError):
-        _check_schemas(docs)
 
 
 def test_k8s_workloads_parse_and_probe_registered_services(k8s: list[dict]) -> None:

@@ -89,3 +89,29 @@ def test_predraft_is_off_for_mtp_and_by_default(tiny_dir, tmp_path) -> None:
     engine = Engine(target, draft_model=mtp, draft_kind="mtp", spec=SpecParams(3, 2, 5),
                     draft_config={"predraft": 4})  # fmt: skip
     assert engine.draft.ahead is None
+
+
+def test_a_hit_moves_its_tree_into_place(prompts, monkeypatch) -> None:
+    """After a hit the outcome's subtree is re-indexed where a search would have put it: every
+    forwarded node's record points at the same KV slot (the K/V it was grown with) under its new
+    token index, and the moved entries sit past the exact prefix the extend rewrote."""
+    from specmesh.draft_service.predraft import PreDrafter
+
+    checked = []
+    adopt = PreDrafter.adopt
+
+    def checked_adopt(self, rid, outcome):
+        cache = self.drafter.cache
+        before = {path: int(cache.slots(rid, r.kv, r.kv + 1)) for path, r in outcome.records.items()
+                  if r.kv is not None}  # fmt: skip
+        adopt(self, rid, outcome)
+        _, records = self.trees[rid]
+        spec_base = self.drafter.roots[rid].spec_base
+        for path, slot in before.items():
+            kv = records[path].kv
+            assert kv >= spec_base and int(cache.slots(rid, kv, kv + 1)) == slot
+        checked.append(len(before))
+
+    monkeypatch.setattr(PreDrafter, "adopt", checked_adopt)
+    demo_engine(predraft=4).generate(prompts, SamplingParams(max_new_tokens=48, ignore_eos=True))
+    assert checked and all(n > 0 for n in checked)
