@@ -51,6 +51,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "(other sizes run eagerly)",
     )
     add_tensor_parallel_arg(p)
+    p.add_argument(
+        "--no-run-ahead",
+        dest="run_ahead",
+        action="store_false",
+        help="do not decide a plain request's next decode step while the router handles the "
+        "step just answered (run-ahead hides the hop behind the forward; output is the same)",
+    )
     add_prefix_cache_args(p)
     add_limit_args(p, TargetConfig, IMAGE_LIMITS)
     add_metrics_port_arg(p)
@@ -201,7 +208,7 @@ def run_target(args: argparse.Namespace) -> int:
     def load() -> TargetRuntime:
         tree_sizes = {"cuda_graph_tree_sizes": args.cuda_graph_tree_sizes}
         images = {name: getattr(args, name) for name in IMAGE_LIMITS}
-        tp = {"tensor_parallel_size": args.tensor_parallel_size}
+        tp = {"tensor_parallel_size": args.tensor_parallel_size, "run_ahead": args.run_ahead}
         prefix = {"prefix_cache_tokens": args.prefix_cache_tokens,
                   "prefix_block_size": args.prefix_block_size}  # fmt: skip
         return TargetRuntime(

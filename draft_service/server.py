@@ -116,7 +116,7 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServicer):
         """A batch arrived: the pre-draft budget measures how long it waits behind one."""
         runtime.budget.arrived()
 
-    def after_answer(self, runtime: DraftRuntime) -> None:
+    def after_answer(self, runtime: DraftRuntime, stream: StreamOwner) -> None:
         """What the step left for after its answer (pre-drafting) runs on the worker now, while
         the target verifies; the stream's next batch queues behind it."""
         if runtime.pending is not None:

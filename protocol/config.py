@@ -76,6 +76,9 @@ class TargetConfig:
     # Ranks (processes, one device each) the model is split over (`runtime.parallel`); rank 0
     # is this process and owns all request state. CUDA graphs run only at 1.
     tensor_parallel_size: int = 1
+    # Decide a plain request's next decode step while the router handles the one just answered
+    # (`target_service.run_ahead`).
+    run_ahead: bool = True
 
 
 @dataclass(frozen=True)

@@ -223,6 +223,14 @@ class ModelServicer:
     def _collected(self, _future: asyncio.Future) -> None:
         self.inline.num_submitted -= 1
 
+    def run_soon(self, fn, *args) -> None:
+        """Runtime work no answer waits for: inline when `InlineSteps` allows, else on the
+        worker (where the next batch queues behind it)."""
+        if self.inline.allow():
+            fn(*args)
+        else:
+            self._submit(fn, *args).add_done_callback(log_failure)
+
     async def _step(self, runtime, stream: StreamOwner, chunks: list):
         """One batch's answer: inline when `InlineSteps` allows, else on the worker."""
         timed = self.metrics.timed(self._answer)
@@ -245,9 +253,9 @@ class ModelServicer:
     def before_step(self, runtime) -> None:
         """Called as a batch arrives, before it waits for the worker; nothing by default."""
 
-    def after_answer(self, runtime) -> None:
-        """Called once a batch's answer is sent (the draft's pre-drafting); nothing by
-        default."""
+    def after_answer(self, runtime, stream: StreamOwner) -> None:
+        """Called once a batch of ``stream``'s is answered (the draft's pre-drafting, the
+        target's run-ahead); nothing by default."""
 
     def occupancy(
         self, runtime, num_requests: int, kv_slots: tuple[int, int]
@@ -274,7 +282,7 @@ class ModelServicer:
                     await abort_with(context, answer)
                 for msg in frame(answer, chunks[0].batch_id):
                     yield msg
-                self.after_answer(runtime)
+                self.after_answer(runtime, stream)
         finally:
             stream.closed = True
             self._submit(self._close, runtime, stream).add_done_callback(log_failure)
@@ -318,7 +326,7 @@ class ModelServicer:
 
 def log_failure(future: asyncio.Future) -> None:
     if not future.cancelled() and future.exception() is not None:
-        log.error("stream cleanup failed", exc_info=future.exception())
+        log.error("background runtime work failed", exc_info=future.exception())
 
 
 async def start_model(

@@ -40,6 +40,7 @@ from specmesh.target_service.llava import ImageEncoder, load_llava
 from specmesh.target_service.prefill import prefill_inputs
 from specmesh.target_service.prefill_pieces import PartialPrefills
 from specmesh.target_service.prefix import TargetPrefixes, feature_key
+from specmesh.target_service.run_ahead import RunAhead
 from specmesh.target_service.state import TargetRequest
 from specmesh.target_service.tp_model import start_tensor_parallel
 from specmesh.target_service.verify import verify_trees
@@ -89,6 +90,7 @@ class TargetRuntime:
         self.requests: dict[str, TargetRequest] = {}
         self.partial = PartialPrefills()  # requests whose input is still arriving in pieces
         self.grammars = Grammars(cfg.model_dir, mc.vocab_size, mc.eos_token_ids)
+        self.ahead = RunAhead()  # plain requests' next steps, decided early (`run_ahead`)
 
     def _capture_graphs(self) -> TargetGraphs | None:
         cfg = self.cfg
@@ -219,6 +221,7 @@ class TargetRuntime:
     def release(self, rid: str) -> bool:
         """Free ``rid``'s KV and state; False (a no-op) when the target holds none."""
         self.requests.pop(rid, None)
+        self.ahead.drop(rid)
         self.partial.pop(rid)
         self.prefixes.release(rid)
         if rid not in self.cache.requests:

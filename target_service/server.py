@@ -61,6 +61,8 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServicer):
         super().__init__(host)
         self.chunk_bytes = chunk_bytes
         self.needs: dict[int, FeatureSpec] = {}  # per open stream: what its drafts read
+        # Per stream: the plain requests its last verify answered, to run ahead (`run_ahead`).
+        self.plain: dict[int, list[str]] = {}
         # GetTokenizer's answer, read from the checkpoint at the first call and kept: every
         # router of this target gets the same files and digest.
         self.tokenizer_files: TokenizerFiles | None = None
@@ -106,6 +108,10 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServicer):
         out = self._run(runtime, work, run, feature)
         out.errors.update(errors)
         self.owners.settle(stream, [r.request_id for r in run], runtime.holds)
+        if work != "prefill" and runtime.cfg.run_ahead:
+            plain = [r.request_id for r in run if work == "decode" or len(r.tree.tokens) == 1]
+            live = {sid: p for sid, p in self.plain.items() if sid in self.owners.streams}
+            self.plain = {**live, stream.id: [rid for rid in plain if rid in out.tokens]}
         return self._response(req, _Batch(rids, out), feature)
 
     def _run(self, runtime: TargetRuntime, work: str, requests: list, feature: Feature):
@@ -127,6 +133,14 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServicer):
                     f"{MAX_DRAFT_TOKENS}"
                 )
         return out
+
+    def after_answer(self, runtime: TargetRuntime, stream: StreamOwner) -> None:
+        """A verify of one-node trees was answered: decide those requests' next step now,
+        while the router handles this one (`target_service.run_ahead`)."""
+        plain = self.plain.pop(stream.id, None)
+        if plain:
+            feature = self.needs.get(stream.id, FeatureSpec()).feature
+            self.run_soon(runtime.ahead.run, runtime, plain, feature)
 
     def _open(self, runtime: TargetRuntime, stream: StreamOwner, needs: FeatureSpec) -> None:
         """The handshake: serve ``needs`` unless its aux layers do not fit the model

@@ -7,6 +7,7 @@ state; these functions only read and advance it through the runtime."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -16,10 +17,9 @@ from specmesh.kernels.compaction import compact_accepted
 from specmesh.protocol.errors import InvalidRequestError, KVCacheFullError, SpecmeshError
 from specmesh.protocol.features import Feature
 from specmesh.protocol.sampling import SamplingParams
-from specmesh.protocol.steps import StepOutput, VerifyInput
+from specmesh.protocol.steps import Logprob, StepOutput, VerifyInput
 from specmesh.protocol.trees import DraftTree
 from specmesh.runtime.model_runner import BatchItem, run_batch
-from specmesh.runtime.models.causal_lm import ModelOutput
 from specmesh.runtime.sampling import TokenHistory
 from specmesh.runtime.tree import Tree
 from specmesh.target_service.acceptance import accept_trees, padded_row_index
@@ -48,7 +48,21 @@ def verify_trees(
     """Forward every tree (prefix + ancestors + self mask, positions ``committed + depth``),
     accept a path greedily or by lossless tree sampling, keep the path's KV by length.
     A request that is invalid or whose tree does not fit in the KV cache fails alone and
-    is dropped."""
+    is dropped. Requests whose step already ran ahead (`run_ahead`) are only kept."""
+    ahead = rt.ahead.take(rt, inputs, feature)
+    if ahead is not None:
+        return keep(rt, feature, ahead)
+    rows, errors = verify_rows(rt, inputs, rt.release)
+    out = run_isolated(rows, lambda b: keep(rt, feature, *decide(rt, b, feature)), rt.release)
+    out.errors.update(errors)
+    return out
+
+
+def verify_rows(
+    rt: TargetRuntime, inputs: list[VerifyInput], on_error: Callable[[str], object]
+) -> tuple[list[VerifyRow], dict[str, SpecmeshError]]:
+    """Each input's row, checked and fitted into the KV cache; or its error, after which
+    ``on_error(rid)`` runs (the verify drops the request; a run-ahead leaves it be)."""
     errors: dict[str, SpecmeshError] = {}
     rows, demand = [], {}
     for inp in inputs:
@@ -57,13 +71,11 @@ def verify_trees(
             row.item = _verify_item(rt, row, demand)
         except SpecmeshError as e:
             errors[inp.rid] = e
-            rt.release(inp.rid)
+            on_error(inp.rid)
             continue
         demand[inp.rid] = row.item.start + row.item.q_len
         rows.append(row)
-    out = run_isolated(rows, lambda b: _verify_batch(rt, b, feature), rt.release)
-    out.errors.update(errors)
-    return out
+    return rows, errors
 
 
 def _verify_row(rt: TargetRuntime, inp: VerifyInput) -> VerifyRow:
@@ -91,7 +103,26 @@ def _verify_item(rt: TargetRuntime, row: VerifyRow, demand: dict[str, int]) -> B
     return BatchItem(row.rid, row.tree.tokens, base, base + row.tree.depths, mask)
 
 
-def _verify_batch(rt: TargetRuntime, rows: list[VerifyRow], feature: Feature) -> StepOutput:
+@dataclass
+class Decided:
+    """One request's verify, decided and not yet kept: the accepted path (node indices, root
+    first) and its tokens, the tokens it yields (the accepted children, then the bonus), their
+    logprobs when asked, and the path's feature rows."""
+
+    row: VerifyRow
+    path: list[int]
+    path_ids: list[int]
+    tokens: list[int]
+    features: torch.Tensor | None
+    logprobs: list[Logprob] | None = None
+
+
+def decide(
+    rt: TargetRuntime, rows: list[VerifyRow], feature: Feature
+) -> tuple[list[Decided], torch.Tensor | None]:
+    """Forward the rows' trees and choose each one's path and bonus; no request's state
+    changes (the KV written for the trees stays uncommitted). Also the chosen paths' feature
+    rows, flat in row order."""
     items = [r.item for r in rows]
     runner = rt.graphs.runner_for(items) if rt.graphs is not None else None
     if runner is not None:  # a CUDA graph of this batch's shape
@@ -100,50 +131,65 @@ def _verify_batch(rt: TargetRuntime, rows: list[VerifyRow], feature: Feature) ->
         res = run_batch(rt.model, rt.cache, rt.backend, items)
     logits = rt.model.compute_logits(res.hidden)
     if all(r.tree.num_nodes == 1 and _plain_greedy(r.params) for r in rows):
-        return _greedy_decode(rt, rows, res, logits, feature)
+        # Plain greedy decoding (every tree is its root alone): the tree verifier would pick the
+        # argmax and keep the one row, so do just that. The features are a copy: a graph
+        # replay's outputs are overwritten.
+        feats = rt.select_feature(res, feature)
+        feats = None if feats is None else feats.clone()
+        return [
+            Decided(row, [0], [rt.requests[row.rid].pending], [tok], _rows(feats, b, 1))
+            for b, (row, tok) in enumerate(zip(rows, logits.argmax(-1).tolist(), strict=True))
+        ], feats
     n_max = max(r.tree.num_nodes for r in rows)
     acceptance = accept_trees(rows, logits, n_max, rt.kernel_impl)
     result = acceptance.result
     flat, _ = compact_accepted(result.accept_path, result.accept_len, rt.kernel_impl)
     row_of = padded_row_index([r.tree.num_nodes for r in rows], n_max).to(flat.device)
-    out = StepOutput(features=rt.select_feature(res.select(row_of[flat]), feature))
+    feats = rt.select_feature(res.select(row_of[flat]), feature)
     # One device-to-host copy per field; the per-request bookkeeping below is host-side.
     paths, lens = result.accept_path.tolist(), result.accept_len.tolist()
-    key, start = rt.feature_key(feature), 0
+    decided, start = [], 0
     for b, (row, full_path, n, bonus) in enumerate(
         zip(rows, paths, lens, result.bonus.tolist(), strict=True)
     ):
         path = full_path[:n]
-        rt.cache.accept_path(row.rid, path, row.tree.num_nodes)
-        feats = None if out.features is None else out.features[start : start + n]
-        rt.prefixes.extend(row.rid, row.tree.tokens[path].tolist(), feats, key)
-        start += n
-        tokens = [*row.tree.tokens[path[1:]].tolist(), bonus]
+        path_ids = row.tree.tokens[path].tolist()
+        tokens = [*path_ids[1:], bonus]
+        d = Decided(row, path, path_ids, tokens, _rows(feats, start, n))
         if row.params.logprobs is not None:  # node path[k]'s row drew tokens[k]
             lp = acceptance.logprobs[b, torch.tensor(path, device=acceptance.logprobs.device)]
-            out.logprobs[row.rid] = pick_logprobs(lp, tokens, row.params.logprobs)
-        rt.advance(row.rid, tokens, out)
-    return out
+            d.logprobs = pick_logprobs(lp, tokens, row.params.logprobs)
+        decided.append(d)
+        start += n
+    return decided, feats
 
 
-def _greedy_decode(
+def keep(
     rt: TargetRuntime,
-    rows: list[VerifyRow],
-    res: ModelOutput,
-    logits: torch.Tensor,
     feature: Feature,
+    decided: list[Decided],
+    features: torch.Tensor | None = None,
 ) -> StepOutput:
-    """Plain greedy decoding (every tree is its root alone): the tree verifier would pick
-    the argmax and keep the one row, so do just that."""
-    feats = rt.select_feature(res, feature)  # a copy: a graph replay's outputs are overwritten
-    out = StepOutput(features=None if feats is None else feats.clone())
-    key = rt.feature_key(feature)
-    for b, (row, tok) in enumerate(zip(rows, logits.argmax(-1).tolist(), strict=True)):
-        rt.cache.commit(row.rid, rt.cache.get(row.rid).committed_len + 1)
-        feats = None if out.features is None else out.features[b : b + 1]
-        rt.prefixes.extend(row.rid, [rt.requests[row.rid].pending], feats, key)
-        rt.advance(row.rid, [tok], out)
+    """Commit each decided path (its KV, the prefix cache's blocks, the request's tokens).
+    ``features`` are the paths' rows flat in order, or None to gather them here."""
+    if features is None and decided and decided[0].features is not None:
+        features = torch.cat([d.features for d in decided])
+    out, key = StepOutput(features=features), rt.feature_key(feature)
+    for d in decided:
+        rid, n = d.row.rid, d.row.tree.num_nodes
+        if n == 1:
+            rt.cache.commit(rid, rt.cache.get(rid).committed_len + 1)
+        else:
+            rt.cache.accept_path(rid, d.path, n)
+        rt.prefixes.extend(rid, d.path_ids, d.features, key)
+        if d.logprobs is not None:
+            out.logprobs[rid] = d.logprobs
+        rt.advance(rid, d.tokens, out)
     return out
+
+
+def _rows(feats: torch.Tensor | None, start: int, n: int) -> torch.Tensor | None:
+    return None if feats is None else feats[start : start + n]
 
 
 @functools.lru_cache(maxsize=4096)

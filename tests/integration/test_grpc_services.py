@@ -44,7 +44,7 @@ CODE = grpc.StatusCode
 # -- correctness -------------------------------------------------------------------------------
 @pytest.mark.parametrize("speculate", [True, False], ids=["eagle3", "disable_speculation"])
 def test_greedy_through_router_matches_transformers(stack, speculate: bool) -> None:
-    drafted = count_batches(stack.draft)
+    drafted, hits = count_batches(stack.draft), stack.target.runtime.ahead.num_hits
     for prompt, n in zip(PROMPTS, [14, 9, 11, 20], strict=True):
         call = stack.client.generate(
             prompt_token_ids=prompt, sampling=greedy(n), disable_speculation=not speculate
@@ -57,6 +57,8 @@ def test_greedy_through_router_matches_transformers(stack, speculate: bool) -> N
         if not speculate:
             assert accept_lens == [1] * (n - 1)  # one token per round after the prefill's
     assert (drafted["batches"] > 0) == speculate
+    if not speculate:  # the target ran every decode step ahead but the first (`run_ahead`)
+        assert stack.target.runtime.ahead.num_hits - hits == sum(n - 2 for n in [14, 9, 11, 20])
 
 
 def test_text_prompt_is_tokenized_and_detokenized(stack) -> None:
