@@ -3,12 +3,14 @@ and a random EAGLE-3 head) served in process and as a cluster, batch 1.
 
     python -m specmesh.bench.hop [--out DIR] [--repeats 3] [--profile]
 
-Four configurations, each (configuration, repeat) in a fresh `bench.worker` process, repeats
-interleaved (A1 B1 C1 D1 A2 ...): in process plain, cluster plain, in process EAGLE-3, cluster
-EAGLE-3 (`--speculation always`: every round drafts and verifies the full tree; acceptance does
-not matter). The cluster is `bench.stacks.local_deployment`: target, draft and router processes
-on loopback; its plain run keeps the draft service up, idle (the requests disable speculation).
-Requests run one at a time, greedy, ``PROMPT_LEN`` prompt tokens, ``MAX_NEW_TOKENS`` new ones.
+Five configurations, each (configuration, repeat) in a fresh `bench.worker` process, repeats
+interleaved (A1 B1 C1 D1 E1 A2 ...): in process plain, cluster plain, cluster plain with the
+target's run-ahead off (`--no-run-ahead`: the hop itself, nothing hidden), in process EAGLE-3,
+cluster EAGLE-3 (`--speculation always`: every round drafts and verifies the full tree;
+acceptance does not matter). The cluster is `bench.stacks.local_deployment`: target, draft and
+router processes on loopback; its plain run keeps the draft service up, idle (the requests
+disable speculation). Requests run one at a time, greedy, ``PROMPT_LEN`` prompt tokens,
+``MAX_NEW_TOKENS`` new ones.
 
 A round is one streamed chunk after the first (prefill's) token: a decode step, or one draft +
 verify. ms/round = (last chunk - first chunk) / rounds, over a run's requests.
@@ -44,7 +46,6 @@ from specmesh.bench.report import write_json
 from specmesh.bench.runners import RunSpec
 from specmesh.bench.session import cpu_model
 from specmesh.bench.spawn import run_worker
-from specmesh.bench.suite import interleave
 from specmesh.bench.worker import Job
 from specmesh.defaults import ModelChoice
 from specmesh.protocol.config import SpecParams
@@ -59,6 +60,15 @@ WORKER = [sys.executable, "-m", "specmesh.bench.worker"]
 WORKER_TIMEOUT_S = 900.0
 PROFILE_FLAG, TOP_FUNCTIONS = "--profile-service", 15
 SIGNAL_SETTLE_S = 0.5  # for the services to handle a profile signal
+# The target's flag that turns run-ahead decoding off: the plain cluster runs with it too, so
+# the hop itself shows beside what run-ahead hides of it.
+NO_RUN_AHEAD = "--no-run-ahead"
+# (mode, cluster configuration, in-process configuration) of each ratio reported
+MODES = (
+    ("plain", "cluster plain", "inprocess plain"),
+    (f"plain {NO_RUN_AHEAD}", f"cluster plain {NO_RUN_AHEAD}", "inprocess plain"),
+    (DRAFT_KIND, f"cluster {DRAFT_KIND}", f"inprocess {DRAFT_KIND}"),
+)
 
 
 def build_models(root: Path) -> ModelChoice:
@@ -73,19 +83,34 @@ def build_models(root: Path) -> ModelChoice:
     return ModelChoice(str(target), str(draft), DRAFT_KIND)
 
 
-def plan(num_requests: int) -> list[RunSpec]:
-    """In process and cluster back to back, plain then EAGLE-3."""
+@dataclass(frozen=True)
+class Config:
+    """One measured configuration: a run, and flags its cluster's target gets besides."""
+
+    run: RunSpec
+    target_args: tuple[str, ...] = ()
+
+    @property
+    def label(self) -> str:
+        mode = DRAFT_KIND if self.run.spec else "plain"
+        return f"{self.run.backend} {mode}{' ' + NO_RUN_AHEAD if self.target_args else ''}"
+
+
+def plan(num_requests: int) -> list[Config]:
+    """In process and cluster back to back, plain (the cluster with run-ahead on and off)
+    then EAGLE-3."""
 
     def run(backend: str, spec: SpecParams | None) -> RunSpec:
         kind = DRAFT_KIND if spec else None
         return RunSpec(backend, WORKLOAD, 1, 0.0, spec, MAX_NEW_TOKENS, num_requests, DTYPE, kind)
 
-    return [run(backend, spec) for spec in (None, SPEC) for backend in ("inprocess", "cluster")]
-
-
-def label(res: dict[str, Any]) -> str:
-    """``<backend> <mode>`` of a worker's result."""
-    return f"{res['backend']} {DRAFT_KIND if res['speculative'] else 'plain'}"
+    return [
+        Config(run("inprocess", None)),
+        Config(run("cluster", None)),
+        Config(run("cluster", None), (NO_RUN_AHEAD,)),
+        Config(run("inprocess", SPEC)),
+        Config(run("cluster", SPEC)),
+    ]
 
 
 def num_rounds(res: dict[str, Any]) -> int:
@@ -108,28 +133,29 @@ def measure(models: ModelChoice, threads: int, repeats: int, num_requests: int) 
     prompts = load_workload(WORKLOAD, tokenizer, num_requests, PROMPT_LEN).prompts
     pad = tokenizer.pad_token_id or 0
     by_label: dict[str, list[dict[str, Any]]] = {}
-    order = interleave(plan(num_requests), repeats)
-    for i, (repeat, run) in enumerate(order):
-        job = Job(run, models.target, models.draft, {}, threads, prompts, pad, (DRAFT_KIND, SPEC))
+    order = [(r, c) for r in range(repeats) for c in plan(num_requests)]  # interleaved
+    for i, (repeat, c) in enumerate(order):
+        job = Job(c.run, models.target, models.draft, {}, threads, prompts, pad,
+                  (DRAFT_KIND, SPEC), target_args=list(c.target_args))  # fmt: skip
         res = run_worker(WORKER, job.to_json(), threads, WORKER_TIMEOUT_S)
-        res |= {"repeat": repeat, "ms_per_round": ms_per_round(res)}
-        by_label.setdefault(label(res), []).append(res)
-        print(f"[hop {i + 1}/{len(order)}] {label(res)}: {res['tokens_per_s']:.1f} tok/s, "
+        res |= {"repeat": repeat, "ms_per_round": ms_per_round(res), "label": c.label}
+        by_label.setdefault(c.label, []).append(res)
+        print(f"[hop {i + 1}/{len(order)}] {c.label}: {res['tokens_per_s']:.1f} tok/s, "
               f"{res['ms_per_round']:.2f} ms/round", file=sys.stderr, flush=True)  # fmt: skip
     return [_config(runs) for runs in by_label.values()]
 
 
 def _config(runs: list[dict[str, Any]]) -> dict[str, Any]:
     ms = [r["ms_per_round"] for r in runs]
-    return aggregate(runs) | {"label": label(runs[0]), "ms_per_round": spread(ms), "ms_per_round_runs": ms}  # fmt: skip
+    return aggregate(runs) | {"label": runs[0]["label"], "ms_per_round": spread(ms), "ms_per_round_runs": ms}  # fmt: skip
 
 
 def compare(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per mode: cluster / in process tokens/s, and the milliseconds per round the hop adds."""
     by_label = {c["label"]: c for c in configs}
     out = []
-    for mode in ("plain", DRAFT_KIND):
-        cluster, local = by_label[f"cluster {mode}"], by_label[f"inprocess {mode}"]
+    for mode, cluster_label, local_label in MODES:
+        cluster, local = by_label[cluster_label], by_label[local_label]
         extra = [a - b for a, b in zip(cluster["ms_per_round_runs"], local["ms_per_round_runs"], strict=True)]  # fmt: skip
         median_extra = cluster["ms_per_round"]["median"] - local["ms_per_round"]["median"]
         ratio = ratio_spread(cluster["tokens_per_s_runs"], local["tokens_per_s_runs"])
@@ -286,7 +312,8 @@ def anatomy(stats: pstats.Stats, rounds: int) -> str:
 def profile(models: ModelChoice, out: Path, num_requests: int) -> dict[str, Any]:
     """Each cluster mode once with its services profiled; prints and returns their tops."""
     report: dict[str, Any] = {}
-    for run in plan(num_requests)[1::2]:  # the cluster runs
+    runs = [c.run for c in plan(num_requests) if c.run.backend == "cluster" and not c.target_args]
+    for run in runs:  # the cluster's, run-ahead on
         spawn = ProfiledSpawn(out / "profile", run.mode)
         spawn.prof_dir.mkdir(parents=True, exist_ok=True)
         res = asyncio.run(_profiled_run(models, run, spawn))

@@ -44,6 +44,7 @@ class Job:
     # (`bench.predraft`: one core stands in for each device).
     cpus: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     draft_args: list[str] = dataclasses.field(default_factory=list)
+    target_args: list[str] = dataclasses.field(default_factory=list)  # `bench.hop`: run-ahead off
 
     def to_json(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "run": self.run.to_json()}
@@ -93,11 +94,11 @@ async def _run_router_side(job: Job) -> dict[str, Any]:
 
 def _placed_spawn(job: Job) -> Any:
     """`spawn_service` starting each service on its CPUs (a child inherits the affinity its
-    parent has when it starts) with the draft's extra flags."""
+    parent has when it starts) with the draft's and the target's extra flags."""
     from specmesh.cluster import spawn_service
 
     def spawn(children: list, kind: str, flags: list[str]) -> str:
-        extra = job.draft_args if kind == "draft" else []
+        extra = {"draft": job.draft_args, "target": job.target_args}.get(kind, [])
         mine = os.sched_getaffinity(0)
         if kind in job.cpus:
             os.sched_setaffinity(0, job.cpus[kind])

@@ -6,7 +6,7 @@ Recorded per Step batch on the worker thread (`ServiceMetrics.timed` wraps the s
 answer): the runtime's latency and the batch's size, by work kind (prefill, decode, verify,
 extend, propose, release, open). Read at scrape time from what the service already reports in
 `GetInfo` (`ModelServicer.info(...).occupancy`, one owner for each number): KV slots used /
-free, requests held, open Step streams. Every series carries ``service="target"|"draft"``.
+free, requests held, open Step streams, prefix-cache and run-ahead counters. Every series carries ``service="target"|"draft"``.
 """
 
 from __future__ import annotations
@@ -120,7 +120,23 @@ class _Occupancy:
             family = GaugeMetricFamily(f"specmesh_{name}", doc, labels=["service"])
             family.add_metric([self.service], value)
             families.append(family)
-        return families + self._prefix_cache(runtime)
+        return families + self._prefix_cache(runtime) + self._run_ahead(runtime)
+
+    def _run_ahead(self, runtime) -> list:
+        """Plain steps a target decided ahead, and how many answered a verify
+        (`target_service.run_ahead`)."""
+        ahead = getattr(runtime, "ahead", None)
+        if ahead is None:
+            return []
+        families = []
+        for name, doc, value in [
+            ("run_ahead_steps", "Plain decode steps decided ahead of the router's verify", ahead.num_runs),
+            ("run_ahead_hits", "Steps decided ahead that answered the router's verify", ahead.num_hits),
+        ]:  # fmt: skip
+            family = CounterMetricFamily(f"specmesh_{name}", doc, labels=["service"])
+            family.add_metric([self.service], value)
+            families.append(family)
+        return families
 
     def _prefix_cache(self, runtime) -> list:
         """vLLM's prefix-cache counters, in prompt tokens (a target with its cache on)."""

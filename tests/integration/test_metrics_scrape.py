@@ -89,6 +89,8 @@ def test_target_metrics_endpoint_shows_kv_held_while_streaming(stack) -> None:
         after = _scrape(port)
         assert after['specmesh_step_latency_seconds_count{kind="verify",service="target"}'] > 0
         assert after['specmesh_step_batch_size_count{kind="prefill",service="target"}'] > 0
+        hits = after['specmesh_run_ahead_hits_total{service="target"}']
+        assert 0 <= hits <= after['specmesh_run_ahead_steps_total{service="target"}']
         refresh()
         assert router_usage() == after[usage] == 0.0
     finally:
