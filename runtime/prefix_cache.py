@@ -18,11 +18,13 @@ Lifetimes: a block is referenced by every running request whose row lists it; un
 blocks are evicted least recently used first, leaves before their parents (a parent's key is in
 its children's), when the KV pool runs short (`KVCache.reclaim`) or the cache exceeds
 ``max_tokens``. Cached pages belong to the cache, not to a request or a stream: a request's
-release drops its references only.
+release drops its references only. The evictable blocks (unreferenced leaves) wait in a heap by
+last use, so finding each victim costs O(log n) however many referenced blocks are older.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -41,6 +43,11 @@ class Block:
     features: dict[str, torch.Tensor] = field(default_factory=dict)  # kind -> [block, dim]
     refs: int = 0
     children: int = 0
+    used: int = 0  # the cache's clock at the block's last use (its place in the LRU order)
+
+    @property
+    def evictable(self) -> bool:
+        return not self.refs and not self.children
 
 
 @dataclass
@@ -66,6 +73,11 @@ class PrefixCache:
         self.lookahead = lookahead
         self.blocks: OrderedDict[bytes, Block] = OrderedDict()  # least recently used first
         self.held: dict[str, list[Block]] = {}  # request -> the blocks its row lists
+        # (used, key) of every block that became evictable; an entry whose block was used,
+        # referenced or evicted since is stale and skipped (`_victim`)
+        self.victims: list[tuple[int, bytes]] = []
+        self.clock = 0
+        self.num_free_pages = 0  # pages of unreferenced blocks
         self.num_queried = self.num_hit = 0  # prompt tokens looked up / found, for metrics
         cache.reclaim = self.evict
 
@@ -76,7 +88,7 @@ class PrefixCache:
     @property
     def num_evictable_slots(self) -> int:
         """Slots of blocks no request lists (free for the taking)."""
-        return sum(len(b.pages) for b in self.blocks.values() if not b.refs) * self.cache.page_size
+        return self.num_free_pages * self.cache.page_size
 
     # -- lookup --------------------------------------------------------------------------------
     def match(self, ids: list[int], feature: str | None) -> Match:
@@ -101,8 +113,8 @@ class PrefixCache:
         pages = [p for b in match.blocks for p in b.pages]
         self.cache.attach_shared(rid, pages)
         for b in match.blocks:
-            b.refs += 1
-            self.blocks.move_to_end(b.key)
+            self._ref(b, 1)
+            self._use(b)
         self.held[rid] = list(match.blocks)
 
     def features(self, match: Match, feature: str) -> torch.Tensor:
@@ -129,21 +141,22 @@ class PrefixCache:
                 slot_ids = table[start : start + self.block_size : ps].tolist()
                 block = Block(key, parent, tokens, [s // ps for s in slot_ids])
                 self.blocks[key] = block
+                self.num_free_pages += len(block.pages)
                 self.cache.share(block.pages)
                 if parent is not None:
                     self.blocks[parent].children += 1
             if i >= len(held):
                 held.append(block)
-                block.refs += 1
+                self._ref(block, 1)
             if feature is not None and rows is not None and feature not in block.features:
                 block.features[feature] = rows[start : start + self.block_size].clone()
-            self.blocks.move_to_end(key)
+            self._use(block)
         self.evict(0)
 
     def release(self, rid: str) -> None:
         """``rid`` no longer lists its blocks; the cache is brought back within its bound."""
         for b in self.held.pop(rid, ()):
-            b.refs -= 1
+            self._ref(b, -1)
         self.evict(0)
 
     # -- evict ---------------------------------------------------------------------------------
@@ -153,12 +166,46 @@ class PrefixCache:
         returns the pages freed."""
         freed = 0
         while freed < num_pages or self.num_tokens > self.max_tokens:
-            victim = next((b for b in self.blocks.values() if not b.refs and not b.children), None)
+            victim = self._victim()
             if victim is None:
                 break
             del self.blocks[victim.key]
+            self.num_free_pages -= len(victim.pages)
             if victim.parent is not None:
-                self.blocks[victim.parent].children -= 1
+                parent = self.blocks[victim.parent]
+                parent.children -= 1
+                self._maybe_evictable(parent)
             self.cache.unshare(victim.pages)
             freed += len(victim.pages)
         return freed
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+    def _use(self, block: Block) -> None:
+        self.clock += 1
+        block.used = self.clock
+        self.blocks.move_to_end(block.key)
+        self._maybe_evictable(block)
+
+    def _ref(self, block: Block, delta: int) -> None:
+        if not block.refs:
+            self.num_free_pages -= len(block.pages)
+        block.refs += delta
+        if not block.refs:
+            self.num_free_pages += len(block.pages)
+            self._maybe_evictable(block)
+
+    def _maybe_evictable(self, block: Block) -> None:
+        if block.evictable:
+            heapq.heappush(self.victims, (block.used, block.key))
+            if len(self.victims) > 2 * len(self.blocks) + 64:  # mostly stale: rebuild
+                self.victims = [(b.used, b.key) for b in self.blocks.values() if b.evictable]
+                heapq.heapify(self.victims)
+
+    def _victim(self) -> Block | None:
+        """The least recently used unreferenced leaf, taken off the heap; None if none."""
+        while self.victims:
+            used, key = heapq.heappop(self.victims)
+            block = self.blocks.get(key)
+            if block is not None and block.used == used and block.evictable:
+                return block
+        return None

@@ -1,0 +1,61 @@
+"""The prefix cache's eviction bookkeeping (`runtime/prefix_cache.py`) under a random mix of
+requests that share prefixes, releases and evictions: every victim is the least recently used
+unreferenced leaf (what a scan of the whole LRU order would pick), and the free-slot count the
+services report equals a count over every block."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specmesh.runtime.kv_cache import KVCache
+from specmesh.runtime.prefix_cache import PrefixCache
+
+BLOCK = 4
+FAMILIES = [[random.Random(f).randrange(3, 50) for _ in range(5 * BLOCK)] for f in range(6)]
+
+
+@pytest.mark.parametrize("max_blocks", [24, 400], ids=["over-the-bound", "asked-to-free"])
+def test_victims_are_the_least_recently_used_leaves(
+    monkeypatch: pytest.MonkeyPatch, max_blocks: int
+) -> None:
+    """A tight bound evicts on every insert and release; a loose one leaves many idle
+    leaves, which only the pool's asks (`evict(n)`) take."""
+    cache = KVCache(num_layers=1, num_slots=4096, num_kv_heads=1, head_dim=2,
+                    dtype=torch.float32, max_requests=32, max_context=64)  # fmt: skip
+    prefixes = PrefixCache(cache, block_size=BLOCK, max_tokens=max_blocks * BLOCK)
+    victims = []
+    find = PrefixCache._victim
+
+    def checked(self: PrefixCache):
+        leaves = [b for b in self.blocks.values() if not b.refs and not b.children]
+        victim = find(self)
+        assert victim is (leaves[0] if leaves else None)  # the blocks are in LRU order
+        victims.append(victim)
+        return victim
+
+    monkeypatch.setattr(PrefixCache, "_victim", checked)
+    rng, running = random.Random(0), []
+    for step in range(600):
+        if running and (len(running) >= 24 or rng.random() < 0.45):
+            rid = running.pop(rng.randrange(len(running)))
+            prefixes.release(rid)
+            cache.release(rid)
+        else:
+            family = rng.choice(FAMILIES)
+            ids = family[: rng.randrange(BLOCK, len(family))] + [rng.randrange(3, 50)] * 3
+            rid = f"r{step}"
+            cache.add(rid)
+            prefixes.attach(rid, prefixes.match(ids, None))
+            cache.reserve(rid, len(ids))
+            prefixes.insert(rid, ids, None, None)
+            running.append(rid)
+        if rng.random() < 0.15:
+            prefixes.evict(rng.randrange(1, 6))
+        unreferenced = sum(len(b.pages) for b in prefixes.blocks.values() if not b.refs)
+        assert prefixes.num_evictable_slots == unreferenced
+        leaves = [b for b in prefixes.blocks.values() if not b.refs and not b.children]
+        assert prefixes.num_tokens <= max_blocks * BLOCK or not leaves  # over only while all are held
+    assert sum(v is not None for v in victims) > 50
