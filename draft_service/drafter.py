@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from specmesh.draft_service.prefix_rows import DraftPrefixes
 from specmesh.kernels.common import kernel_impl
 from specmesh.kernels.tree_build import build_tree
 from specmesh.protocol.config import SpecParams
@@ -61,6 +62,7 @@ class TreeDrafter:
     pool each step uses (`pools_for_step`, explicit so multi-layer drafts cannot share one)."""
 
     supports_predraft = True  # one network for every step (`specmesh.draft_service.predraft`)
+    prefix_lookahead = 1  # tokens past its position a row depends on (`prefix_rows`)
 
     def __init__(self, cache: KVCache, backend: AttentionBackend, spec: SpecParams) -> None:
         spec.validate()
@@ -71,6 +73,16 @@ class TreeDrafter:
         )
         self.roots: dict[str, RootState] = {}
         self.step_graphs: DraftStepGraphs | None = None  # see enable_step_graphs
+        self.prefixes: DraftPrefixes | None = None  # see enable_prefix_cache
+
+    def enable_prefix_cache(self, max_tokens: int, block_size: int) -> None:
+        """Reuse the rows of prompt prefixes an earlier request extended over."""
+        lookahead = self.prefix_lookahead
+        self.prefixes = DraftPrefixes(self.cache, block_size, max_tokens, lookahead=lookahead)
+
+    def release_prefix(self, rid: str) -> None:
+        if self.prefixes is not None:
+            self.prefixes.release(rid)
 
     def enable_step_graphs(self, mode: str, max_bs: int) -> None:
         """Run decode steps through static-shape runners (``"cuda-graph"``: captured now, before

@@ -20,7 +20,6 @@ from specmesh.protocol.steps import ExtendInput
 from specmesh.runtime.attention.base import AttentionBackend
 from specmesh.runtime.kv_cache import KVCache
 from specmesh.runtime.model_runner import BatchItem
-from specmesh.runtime.prefix_cache import PrefixCache
 
 if TYPE_CHECKING:
     from specmesh.draft_service.extend_graph import DraftExtendGraph
@@ -70,13 +69,6 @@ class FeatureDrafter(TreeDrafter):
         super().__init__(cache, backend, spec)
         self.net, self.needs = net, needs
         self.extend_graph: DraftExtendGraph | None = None  # see enable_step_graphs
-        self.prefixes: PrefixCache | None = None  # see enable_prefix_cache
-
-    def enable_prefix_cache(self, max_tokens: int, block_size: int) -> None:
-        """Reuse the rows of prompt prefixes an earlier request extended over. A row pairs the
-        target's feature at t with token t + 1, so a block of rows is keyed by its tokens and
-        the one after it (``lookahead=1``): the shifted pairing is exact by construction."""
-        self.prefixes = PrefixCache(self.cache, block_size, max_tokens, lookahead=1)
 
     def enable_step_graphs(self, mode: str, max_bs: int) -> None:
         """Decode steps and the extend after each verify through static-shape runners."""
@@ -93,7 +85,8 @@ class FeatureDrafter(TreeDrafter):
             ids, embeds = rotated_rows(inp, self.net.embed)
             if inp.new:  # only after every check, so a rejected extend leaves no KV row behind
                 self.cache.add(inp.rid)
-                self._attach_prefix(inp)
+                if self.prefixes is not None:
+                    self.prefixes.start(inp, [*inp.committed_ids, inp.next_token])
             start = self.cache.get(inp.rid).committed_len
             skip = start if inp.new else 0  # rows the prefix cache had
             embeds = None if embeds is None else embeds[skip:]
@@ -104,16 +97,8 @@ class FeatureDrafter(TreeDrafter):
             end = it.start + it.q_len
             self.cache.commit(it.rid, end)
             self.roots[it.rid] = RootState(end - 1, end, hidden[b], logits[b])
-            if inp.new and self.prefixes is not None and not inp.is_multimodal:
-                self.prefixes.insert(inp.rid, [*inp.committed_ids, inp.next_token], None, None)
-
-    def _attach_prefix(self, inp: ExtendInput) -> None:
-        """A starting extend: its row begins with the cached rows of its prompt's prefix."""
-        if self.prefixes is None or inp.is_multimodal:
-            return
-        match = self.prefixes.match([*inp.committed_ids, inp.next_token], None)
-        if match.num_tokens:
-            self.prefixes.attach(inp.rid, match)
+            if self.prefixes is not None:
+                self.prefixes.keep(inp, [*inp.committed_ids, inp.next_token])
 
     def _forward_extend(
         self, items: list[BatchItem], feats: torch.Tensor
@@ -139,7 +124,6 @@ class FeatureDrafter(TreeDrafter):
         return self.net.to_target_ids(draft_ids)
 
     def release(self, rid: str) -> None:
-        if self.prefixes is not None:
-            self.prefixes.release(rid)
+        self.release_prefix(rid)
         self.cache.release(rid)
         self.roots.pop(rid, None)

@@ -66,6 +66,9 @@ class MTPDrafter(TreeDrafter):
             )
         if len({p.k.data_ptr() for p in cache.pools}) != len(cache.pools):
             raise ValueError("MTP layers must not share a KV pool")
+        # Layer l's row t reads token t + l + 1; the last layers' last rows hold guesses, which
+        # a block keyed this far ahead never covers (`prefix_rows`).
+        self.prefix_lookahead = len(cache.pools)
 
     @staticmethod
     def num_active_layers(num_layers: int, spec: SpecParams) -> int:
@@ -103,9 +106,13 @@ class MTPDrafter(TreeDrafter):
             ids, embeds = rotated_rows(inp, self.net.embed)  # validates before any state changes
             if inp.new:
                 self.cache.add(inp.rid)
+                if self.prefixes is not None:
+                    self.prefixes.start(inp, [*inp.committed_ids, inp.next_token])
             start = self.cache.get(inp.rid).committed_len
-            items.append(BatchItem(inp.rid, ids, start, input_embeds=embeds))
-            feats.append(inp.features)
+            skip = start if inp.new else 0  # rows the prefix cache had, in every layer's pool
+            embeds = None if embeds is None else embeds[skip:]
+            items.append(BatchItem(inp.rid, ids[skip:], start, input_embeds=embeds))
+            feats.append(inp.features[skip:])
         last = (torch.tensor([it.q_len for it in items]).cumsum(0) - 1).tolist()
         hidden, logits = self._forward_step(0, items, torch.cat(feats))  # target pre-norm in
         roots = [(hidden[row], logits[row]) for row in last]
@@ -113,10 +120,12 @@ class MTPDrafter(TreeDrafter):
             greedy = logits[last].argmax(-1).tolist()
             items = [self._shift(it, tok) for it, tok in zip(items, greedy, strict=True)]
             hidden, logits = self._forward_step(layer, items, hidden)
-        for it, (h, lg) in zip(items, roots, strict=True):
+        for it, (h, lg), inp in zip(items, roots, inputs, strict=True):
             end = it.start + it.q_len
             self.cache.commit(it.rid, end)
             self.roots[it.rid] = RootState(end - 1, end, h, lg)
+            if self.prefixes is not None:
+                self.prefixes.keep(inp, [*inp.committed_ids, inp.next_token])
 
     def _forward_step(
         self, step: int, items: list[BatchItem], hidden_in: torch.Tensor
@@ -167,5 +176,6 @@ class MTPDrafter(TreeDrafter):
         return self._forward_step(step, items, hidden_in)
 
     def release(self, rid: str) -> None:
+        self.release_prefix(rid)
         self.cache.release(rid)
         self.roots.pop(rid, None)

@@ -24,7 +24,6 @@ from typing import Protocol
 import torch
 
 from specmesh.draft_service.drafter import TreeDrafter
-from specmesh.draft_service.feature_drafter import FeatureDrafter
 from specmesh.draft_service.grammar import BatchGrammar, DraftGrammars
 from specmesh.draft_service.predraft import Outcome, PreDrafter
 from specmesh.draft_service.predraft_budget import PredraftBudget
@@ -290,7 +289,7 @@ def load_draft(cfg: DraftConfig, target_model: torch.nn.Module | None = None) ->
         cfg, max_context=resolve_max_context(cfg.max_context, target.max_position, cfg.target_dir)
     )
     drafter = kinds.build_drafter(cfg, target_model)
-    if cfg.prefix_cache_tokens > 0 and isinstance(drafter, FeatureDrafter):
+    if cfg.prefix_cache_tokens > 0 and isinstance(drafter, TreeDrafter):
         drafter.enable_prefix_cache(cfg.prefix_cache_tokens, cfg.prefix_block_size)
     if isinstance(drafter, TreeDrafter) and graphs_enabled(
         cfg.cuda_graph, cfg.device, cfg.attention_backend

@@ -28,6 +28,7 @@ from specmesh.runtime.models.causal_lm import CausalLM
 
 class StandaloneDrafter(TreeDrafter):
     needs = FeatureSpec()
+    prefix_lookahead = 0  # row t is token t's alone
 
     def __init__(
         self,
@@ -58,14 +59,19 @@ class StandaloneDrafter(TreeDrafter):
                 )
             if inp.new:
                 self.cache.add(inp.rid)
+                if self.prefixes is not None:  # the pending row is always computed
+                    self.prefixes.start(inp, ids)
             start = self.cache.get(inp.rid).committed_len
-            items.append(BatchItem(inp.rid, torch.tensor(ids, dtype=torch.int64), start))
+            skip = start if inp.new else 0  # rows the prefix cache had
+            items.append(BatchItem(inp.rid, torch.tensor(ids[skip:], dtype=torch.int64), start))
         hidden, logits = self.step_forward(0, items, None)
         last = (torch.tensor([it.q_len for it in items]).cumsum(0) - 1).tolist()
-        for it, row in zip(items, last, strict=True):
+        for it, row, inp in zip(items, last, inputs, strict=True):
             root = it.start + it.q_len - 1  # the pending row: written, not committed
             self.cache.commit(it.rid, root)
             self.roots[it.rid] = RootState(root, root + 1, hidden[row], logits[row])
+            if self.prefixes is not None:  # committed rows only: the pending one is rewritten
+                self.prefixes.keep(inp, list(inp.committed_ids))
 
     def step_forward(
         self, step: int, items: list[BatchItem], hidden_in: torch.Tensor | None
@@ -78,5 +84,6 @@ class StandaloneDrafter(TreeDrafter):
         return out.hidden, logits
 
     def release(self, rid: str) -> None:
+        self.release_prefix(rid)
         self.cache.release(rid)
         self.roots.pop(rid, None)

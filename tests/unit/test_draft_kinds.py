@@ -285,3 +285,52 @@ def test_half_precision_drafts_keep_fp32_rope_frequencies(models, kind):
     rotaries = [m for m in net.modules() if hasattr(m, "inv_freq")]
     assert rotaries and all(m.inv_freq.dtype == torch.float32 for m in rotaries)
     assert next(p for p in net.parameters() if p.is_floating_point()).dtype == torch.bfloat16
+
+
+# -- the draft's own prefix cache -----------------------------------------------------------------
+SHARED = [(11 * i + 5) % 240 + 3 for i in range(24)]  # 3 blocks of 8: the tails start a 4th
+
+
+@pytest.mark.parametrize("kind", ["eagle", "mtp", "standalone"])
+def test_draft_prefix_cache_rows_are_the_computed_ones(models, oracle, kind):
+    """Prompts sharing a prefix, one at a time, with the draft's prefix cache on and off (the
+    target's off, so the draft gets every row either way): outputs equal transformers', the
+    draft reused rows, and every request's committed draft KV, in every layer's pool, is what
+    the draft computes without the cache (a row cached under the wrong key shows here: output
+    exactness cannot see it, and a random draft's acceptance barely can)."""
+    prompts = [SHARED + tail for tail in ([7, 8], [9], [10, 11, 12])]
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    runs, rows = [], []
+    for draft_cache in (0, 4096):
+        engine = Engine(
+            models["target"], draft_model=models[kind], draft_kind=kind,
+            spec=SpecParams(3, 2, 6), target_config={"prefix_cache_tokens": 0},
+            draft_config={"prefix_cache_tokens": draft_cache, "prefix_block_size": 8},
+        )  # fmt: skip
+        rows.append(_committed_rows_at_release(engine.draft.drafter))
+        runs.append([engine.generate([p], params)[0] for p in prompts])
+        prefixes = engine.draft.drafter.prefixes
+        assert (prefixes is not None and prefixes.num_hit > 0) == bool(draft_cache)
+    off, on = runs
+    for prompt, a, b in zip(prompts, off, on, strict=True):
+        assert b.token_ids == a.token_ids == oracle(models["target"], prompt, 10)
+        assert b.accept_lens == a.accept_lens
+    assert_speculated(on)
+    assert len(rows[0]) == len(rows[1]) == len(prompts)
+    for a, b in zip(*rows, strict=True):
+        for ka, kb in zip(a, b, strict=True):
+            torch.testing.assert_close(kb, ka, rtol=1e-5, atol=1e-5)
+
+
+def _committed_rows_at_release(drafter) -> list[list[torch.Tensor]]:
+    """Each released request's committed K rows, per pool (the drafter's release wrapped)."""
+    seen, release = [], drafter.release
+
+    def wrapped(rid: str) -> None:
+        cache = drafter.cache
+        slots = cache.slots(rid, 0, cache.get(rid).committed_len)
+        seen.append([pool.k[slots].clone() for pool in cache.pools])
+        release(rid)
+
+    drafter.release = wrapped
+    return seen
