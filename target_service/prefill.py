@@ -143,7 +143,10 @@ def _sample_first(
 
 
 def _embed_cached(rt: TargetRuntime, inp: PrefillInput, match: Match) -> torch.Tensor:
-    """A cached prefix's embedding rows (`mm_input_embeds` of a batch with images)."""
+    """A cached prefix's embedding rows (`mm_input_embeds` of a batch with images): the
+    merged rows the input came with (image features included), else its ids' embeddings."""
+    if inp.input_embeds is not None:
+        return inp.input_embeds[: match.num_tokens]
     ids = torch.tensor(inp.input_ids[: match.num_tokens], device=rt.cache.pools[0].k.device)
     return rt.model.embed(ids)
 

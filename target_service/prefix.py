@@ -8,14 +8,17 @@ draft extends over the whole prompt exactly as for a cold request (its own KV, t
 pairing, is computed by the draft as always). After a one-shot prefill the prompt's full blocks
 join the cache.
 
-Not cached (looked up nor inserted): prompts with images (their rows come from the vision
-tower, keyed by more than the token ids) and requests that ask for prompt logprobs (they need
-every row's logits). A chunked prompt is looked up by its first piece only and joins the cache
-when its request is released, as every request's whole committed sequence does.
+A prompt with images is keyed by its images too: each image position's key token is drawn from
+a hash of that image's bytes (`image_key_ids`), so a prefix matches only with the same images at
+the same places, and the KV of an image's rows is reused like a text token's. Not cached:
+requests that ask for prompt logprobs (they need every row's logits). A chunked prompt is looked
+up by its first piece only and joins the cache when its request is released, as every
+request's whole committed sequence does.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -39,21 +42,35 @@ class _Committed:
 
 
 class TargetPrefixes:
-    def __init__(self, cache: KVCache, block_size: int, max_tokens: int) -> None:
+    def __init__(
+        self,
+        cache: KVCache,
+        block_size: int,
+        max_tokens: int,
+        images: tuple[int, int] | None = None,
+    ) -> None:
+        """``images``: a multimodal target's (image_token_id, tokens_per_image)."""
         self.blocks = PrefixCache(cache, block_size, max_tokens) if max_tokens > 0 else None
+        self.images = images
         self.matched: dict[str, Match] = {}  # requests whose row starts with cached pages
         self.committed: dict[str, _Committed] = {}
 
-    @staticmethod
-    def cacheable(inp: PrefillInput) -> bool:
-        return not inp.images and inp.input_embeds is None and inp.params.prompt_logprobs is None
+    def cacheable(self, inp: PrefillInput) -> bool:
+        return inp.params.prompt_logprobs is None and (not inp.images or self.images is not None)
+
+    def key_ids(self, inp: PrefillInput) -> list[int]:
+        """The ids the cache keys ``inp``'s rows by: its input ids, image positions keyed by
+        their images (`image_key_ids`)."""
+        if not inp.images or self.images is None:
+            return inp.input_ids
+        return image_key_ids(inp.input_ids, inp.images, inp.sample_offset, *self.images)
 
     def attach(self, inp: PrefillInput, key: str | None) -> None:
         """A first piece just admitted (its row added, empty): start it with its cached
         prefix (at most all but the piece's last token)."""
         if self.blocks is None or inp.input_start or not self.cacheable(inp):
             return
-        match = self.blocks.match(inp.input_ids, key)
+        match = self.blocks.match(self.key_ids(inp), key)
         if match.num_tokens:
             self.blocks.attach(inp.rid, match)
             self.matched[inp.rid] = match
@@ -67,7 +84,8 @@ class TargetPrefixes:
         if match is None:
             return inp
         n = match.num_tokens
-        return replace(inp, input_ids=inp.input_ids[n:], input_start=n)
+        embeds = None if inp.input_embeds is None else inp.input_embeds[n:]
+        return replace(inp, input_ids=inp.input_ids[n:], input_start=n, input_embeds=embeds)
 
     def whole_rows(
         self,
@@ -108,10 +126,11 @@ class TargetPrefixes:
         if inp.input_start:  # a later piece of a chunked prompt
             self.extend(inp.rid, list(inp.input_ids), rows, key)
             return
+        ids = self.key_ids(inp)
         if not inp.more_input:
-            self.blocks.insert(inp.rid, inp.input_ids, key, rows)
+            self.blocks.insert(inp.rid, ids, key, rows)
         kept = None if rows is None else [rows.clone()]
-        self.committed[inp.rid] = _Committed(list(inp.input_ids), kept, key)
+        self.committed[inp.rid] = _Committed(list(ids), kept, key)
 
     def extend(self, rid: str, ids: list[int], rows: torch.Tensor | None, key: str | None) -> None:
         """A step committed ``ids`` (the tree's root and accepted nodes) for ``rid``."""
@@ -136,7 +155,8 @@ class TargetPrefixes:
         leaders, followers = [], []
         for inp in inputs:
             one_shot = not inp.input_start and not inp.more_input and self.cacheable(inp)
-            first = block_key(None, inp.input_ids[:size]) if len(inp.input_ids) > size else None
+            ids = self.key_ids(inp) if one_shot else inp.input_ids
+            first = block_key(None, ids[:size]) if len(ids) > size else None
             if one_shot and first in seen and first not in self.blocks.blocks:
                 followers.append(inp)
                 continue
@@ -168,6 +188,34 @@ class TargetPrefixes:
     def num_cached_tokens(self, rid: str) -> int:
         match = self.matched.get(rid)
         return 0 if match is None else match.num_tokens
+
+
+def image_key_ids(
+    ids: list[int],
+    images: list[bytes],
+    sample_offset: int,
+    image_token_id: int,
+    tokens_per_image: int,
+) -> list[int]:
+    """``ids`` (expanded: ``tokens_per_image`` placeholders per image, in image order) with
+    each image position's id replaced by a key token: 31 bits of a hash stream of that image's
+    bytes, one draw per position, with the top bit set so no key token is a vocabulary id. Two
+    images share a block's keys only if every one of its image positions' draws collides.
+    Emitted tokens (the last ``sample_offset``) are text even if one equals the placeholder."""
+    draws = [
+        hashlib.shake_128(data).digest(4 * tokens_per_image) for data in images
+    ]  # fmt: skip
+    keys, seen = list(ids), 0
+    for pos in range(len(ids) - sample_offset):
+        if ids[pos] != image_token_id:
+            continue
+        image, j = divmod(seen, tokens_per_image)
+        if image >= len(draws):
+            break
+        draw = int.from_bytes(draws[image][4 * j : 4 * j + 4], "little")
+        keys[pos] = 0x80000000 | (draw & 0x7FFFFFFF)
+        seen += 1
+    return keys
 
 
 def feature_key(feature: Feature, aux_points: tuple[int, ...]) -> str | None:

@@ -81,7 +81,10 @@ class TargetRuntime:
             max_context=cfg.max_context,
             latent_dim=mc.kv_latent_dim,  # MLA: V is K's latent columns
         )
-        self.prefixes = TargetPrefixes(self.cache, cfg.prefix_block_size, cfg.prefix_cache_tokens)
+        images = None if self.mm is None else (self.mm.image_token_id, self.mm.tokens_per_image)
+        self.prefixes = TargetPrefixes(
+            self.cache, cfg.prefix_block_size, cfg.prefix_cache_tokens, images
+        )
         self.backend = make_backend(
             cfg.attention_backend, cfg.device, mc.head_dim, mc.dtype, latent=mc.mla is not None
         )

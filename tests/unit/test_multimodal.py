@@ -78,7 +78,8 @@ def test_prefill_expands_placeholders_and_returns_merged_embeds(
 ) -> None:
     """Chunked (16 tokens) mixed prefill: expanded ids reported only for the image request; every
     request has mm_input_embeds rows (image features where placeholders were, token embeddings
-    elsewhere); a pre-expanded prompt runs unchanged and gives the same result."""
+    elsewhere); a pre-expanded prompt runs unchanged and gives the same result, from the
+    prefix cache the first left, with the same merged rows."""
     p_id = target.mm.image_token_id
     img_ids, txt_ids = _ids(engine, "def <image> add"), _ids(engine, "for i in")
     out = target.prefill(
@@ -96,8 +97,12 @@ def test_prefill_expands_placeholders_and_returns_merged_embeds(
     image_rows = torch.zeros(mm.shape[0], dtype=torch.bool)
     image_rows[k : k + TOKENS_PER_IMAGE] = True
     torch.testing.assert_close(mm[~image_rows], target.model.embed(text_rows))
+    hit = target.prefixes.blocks.num_hit
     again = target.prefill([PrefillInput("pre", expanded, _params(4), images=[IMAGES[0]])])
     assert again.prompt_ids == {} and again.tokens["pre"] == out.tokens["img"]
+    # its image rows came from the prefix cache ("img" left them), and so did its merged rows
+    hit = target.prefixes.blocks.num_hit - hit
+    assert hit == target.prefixes.blocks.block_size > k  # one block: some of it image rows
     torch.testing.assert_close(again.mm_input_embeds, mm[: len(expanded)])
     for rid in ("img", "txt", "pre"):
         target.release(rid)
@@ -267,3 +272,33 @@ def test_llava_tensor_layouts_load_the_same_model(
     assert target_model_config(tmp_path / "ckpt") == target.model_config
     embed = language_model_tensors(tmp_path / "ckpt", ["model.embed_tokens.weight"])
     torch.testing.assert_close(embed["model.embed_tokens.weight"], target.model.embed_tokens.weight)
+
+
+# -- prefix caching keyed by the images ------------------------------------------------------------
+def test_image_prompts_reuse_cached_prefixes_keyed_by_their_images(llava: Path) -> None:
+    """A prompt's image rows are cached under its image's bytes: the same image at the same
+    place hits (past the image), another image there matches only the text before it; every
+    output equals transformers', with the EAGLE-3 draft on."""
+    engine = Engine(
+        llava / "target", draft_model=llava / "draft", draft_kind="eagle3", spec=SPEC,
+        target_config={"prefix_block_size": 4},
+    )  # fmt: skip
+    head = "def f(a, b): return a + b # the <image> shows"
+    asks = [
+        (head + " x = 1", IMAGES[0]),
+        (head + " y = 2", IMAGES[0]),
+        (head + " x = 1", IMAGES[1]),
+    ]
+    blocks, results, hits = engine.target.prefixes.blocks, [], []
+    for prompt, img in asks:
+        before = blocks.num_hit
+        results.append(engine.generate([prompt], _params(6), images=[[img]])[0])
+        hits.append(blocks.num_hit - before)  # prompt tokens the cache served
+    for (prompt, img), res in zip(asks, results, strict=True):
+        assert res.token_ids == llava_greedy(llava / "target", prompt, [img], 6), prompt
+    assert_speculated(results)
+    ids = engine.tokenizer.encode(head)
+    before_image = ids.index(engine.target.mm.image_token_id)
+    assert hits[0] == 0
+    assert hits[1] >= before_image + TOKENS_PER_IMAGE  # past the image
+    assert 0 < hits[2] <= before_image  # the text before the other image
