@@ -191,6 +191,7 @@ def _runtime_kwargs(args: argparse.Namespace) -> dict:
         "dtype": chosen_dtype(args), "device": args.device,
         "attention_backend": args.attention_backend,
         "max_context": args.max_context, "num_kv_slots": args.num_kv_slots,
+        "kv_cache_memory": args.kv_cache_memory,
         "max_requests": args.max_requests, "cuda_graph": not args.disable_cuda_graph,
         "cuda_graph_max_bs": args.cuda_graph_max_bs,
     }  # fmt: skip

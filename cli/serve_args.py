@@ -79,6 +79,14 @@ def add_runtime_args(p: argparse.ArgumentParser, cls: type) -> None:
         help="KV cache size in tokens",
     )
     p.add_argument(
+        "--kv-cache-memory",
+        metavar="SIZE",
+        default=None,
+        help="KV cache size as memory instead (overrides --num-kv-slots): 4GiB, 512MiB, 2GB, or "
+        "on CUDA a fraction of the device memory free after loading (0.85); the slots are what "
+        "it buys at this model's bytes per token (MLA: its latent vector)",
+    )
+    p.add_argument(
         "--max-requests",
         type=int,
         default=config_default(cls, "max_requests"),

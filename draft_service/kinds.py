@@ -11,6 +11,7 @@ from specmesh.protocol.config import DraftConfig
 from specmesh.protocol.features import Feature, FeatureSpec
 from specmesh.runtime.attention.torch_backend import make_backend
 from specmesh.runtime.config import parse_dtype
+from specmesh.runtime.kv_budget import kv_slots, slot_bytes
 from specmesh.runtime.kv_cache import KVCache
 from specmesh.runtime.llava_checkpoint import language_model_tensors, target_model_config
 
@@ -33,9 +34,12 @@ def make_cache(
     latent_dim: int | None = None,
 ) -> KVCache:
     """The draft's own KV cache; ``latent_dim``: multi-head latent attention pools (V inside K)."""
+    per_slot = slot_bytes(num_layers, num_kv_heads, head_dim, dtype, latent_dim is not None)
+    num_slots = kv_slots(cfg.num_kv_slots, cfg.kv_cache_memory, per_slot, 1, cfg.device,
+                         cfg.max_context)  # fmt: skip
     return KVCache(
         num_layers=num_layers,
-        num_slots=cfg.num_kv_slots,
+        num_slots=num_slots,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         dtype=dtype,

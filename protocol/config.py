@@ -53,6 +53,9 @@ class TargetConfig:
     device: str = "cpu"
     attention_backend: str = "torch"
     num_kv_slots: int = 65536
+    # A memory budget for the KV cache instead (`runtime.kv_budget`): "4GiB", or a fraction of
+    # the CUDA device's free memory ("0.85"); sizes the slots by what one really costs
+    kv_cache_memory: str | None = None
     page_size: int = 1
     # Prefix caching (`runtime.prefix_cache`): cached prompt tokens at most (0 = off), in blocks
     # of this many tokens (a multiple of page_size)
@@ -91,6 +94,7 @@ class DraftConfig:
     device: str = "cpu"
     attention_backend: str = "torch"
     num_kv_slots: int = 65536
+    kv_cache_memory: str | None = None  # as TargetConfig's
     max_requests: int = 256
     max_context: int | None = None  # None = the target's max_position_embeddings
     aux_convention: str = "output"  # how the checkpoint numbers eagle_aux_hidden_state_layer_ids

@@ -31,6 +31,7 @@ from specmesh.protocol.trees import DraftTree
 from specmesh.runtime.attention.torch_backend import make_backend
 from specmesh.runtime.config import parse_dtype, resolve_max_context
 from specmesh.runtime.graph_runner import graphs_enabled
+from specmesh.runtime.kv_budget import kv_slots, slot_bytes
 from specmesh.runtime.kv_cache import KVCache
 from specmesh.runtime.llava_checkpoint import is_llava_checkpoint
 from specmesh.runtime.models.causal_lm import CausalLM, ModelOutput, load_causal_lm
@@ -52,6 +53,11 @@ class TargetRuntime:
     def __init__(self, cfg: TargetConfig, model: CausalLM | None = None) -> None:
         self.cfg = cfg
         dtype = None if cfg.dtype is None else parse_dtype(cfg.dtype)
+        if cfg.kv_cache_memory is not None and cfg.tensor_parallel_size != 1:
+            raise ValueError(
+                "--kv-cache-memory is not supported with --tensor-parallel-size > 1 yet (the "
+                "ranks size their caches before rank 0 loads): give --num-kv-slots"
+            )
         self.mm: ImageEncoder | None = None  # vision tower + projector of a LLaVA target
         if model is None and cfg.tensor_parallel_size != 1:
             model = start_tensor_parallel(cfg, dtype)
@@ -69,10 +75,16 @@ class TargetRuntime:
         if cfg.aux_layer_ids:
             self.aux_layers = AuxLayers(cfg.aux_layer_ids, cfg.aux_convention)
             self.aux_layers.capture_points(mc.num_layers)  # ValueError names the ids and depth
+        heads = self.model.num_local_kv_heads  # this rank's heads under TP
+        latent = mc.kv_latent_dim is not None
+        per_slot = slot_bytes(mc.num_layers, heads, mc.head_dim, mc.dtype, latent)
+        num_slots = kv_slots(cfg.num_kv_slots, cfg.kv_cache_memory, per_slot, cfg.page_size,
+                             cfg.device, cfg.max_context)  # fmt: skip
+        self.cfg = cfg = replace(cfg, num_kv_slots=num_slots)
         self.cache = KVCache(
             num_layers=mc.num_layers,
             num_slots=cfg.num_kv_slots,
-            num_kv_heads=self.model.num_local_kv_heads,  # this rank's heads under TP
+            num_kv_heads=heads,
             head_dim=mc.head_dim,
             dtype=mc.dtype,
             device=cfg.device,
