@@ -11,6 +11,14 @@ Who holds what, for rank r of N (H query heads, KV key/value heads, I = intermed
                                zero padding); the embedding all-reduces, logits are gathered once
     norms, rotary              replicated
 
+Multi-head latent attention and experts (DeepSeek-V3, `runtime.models.mla` / `moe`):
+
+    q_proj / q_b_proj, kv_b_proj   column-parallel by query heads (each head's rows together)
+    q_a_proj, kv_a_proj_with_mqa   replicated: every rank computes (and caches) the same latent
+    o_proj                         row-parallel by heads, then one all-reduce
+    experts, shared experts        each expert's intermediate split like a dense MLP; the MoE's
+                                   weighted sum all-reduces once; the router gate is replicated
+
 After each all-reduce every rank holds the same residual stream, so any rank's hidden states are
 the model's. At world size 1 every collective is a no-op and nothing is sharded.
 """
@@ -103,15 +111,13 @@ def check_tensor_parallel(cfg: ModelConfig, world_size: int) -> None:
     n = world_size
     if n < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {n}")
-    if cfg.mla is not None and n > 1:
-        raise ValueError(
-            f"{cfg.architecture} targets run with tensor_parallel_size 1 for now (multi-head "
-            f"latent attention and experts are not sharded yet), got {n}"
-        )
     if cfg.num_heads % n:
         raise ValueError(
             f"tensor_parallel_size {n} does not divide the {cfg.num_heads} attention heads"
         )
+    if cfg.mla is not None:
+        _check_latent(cfg, n)
+        return
     kv = cfg.num_kv_heads
     if kv >= n and kv % n:
         raise ValueError(f"tensor_parallel_size {n} does not divide the {kv} KV heads")
@@ -124,6 +130,18 @@ def check_tensor_parallel(cfg: ModelConfig, world_size: int) -> None:
         raise ValueError(
             f"tensor_parallel_size {n} does not divide intermediate_size {cfg.intermediate_size}"
         )
+
+
+def _check_latent(cfg: ModelConfig, n: int) -> None:
+    """MLA + MoE: heads, the dense and the expert intermediate sizes must split over ``n``."""
+    if cfg.mla.attention_bias and n > 1:  # type: ignore[union-attr]
+        raise ValueError(f"{cfg.architecture} with attention_bias runs with tensor_parallel_size 1")
+    sizes = {"intermediate_size": cfg.intermediate_size}
+    if cfg.moe is not None:
+        sizes["moe_intermediate_size"] = cfg.moe.moe_intermediate_size
+    for name, size in sizes.items():
+        if size % n:
+            raise ValueError(f"tensor_parallel_size {n} does not divide {name} {size}")
 
 
 def rank_devices(device: str, world_size: int) -> list[torch.device]:

@@ -28,6 +28,8 @@ class Shard:
 
 def shard_of(name: str, cfg: ModelConfig, tp: TensorParallel) -> Shard | None:
     """This rank's slice of checkpoint tensor ``name``; None = the whole tensor."""
+    if cfg.mla is not None and (latent := _latent_shard(name, cfg, tp)) is not None:
+        return latent
     d = cfg.head_dim
     heads = cfg.num_heads // tp.world_size
     kv_start, kv_count = kv_head_range(cfg.num_kv_heads, tp)
@@ -44,6 +46,32 @@ def shard_of(name: str, cfg: ModelConfig, tp: TensorParallel) -> Shard | None:
         return Shard(1, tp.rank * inter, inter)
     if name.endswith(("embed_tokens.weight", "lm_head.weight")):
         return Shard(0, *vocab_range(cfg.vocab_size, tp))
+    return None
+
+
+def _latent_shard(name: str, cfg: ModelConfig, tp: TensorParallel) -> Shard | None:
+    """MLA heads and experts (`runtime.parallel`); None: the generic rules decide."""
+    m, heads, r = cfg.mla, cfg.num_heads // tp.world_size, tp.rank
+    assert m is not None
+    per_head = {
+        "self_attn.q_proj.weight": m.qk_nope_head_dim + m.qk_rope_head_dim,
+        "self_attn.q_b_proj.weight": m.qk_nope_head_dim + m.qk_rope_head_dim,
+        "self_attn.kv_b_proj.weight": m.qk_nope_head_dim + m.v_head_dim,
+    }
+    for suffix, width in per_head.items():
+        if name.endswith(suffix):
+            return Shard(0, r * heads * width, heads * width)
+    if name.endswith("self_attn.o_proj.weight"):
+        return Shard(1, r * heads * m.v_head_dim, heads * m.v_head_dim)
+    if cfg.moe is None or not (".experts." in name or ".shared_experts." in name):
+        return None
+    inter = cfg.moe.moe_intermediate_size // tp.world_size
+    if ".shared_experts." in name:
+        inter *= cfg.moe.n_shared_experts
+    if name.endswith(("gate_proj.weight", "up_proj.weight")):
+        return Shard(0, r * inter, inter)
+    if name.endswith("down_proj.weight"):
+        return Shard(1, r * inter, inter)
     return None
 
 

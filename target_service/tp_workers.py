@@ -225,8 +225,11 @@ class _Worker:
             num_layers=mc.num_layers, num_slots=spec.num_kv_slots,
             num_kv_heads=self.model.num_local_kv_heads, head_dim=mc.head_dim, dtype=mc.dtype,
             device=self.device, page_size=spec.page_size, max_requests=1, max_context=1,
+            latent_dim=mc.kv_latent_dim,
         ).pools  # fmt: skip
-        self.backend = make_backend(spec.attention_backend, self.device, mc.head_dim, mc.dtype)
+        self.backend = make_backend(
+            spec.attention_backend, self.device, mc.head_dim, mc.dtype, latent=mc.mla is not None
+        )
 
     @torch.inference_mode()
     def serve(self, conn: Connection) -> None:

@@ -8,8 +8,8 @@ The checkpoint's NextN (MTP) layers (``model.layers.{num_hidden_layers}...``) ar
 the target (its loader reads only the stack's tensors): the ``mtp`` draft kind builds them from
 `DeepseekDecoderLayer` (`specmesh.draft_service.models.mtp`).
 
-Not here yet: tensor parallelism (refused), the Triton / FlashInfer MLA kernels (the torch
-backend runs it).
+Tensor parallelism shards the query heads and every expert's intermediate size
+(`runtime.parallel`); FlashInfer's MLA kernels are not wired in yet.
 """
 
 from __future__ import annotations
@@ -30,14 +30,14 @@ from specmesh.runtime.parallel import SINGLE, TensorParallel
 class DeepseekDecoderLayer(nn.Module):
     """Pre-norm block: MLA, then a dense SwiGLU MLP or the MoE."""
 
-    def __init__(self, cfg: ModelConfig, index: int) -> None:
+    def __init__(self, cfg: ModelConfig, index: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         moe, h = cfg.moe, cfg.hidden_size
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
-        self.self_attn = MLAttention(cfg)
+        self.self_attn = MLAttention(cfg, tp)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         dense = moe is None or index < moe.first_k_dense_replace
-        self.mlp = MLP(h, cfg.intermediate_size) if dense else MoE(h, moe)
+        self.mlp = MLP(h, cfg.intermediate_size, tp) if dense else MoE(h, moe, tp)
 
     def forward(
         self,
@@ -55,17 +55,12 @@ class DeepseekV3CausalLM(CausalLM):
     def __init__(
         self, cfg: ModelConfig, aux: AuxLayers | None = None, tp: TensorParallel = SINGLE
     ) -> None:
-        if tp.enabled:
-            raise ValueError(
-                f"{cfg.architecture} targets run with tensor_parallel_size 1 for now (multi-head "
-                "latent attention and experts are not sharded yet)"
-            )
         if cfg.mla is None:
             raise ValueError(f"{cfg.architecture}: the config has no multi-head latent attention")
         super().__init__(cfg, aux, tp)
 
     def decoder_layer(self, index: int) -> nn.Module:
-        return DeepseekDecoderLayer(self.config, index)
+        return DeepseekDecoderLayer(self.config, index, self.tp)
 
     def reset_fp32_buffers(self, device: str | torch.device) -> None:
         """The rotary frequencies, and the routing bias (fp32 in transformers too, whatever the

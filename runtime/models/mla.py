@@ -30,6 +30,7 @@ from specmesh.runtime.attention.base import AttentionBackend
 from specmesh.runtime.config import MLAConfig, ModelConfig
 from specmesh.runtime.models.layers import KVPair, RMSNorm, Rotary
 from specmesh.runtime.models.yarn import mla_softmax_scale
+from specmesh.runtime.parallel import SINGLE, TensorParallel
 
 LORA_NORM_EPS = 1e-6  # transformers' q_a_layernorm / kv_a_layernorm ignore rms_norm_eps
 
@@ -42,14 +43,17 @@ def deinterleave(x: torch.Tensor) -> torch.Tensor:
 
 
 class MLAttention(nn.Module):
-    """MLA over all heads (no tensor parallelism). Parameter names follow the checkpoints."""
+    """MLA over this rank's query heads (all of them at world size 1; `runtime.parallel`: the
+    latent is computed and cached whole on every rank). Parameter names follow the
+    checkpoints."""
 
     num_kv_heads = 1  # the latent cache has one "head"
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         m: MLAConfig = cfg.mla  # type: ignore[assignment]
-        h, self.num_heads, self.m = cfg.hidden_size, cfg.num_heads, m
+        h, self.num_heads, self.m = cfg.hidden_size, cfg.num_heads // tp.world_size, m
+        self.tp = tp
         qk_dim = m.qk_nope_head_dim + m.qk_rope_head_dim
         if m.q_lora_rank is None:
             self.q_proj = nn.Linear(h, self.num_heads * qk_dim, bias=False)
@@ -102,4 +106,4 @@ class MLAttention(nn.Module):
         query = torch.cat([q_latent, q_pe], -1)  # [num_tokens, heads, r + d_rope]
         out = backend.forward(query, latent, c_kv, kv.k, kv.v, self.scale)  # [.., heads, r]
         out = torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2))  # [heads, num_tokens, v]
-        return self.o_proj(out.transpose(0, 1).reshape(n, heads * m.v_head_dim))
+        return self.tp.all_reduce(self.o_proj(out.transpose(0, 1).reshape(n, heads * m.v_head_dim)))

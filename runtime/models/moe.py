@@ -20,6 +20,7 @@ from torch import nn
 
 from specmesh.runtime.config import MoEConfig
 from specmesh.runtime.models.layers import MLP
+from specmesh.runtime.parallel import SINGLE, TensorParallel
 
 
 def route(
@@ -58,10 +59,14 @@ class MoEGate(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, hidden_size: int, moe: MoEConfig) -> None:
+    """With tensor parallelism every expert holds its slice of the intermediate size
+    (`runtime.parallel`): each rank sums its partial outputs, and one all-reduce adds them."""
+
+    def __init__(self, hidden_size: int, moe: MoEConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
+        self.tp = tp
         self.gate = MoEGate(hidden_size, moe)
-        inter = moe.moe_intermediate_size
+        inter = moe.moe_intermediate_size // tp.world_size
         self.experts = nn.ModuleList(MLP(hidden_size, inter) for _ in range(moe.n_routed_experts))
         self.has_shared = moe.n_shared_experts > 0
         if self.has_shared:
@@ -74,4 +79,6 @@ class MoE(nn.Module):
             tokens, slot = torch.where(ids == e)
             y = self.experts[e](x[tokens]) * weights[tokens, slot, None]
             out.index_add_(0, tokens, y.to(out.dtype))
-        return out + self.shared_experts(x) if self.has_shared else out
+        if self.has_shared:
+            out = out + self.shared_experts(x)
+        return self.tp.all_reduce(out)

@@ -27,7 +27,6 @@ from specmesh.runtime.kv_cache import KVCache
 from specmesh.runtime.model_runner import BatchItem, build_metadata, reserve_batch, run_batch
 from specmesh.runtime.models.causal_lm import load_causal_lm
 from specmesh.runtime.models.moe import route
-from specmesh.runtime.parallel import check_tensor_parallel
 from specmesh.target_service.runtime import TargetRuntime
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50]]
@@ -224,13 +223,6 @@ def test_mla_refuses_flashinfer(tiny_deepseek_dir) -> None:
     cfg = TargetConfig(model_dir=str(tiny_deepseek_dir), attention_backend="flashinfer")
     with pytest.raises(ValueError, match=MLA_REFUSED):
         TargetRuntime(cfg)
-
-
-def test_mla_refuses_tensor_parallelism(tiny_deepseek_dir) -> None:
-    cfg = load_model_config(tiny_deepseek_dir)
-    with pytest.raises(ValueError, match=r"DeepseekV3ForCausalLM.*tensor_parallel_size 1"):
-        check_tensor_parallel(cfg, 2)
-    check_tensor_parallel(cfg, 1)
 
 
 def test_yarn_serves_the_llama_family_too(tmp_path: Path) -> None:

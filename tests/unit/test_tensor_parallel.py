@@ -1,7 +1,8 @@
 """Tensor parallelism on CPU with gloo, two ranks (this process is rank 0, one spawned worker):
 the sharded model computes the unsharded model's logits, hidden states and EAGLE-3 aux states for
 Llama, Qwen2 (qkv bias) and Qwen3 (q/k norm) with grouped-query attention (KV heads split, and
-one KV head replicated), an odd vocabulary (padding) and tied embeddings; the target runtime
+one KV head replicated), an odd vocabulary (padding) and tied embeddings, and DeepSeek-V3 (MLA
+heads split over a replicated latent cache, experts split); the target runtime
 decodes transformers' greedy tokens; bad splits are refused before any process starts."""
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from specmesh.runtime.parallel import (
     rank_devices,
 )
 from specmesh.runtime.shard_loader import shard_of
-from specmesh.runtime.tiny import make_tiny_target
+from specmesh.runtime.tiny import make_tiny_deepseek, make_tiny_target
 from specmesh.target_service.runtime import TargetRuntime
 
 SMALL = {"num_hidden_layers": 4, "hidden_size": 32, "intermediate_size": 64}
@@ -34,6 +35,9 @@ CASES = {
     "llama-gqa": ("llama", {"num_attention_heads": 4, "num_key_value_heads": 2}),
     "qwen2-bias": ("qwen2", {"num_attention_heads": 4, "num_key_value_heads": 2}),
     "qwen3-one-kv-head-tied": ("qwen3", {"num_attention_heads": 4, "num_key_value_heads": 1}),
+    # MLA (heads split, the latent replicated), a dense layer then MoE layers (every expert's
+    # intermediate split), YaRN
+    "deepseek-v3-mla-moe": ("deepseek", {"vocab_size": 321}),
 }
 
 
@@ -43,7 +47,10 @@ def pair(request, tmp_path_factory: pytest.TempPathFactory):
     arch, dims = CASES[request.param]
     out = tmp_path_factory.mktemp(request.param)
     tied = {"tie_word_embeddings": True} if "tied" in request.param else {}
-    model_dir = make_tiny_target(out, arch=arch, vocab_size=321, **SMALL, **dims, **tied)
+    if arch == "deepseek":
+        model_dir = make_tiny_deepseek(out, **dims)
+    else:
+        model_dir = make_tiny_target(out, arch=arch, vocab_size=321, **SMALL, **dims, **tied)
     threads = torch.get_num_threads()  # two ranks on CPU split this process's threads
     runtimes = [
         TargetRuntime(TargetConfig(str(model_dir), num_kv_slots=256, tensor_parallel_size=n))
@@ -138,6 +145,21 @@ def test_shards_cover_every_tensor_once() -> None:
 )  # fmt: skip
 def test_bad_splits_are_refused_before_any_rank_starts(tmp_path: Path, dims, n, message) -> None:
     model_dir = make_tiny_target(tmp_path, **{**SMALL, "hidden_size": 48, **dims})
+    with pytest.raises(ValueError, match=message):
+        TargetRuntime(TargetConfig(str(model_dir), tensor_parallel_size=n))
+
+
+@pytest.mark.parametrize(
+    ("dims", "n", "message"),
+    [
+        ({}, 3, "does not divide the 4 attention heads"),
+        ({"moe_intermediate_size": 30}, 4, "does not divide moe_intermediate_size 30"),
+        ({"intermediate_size": 98}, 4, "does not divide intermediate_size 98"),
+        ({"attention_bias": True}, 2, "with attention_bias runs with tensor_parallel_size 1"),
+    ],
+)  # fmt: skip
+def test_bad_latent_splits_are_refused(tmp_path: Path, dims, n, message) -> None:
+    model_dir = make_tiny_deepseek(tmp_path, **dims)
     with pytest.raises(ValueError, match=message):
         TargetRuntime(TargetConfig(str(model_dir), tensor_parallel_size=n))
 
