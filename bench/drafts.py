@@ -72,3 +72,22 @@ def _kept(name: str, num_layers: int) -> bool:
     if "layers" not in parts:
         return True  # embedding, final norm, LM head
     return int(parts[parts.index("layers") + 1]) < num_layers
+
+
+def tiny_deepseek_dir() -> Path:
+    """A tiny DeepSeek-V3 target (one MLA + MoE layer, YaRN) with its own NextN layer, written
+    once under the cache (`specmesh bench --tiny-deepseek`). The NextN layer copies the target's
+    block and passes the embedding through (`runtime.tiny_nextn.add_nextn_layer`), so the MTP
+    draft's guesses are mostly right: a stand-in for a trained one, on the model family's real
+    code paths (latent cache, absorbed attention, grouped routing)."""
+    from specmesh.defaults import cache_dir
+    from specmesh.runtime.tiny import make_tiny_deepseek
+
+    out = cache_dir() / "bench" / "tiny-deepseek-v3-nextn"
+    if not (out / "config.json").exists():
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        make_tiny_deepseek(tmp, num_hidden_layers=1, first_k_dense_replace=0, nextn_copies_layer=0)
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+    return out

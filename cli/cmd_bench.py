@@ -42,6 +42,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "device); transformers and llama.cpp run unsharded",
     )  # fmt: skip
     p.add_argument(
+        "--tiny-deepseek",
+        action="store_true",
+        help="bench a tiny DeepSeek-V3 (MLA + MoE, made once under $SPECMESH_CACHE/bench) with "
+        "its own NextN layer as the MTP draft, instead of --target-model / --draft-model / "
+        "--draft-kind: MLA + MoE plain and MTP speculative tokens/s and acceptance",
+    )
+    p.add_argument(
         "--draft-kinds",
         metavar="eagle3,ngram,standalone",
         help="drafting sides: the main draft (--draft-kind) first, then ngram and standalone "
@@ -147,6 +154,11 @@ def settings_from_args(args: argparse.Namespace):  # -> BenchSettings
     from specmesh.defaults import resolve_models
     from specmesh.protocol.config import SpecParams
 
+    if args.tiny_deepseek:
+        from specmesh.bench.drafts import tiny_deepseek_dir
+
+        args.target_model = args.draft_model = str(tiny_deepseek_dir())
+        args.draft_kind, args.draft_kinds = "mtp", args.draft_kinds or "mtp,ngram"
     models = resolve_models(args.target_model, args.draft_model, args.draft_kind)
     if models.draft_kind is None:
         raise ValueError(

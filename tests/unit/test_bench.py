@@ -160,6 +160,23 @@ def test_quick_bench_every_side_in_its_own_process(
     assert results["meta"]["threads"]["per_process"] >= 1
 
 
+def test_tiny_deepseek_bench_reports_mla_moe_plain_and_mtp(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--tiny-deepseek`: the MLA + MoE checkpoint with its NextN layer is made once under the
+    cache and benched plain and with MTP drafting, whose trees get accepted."""
+    monkeypatch.setenv("SPECMESH_CACHE", str(tmp_path / "cache"))
+    argv = ["bench", "--quick", "--tiny-deepseek", "--draft-kinds", "mtp", "--no-transformers",
+            "--no-cluster", "--max-new-tokens", "16", "--out", str(tmp_path)]  # fmt: skip
+    assert main(argv) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    configs = {(c["draft_kind"], c["speculation"]): c for c in results["configs"]}
+    assert set(configs) == {(None, "never"), ("mtp", "always"), ("mtp", "adaptive")}
+    assert configs["mtp", "always"]["mean_accept_len"] > 1.5
+    assert all(c["tokens_per_s"] > 0 for c in configs.values())
+    assert (tmp_path / "cache" / "bench" / "tiny-deepseek-v3-nextn" / "config.json").is_file()
+
+
 @pytest.mark.slow
 def test_quick_bench_cluster_side(tiny_dir: Path, tmp_path: Path) -> None:
     """Target, draft and router as real processes, started by the cluster side's worker."""
