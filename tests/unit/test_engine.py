@@ -143,6 +143,46 @@ def assert_follows_target(
 CHI2_CRIT_001 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32}
 
 
+@pytest.fixture(scope="module")
+def small_vocab_deepseek(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A one-layer DeepSeek-V3 (MLA + MoE) with an 8-token vocabulary and a NextN layer that
+    copies its block (`runtime.tiny_nextn`), so MTP trees are accepted often."""
+    import transformers
+
+    from specmesh.runtime.tiny import TINY_DEEPSEEK_DIMS, build_tokenizer
+    from specmesh.runtime.tiny_nextn import add_nextn_layer
+
+    out = tmp_path_factory.mktemp("small_vocab_deepseek")
+    dims = {**TINY_DEEPSEEK_DIMS, "vocab_size": 8, "num_hidden_layers": 1,
+            "first_k_dense_replace": 0}  # fmt: skip
+    cfg = transformers.DeepseekV3Config(
+        **dims, initializer_range=0.3, eos_token_id=None, bos_token_id=None, pad_token_id=None
+    )
+    torch.manual_seed(5)
+    transformers.DeepseekV3ForCausalLM(cfg).save_pretrained(out)
+    build_tokenizer().save_pretrained(out)
+    return add_nextn_layer(out, copy_layer=0)
+
+
+@pytest.mark.slow
+def test_mtp_tree_sampling_matches_target_distribution(small_vocab_deepseek: Path) -> None:
+    """As below, for DeepSeek-V3's own NextN layer drafting top-4 trees (MLA + MoE target)."""
+    target, n, temp = small_vocab_deepseek, 3000, 0.8
+    prompt = [1, 2, 3]
+    engine = Engine(
+        target, draft_model=target, draft_kind="mtp", spec=SpecParams(3, 4, 8),
+        router_config=RouterConfig(max_batch_size=256),
+    )  # fmt: skip
+    params = [
+        SamplingParams(max_new_tokens=3, temperature=temp, seed=s, ignore_eos=True)
+        for s in range(n)
+    ]
+    results = engine.generate([prompt] * n, params)
+    assert_follows_target([r.token_ids for r in results], target, prompt, temp)
+    accepted = sum(1 for r in results if r.accept_lens and r.accept_lens[0] > 1)
+    assert accepted > n // 3, f"only {accepted} of {n} speculative rounds accepted a draft token"
+
+
 @pytest.mark.slow
 def test_speculative_sampling_matches_target_distribution(small_vocab_pair: Path) -> None:
     """Tokens 2 and 3 (the first speculative round: token 1 comes from prefill) under EAGLE-3 tree
