@@ -30,6 +30,7 @@ _TEXT_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",  # MLA + MoE (`runtime.models.deepseek`)
 }
 _PREFIXES = {  # checkpoint prefix → (part, prefix inside the part)
     "model.language_model.": ("lm", "model."),

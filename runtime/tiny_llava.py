@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from specmesh.runtime.tiny import TINY_DIMS, build_tokenizer, make_tiny_eagle3
+from specmesh.runtime.tiny import TINY_DEEPSEEK_DIMS, TINY_DIMS, build_tokenizer, make_tiny_eagle3
 
 IMAGE_TOKEN = "<image>"
 
@@ -29,9 +29,12 @@ def make_tiny_llava(
     patch_size: int = 4,
     select_strategy: str = "default",
     feature_layer: int | list[int] = -2,
+    text: str = "llama",
 ) -> Path:
     """Write a random ``LlavaForConditionalGeneration`` plus processor files. With the defaults an
-    image becomes (16 / 4)² = 16 placeholder tokens (CLS dropped by the "default" strategy)."""
+    image becomes (16 / 4)² = 16 placeholder tokens (CLS dropped by the "default" strategy).
+    ``text``: the language model, ``"llama"`` or ``"deepseek"`` (DeepSeek-V3: MLA + MoE, the
+    tiny dims of `runtime.tiny.make_tiny_deepseek`)."""
     import transformers
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
@@ -42,8 +45,12 @@ def make_tiny_llava(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
         image_size=image_size, patch_size=patch_size, projection_dim=32,
     )  # fmt: skip
-    text = transformers.LlamaConfig(
-        **{**TINY_DIMS, "vocab_size": len(tokenizer)},
+    text_cls, dims = {
+        "llama": (transformers.LlamaConfig, TINY_DIMS),
+        "deepseek": (transformers.DeepseekV3Config, TINY_DEEPSEEK_DIMS),
+    }[text]
+    text_config = text_cls(
+        **{**dims, "vocab_size": len(tokenizer)},
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -51,7 +58,7 @@ def make_tiny_llava(
     )
     config = transformers.LlavaConfig(
         vision_config=vision,
-        text_config=text,
+        text_config=text_config,
         image_token_id=image_token_id,
         vision_feature_layer=feature_layer,
         vision_feature_select_strategy=select_strategy,

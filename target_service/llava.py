@@ -27,8 +27,7 @@ from specmesh.runtime.config import (
 )
 from specmesh.runtime.llava_checkpoint import split_llava_tensors, text_model_config
 from specmesh.runtime.loader import assign_parameters, load_tensors
-from specmesh.runtime.models.causal_lm import CausalLM
-from specmesh.runtime.models.layers import Rotary
+from specmesh.runtime.models.causal_lm import CausalLM, causal_lm_class
 
 
 class ImageEncoder(nn.Module):
@@ -119,9 +118,9 @@ def _language_model(
     cfg: ModelConfig, tensors: dict[str, torch.Tensor], device: str, *, what: str
 ) -> CausalLM:
     with torch.device("meta"):
-        model = CausalLM(cfg)
+        model = causal_lm_class(cfg)(cfg)  # the Llama family, or DeepSeek-V3 (MLA + MoE)
     model = model.to_empty(device=device).to(cfg.dtype)
-    model.rotary.inv_freq = Rotary(cfg.rope, cfg.head_dim).inv_freq.to(device)
+    model.reset_fp32_buffers(device)
     if cfg.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     assign_parameters(model, tensors, what=what)
