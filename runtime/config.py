@@ -13,7 +13,7 @@ import torch
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # Multi-head latent attention + MoE targets (`runtime.models.deepseek`); not a Llama block, so
 # kept apart from the list above, which MTP drafts build their layers from.
-MLA_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
+MLA_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM")
 CAUSAL_LM_ARCHITECTURES = (*SUPPORTED_ARCHITECTURES, *MLA_ARCHITECTURES)
 
 _DTYPES = {
@@ -123,10 +123,14 @@ class MLAConfig:
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """DeepSeek-V3 mixture of experts (`runtime.models.moe`): layers from
-    ``first_k_dense_replace`` on route each token to ``num_experts_per_tok`` of
-    ``n_routed_experts`` (sigmoid scores, noaux_tc grouped top-k) beside shared experts."""
+    """DeepSeek mixture of experts (`runtime.models.moe`): layers from ``first_k_dense_replace``
+    on route each token to ``num_experts_per_tok`` of ``n_routed_experts`` beside shared
+    experts; V3 by sigmoid scores with noaux_tc grouped top-k (``scoring`` "sigmoid"), V2 by
+    softmax scores, top-k over all experts ("greedy") or the best groups
+    ("group_limited_greedy")."""
 
+    scoring: str  # "sigmoid" (V3) or "softmax" (V2)
+    topk_method: str  # "noaux_tc" (V3), "greedy" or "group_limited_greedy" (V2)
     n_routed_experts: int
     num_experts_per_tok: int
     n_group: int
@@ -138,14 +142,22 @@ class MoEConfig:
     first_k_dense_replace: int
 
     @staticmethod
-    def from_hf(cfg: dict[str, Any]) -> MoEConfig:
+    def from_hf(cfg: dict[str, Any], v2: bool = False) -> MoEConfig:
         if cfg.get("hidden_act", "silu") != "silu":
             raise CheckpointError(f"unsupported hidden_act {cfg['hidden_act']!r}; expected silu")
-        for key, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
-            if cfg.get(key, want) != want:
-                raise CheckpointError(f"unsupported {key} {cfg[key]!r}; expected {want!r}")
+        scoring, methods = ("softmax", ("greedy", "group_limited_greedy")) if v2 else (
+            "sigmoid", ("noaux_tc",))  # fmt: skip
+        if (cfg.get("scoring_func") or scoring) != scoring:
+            raise CheckpointError(
+                f"unsupported scoring_func {cfg['scoring_func']!r}; expected {scoring!r}"
+            )
+        method = cfg.get("topk_method") or methods[0]
+        if method not in methods:
+            raise CheckpointError(f"unsupported topk_method {method!r}; expected one of {methods}")
         require(cfg, "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
         moe = MoEConfig(
+            scoring=scoring,
+            topk_method=method,
             n_routed_experts=int(cfg["n_routed_experts"]),
             num_experts_per_tok=int(cfg["num_experts_per_tok"]),
             n_group=int(cfg.get("n_group") or 1),
@@ -153,7 +165,7 @@ class MoEConfig:
             n_shared_experts=int(cfg.get("n_shared_experts") or 0),
             moe_intermediate_size=int(cfg["moe_intermediate_size"]),
             routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", not v2)),
             first_k_dense_replace=int(cfg.get("first_k_dense_replace") or 0),
         )
         if moe.n_routed_experts % moe.n_group or moe.topk_group > moe.n_group:
@@ -237,7 +249,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
             mla=mla,
-            moe=MoEConfig.from_hf(cfg) if mla else None,
+            moe=MoEConfig.from_hf(cfg, v2=arch == "DeepseekV2ForCausalLM") if mla else None,
             extra=cfg,
         )
 

@@ -132,9 +132,11 @@ def make_tiny_deepseek(
     initializer_range: float = 0.3,
     nextn: bool = False,
     nextn_copies_layer: int | None = None,
+    version: int = 3,
     **overrides: object,
 ) -> Path:
-    """Write a random ``DeepseekV3ForCausalLM`` (multi-head latent attention, MoE with a shared
+    """Write a random ``DeepseekV3ForCausalLM`` (``version=2``: ``DeepseekV2ForCausalLM``, softmax
+    routing; ``topk_method`` as an override) (multi-head latent attention, MoE with a shared
     expert and grouped routing after one dense layer) with the tiny tokenizer. The routing bias
     ``e_score_correction_bias`` is drawn at random too (transformers initializes it to zero),
     so a test sees it steer the choice of experts.
@@ -146,7 +148,11 @@ def make_tiny_deepseek(
 
     dims = {**TINY_DEEPSEEK_DIMS, **overrides}
     tokenizer = build_tokenizer(int(dims["vocab_size"]))  # type: ignore[call-overload]
-    config = transformers.DeepseekV3Config(
+    config_cls, model_cls = {
+        3: (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
+        2: (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM),
+    }[version]
+    config = config_cls(
         **dims,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -154,10 +160,12 @@ def make_tiny_deepseek(
         initializer_range=initializer_range,
     )
     torch.manual_seed(seed)
-    model = transformers.DeepseekV3ForCausalLM(config)
+    model = model_cls(config)
     with torch.no_grad():
         for layer in model.model.layers[config.first_k_dense_replace :]:
-            layer.mlp.gate.e_score_correction_bias.uniform_(-0.5, 0.5)
+            bias = getattr(layer.mlp.gate, "e_score_correction_bias", None)  # V3's only
+            if bias is not None:
+                bias.uniform_(-0.5, 0.5)
     model.to(dtype).save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     if nextn or nextn_copies_layer is not None:

@@ -72,5 +72,5 @@ class DeepseekV3CausalLM(CausalLM):
 def routing_bias_to_fp32(module: nn.Module) -> None:
     """Every MoE gate's ``e_score_correction_bias`` back to fp32 after a cast of ``module``."""
     for gate in module.modules():
-        if isinstance(gate, MoEGate):
+        if isinstance(gate, MoEGate) and gate.e_score_correction_bias is not None:
             gate.e_score_correction_bias = gate.e_score_correction_bias.float()

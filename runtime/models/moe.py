@@ -1,4 +1,5 @@
-"""DeepSeek-V3 mixture of experts: noaux_tc grouped top-k routing, routed and shared experts.
+"""DeepSeek mixture of experts: V3's noaux_tc grouped top-k routing (V2's softmax routing:
+`_route_v2`), routed and shared experts.
 
 Routing of one token (`route`, transformers' ``DeepseekV3TopkRouter`` op for op, in fp32):
 
@@ -25,24 +26,49 @@ from specmesh.runtime.parallel import SINGLE, TensorParallel
 
 def route(
     logits: torch.Tensor,  # [num_tokens, experts] fp32
-    bias: torch.Tensor,  # [experts] fp32, e_score_correction_bias
+    bias: torch.Tensor | None,  # [experts] fp32, e_score_correction_bias (V3 only)
     moe: MoEConfig,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights ``[num_tokens, top_k]`` fp32, expert ids ``[num_tokens, top_k]``)."""
+    if moe.scoring == "softmax":
+        weights, ids = _route_v2(logits, moe)
+    else:
+        weights, ids = _route_v3(logits, bias, moe)
+    if moe.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * moe.routed_scaling_factor, ids
+
+
+def _route_v3(
+    logits: torch.Tensor, bias: torch.Tensor | None, moe: MoEConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sigmoid scores; groups ranked by their top-2 biased scores; the bias steers only."""
     n, num_experts = logits.shape
     per_group = num_experts // moe.n_group
     scores = logits.sigmoid()
-    choice = scores + bias
+    choice = scores if bias is None else scores + bias
     group_scores = choice.view(n, moe.n_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)
     group_idx = torch.topk(group_scores, k=moe.topk_group, dim=-1, sorted=False)[1]
     group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)  # [num_tokens, groups]
     expert_mask = group_mask[:, :, None].expand(n, moe.n_group, per_group).reshape(n, -1)
     choice = choice.masked_fill(~expert_mask.bool(), float("-inf"))
     ids = torch.topk(choice, k=moe.num_experts_per_tok, dim=-1, sorted=False)[1]
-    weights = scores.gather(1, ids)
-    if moe.norm_topk_prob:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * moe.routed_scaling_factor, ids
+    return scores.gather(1, ids), ids
+
+
+def _route_v2(logits: torch.Tensor, moe: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax scores; top-k of all experts, or of the ``topk_group`` groups with the highest
+    single score (transformers' ``DeepseekV2TopkRouter``, op for op)."""
+    n, num_experts = logits.shape
+    scores = logits.softmax(dim=-1, dtype=torch.float32)
+    if moe.topk_method == "group_limited_greedy":
+        per_group = num_experts // moe.n_group
+        group_scores = scores.view(n, moe.n_group, per_group).max(dim=-1).values
+        group_idx = torch.topk(group_scores, k=moe.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+        expert_mask = group_mask[:, :, None].expand(n, moe.n_group, per_group).reshape(n, -1)
+        scores = scores.masked_fill(~expert_mask.bool(), 0.0)
+    return torch.topk(scores, k=moe.num_experts_per_tok, dim=-1, sorted=False)
 
 
 class MoEGate(nn.Module):
@@ -50,12 +76,14 @@ class MoEGate(nn.Module):
         super().__init__()
         self.moe = moe
         self.weight = nn.Parameter(torch.empty(moe.n_routed_experts, hidden_size))
-        # fp32 whatever the model's dtype (`DeepseekV3CausalLM.reset_fp32_buffers`)
-        self.register_buffer("e_score_correction_bias", torch.zeros(moe.n_routed_experts))
+        # V3's routing bias, fp32 whatever the model's dtype (`routing_bias_to_fp32`); V2 has none
+        bias = torch.zeros(moe.n_routed_experts) if moe.scoring == "sigmoid" else None
+        self.register_buffer("e_score_correction_bias", bias)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x.float(), self.weight.float())  # [num_tokens, experts]
-        return route(logits, self.e_score_correction_bias.float(), self.moe)
+        bias = self.e_score_correction_bias
+        return route(logits, None if bias is None else bias.float(), self.moe)
 
 
 class MoE(nn.Module):

@@ -214,6 +214,32 @@ def test_variant_without_q_lora_or_interleave(tmp_path: Path) -> None:
     assert res.token_ids == hf_greedy(d, PROMPTS[1], 12)
 
 
+@pytest.mark.parametrize("topk_method", ["greedy", "group_limited_greedy"])
+def test_deepseek_v2_routing_and_greedy_equal_transformers(tmp_path: Path, topk_method) -> None:
+    """``DeepseekV2ForCausalLM``: MLA as V3 (interleaved rope, YaRN), softmax routing without a
+    correction bias, over all experts or the best groups; the gate picks transformers' experts
+    and weights, and greedy decoding (plain and with n-gram trees) gives its tokens."""
+    from specmesh.runtime.tiny import make_tiny_deepseek
+
+    d = make_tiny_deepseek(tmp_path / topk_method, version=2, topk_method=topk_method,
+                           num_hidden_layers=2, seed=4)  # fmt: skip
+    ours, hf = load_causal_lm(d), _hf_model(str(d))
+    assert ours.config.moe.scoring == "softmax" and ours.config.moe.topk_method == topk_method
+    gate, hf_gate = ours.model.layers[1].mlp.gate, hf.model.layers[1].mlp.gate
+    assert gate.e_score_correction_bias is None
+    x = torch.randn(32, ours.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        (_, hf_weights, hf_ids), (weights, ids) = hf_gate(x), gate(x)
+    assert torch.equal(ids.sort(-1).values, hf_ids.sort(-1).values)
+    torch.testing.assert_close(
+        weights.gather(1, ids.argsort(-1)), hf_weights.gather(1, hf_ids.argsort(-1))
+    )
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    for engine in (Engine(d), Engine(d, draft_kind="ngram", spec=SpecParams(3, 2, 6))):
+        for prompt in PROMPTS[:2]:
+            assert engine.generate([prompt], params)[0].token_ids == hf_greedy(d, prompt, 12)
+
+
 MLA_REFUSED = r"flashinfer.*latent attention.*--attention-backend triton \(or torch\)"
 
 
