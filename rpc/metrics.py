@@ -128,11 +128,15 @@ class _Occupancy:
         ahead = getattr(runtime, "ahead", None)
         if ahead is None:
             return []
-        families = []
-        for name, doc, value in [
+        return self._counters([
             ("run_ahead_steps", "Plain decode steps decided ahead of the router's verify", ahead.num_runs),
             ("run_ahead_hits", "Steps decided ahead that answered the router's verify", ahead.num_hits),
-        ]:  # fmt: skip
+        ])  # fmt: skip
+
+    def _counters(self, series: list[tuple[str, str, float]]) -> list:
+        """One counter family per (name, doc, value), labelled with this service."""
+        families = []
+        for name, doc, value in series:
             family = CounterMetricFamily(f"specmesh_{name}", doc, labels=["service"])
             family.add_metric([self.service], value)
             families.append(family)
@@ -143,14 +147,10 @@ class _Occupancy:
         blocks = getattr(getattr(runtime, "prefixes", None), "blocks", None)
         if blocks is None:
             return []
-        families = []
-        for name, doc, value in [
+        families = self._counters([
             ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", blocks.num_queried),
             ("prefix_cache_hits", "Prompt tokens found in the prefix cache", blocks.num_hit),
-        ]:  # fmt: skip
-            family = CounterMetricFamily(f"specmesh_{name}", doc, labels=["service"])
-            family.add_metric([self.service], value)
-            families.append(family)
+        ])  # fmt: skip
         gauge = GaugeMetricFamily("specmesh_prefix_cache_tokens", "Tokens the prefix cache holds",
                                   labels=["service"])  # fmt: skip
         gauge.add_metric([self.service], blocks.num_tokens)

@@ -139,6 +139,20 @@ def assert_follows_target(
         assert dof >= 1 and stat < CHI2_CRIT_001[dof], (position, stat, dof, counts)
 
 
+def sample_and_check(
+    engine: Engine, target: Path, prompt: list[int], temperature: float, n: int
+) -> int:
+    """``n`` seeded 3-token samples of ``prompt`` through ``engine`` checked by
+    `assert_follows_target`; returns how many first rounds accepted a draft token."""
+    params = [
+        SamplingParams(max_new_tokens=3, temperature=temperature, seed=s, ignore_eos=True)
+        for s in range(n)
+    ]
+    results = engine.generate([prompt] * n, params)
+    assert_follows_target([r.token_ids for r in results], target, prompt, temperature)
+    return sum(1 for r in results if r.accept_lens and r.accept_lens[0] > 1)
+
+
 # Upper 0.1% points of the chi-square distribution (significance level 0.001).
 CHI2_CRIT_001 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32}
 
@@ -173,13 +187,7 @@ def test_mtp_tree_sampling_matches_target_distribution(small_vocab_deepseek: Pat
         target, draft_model=target, draft_kind="mtp", spec=SpecParams(3, 4, 8),
         router_config=RouterConfig(max_batch_size=256),
     )  # fmt: skip
-    params = [
-        SamplingParams(max_new_tokens=3, temperature=temp, seed=s, ignore_eos=True)
-        for s in range(n)
-    ]
-    results = engine.generate([prompt] * n, params)
-    assert_follows_target([r.token_ids for r in results], target, prompt, temp)
-    accepted = sum(1 for r in results if r.accept_lens and r.accept_lens[0] > 1)
+    accepted = sample_and_check(engine, target, prompt, temp, n)
     assert accepted > n // 3, f"only {accepted} of {n} speculative rounds accepted a draft token"
 
 
@@ -194,12 +202,6 @@ def test_speculative_sampling_matches_target_distribution(small_vocab_pair: Path
         target, draft_model=small_vocab_pair / "draft", draft_kind="eagle3",
         spec=SpecParams(3, 4, 8), router_config=RouterConfig(max_batch_size=256),
     )  # fmt: skip
-    params = [
-        SamplingParams(max_new_tokens=3, temperature=temp, seed=s, ignore_eos=True)
-        for s in range(n)
-    ]
-    results = engine.generate([prompt] * n, params)
-    assert_follows_target([r.token_ids for r in results], target, prompt, temp)
     # The test means something only if drafts were accepted: count rounds that took >= 1 node.
-    accepted = sum(1 for r in results if r.accept_lens and r.accept_lens[0] > 1)
+    accepted = sample_and_check(engine, target, prompt, temp, n)
     assert accepted > n // 3, f"only {accepted} of {n} speculative rounds accepted a draft token"

@@ -221,16 +221,10 @@ def small_vocab(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_cut_trees_and_plain_rounds_sample_the_targets_distribution(small_vocab: Path) -> None:
     """Tokens 2 and 3 under scripted plans (cut trees, plain rounds, full trees, per micro-batch)
     are distributed as direct sampling from the target: chi-square at significance 0.001."""
-    from unit.test_engine import assert_follows_target
+    from unit.test_engine import sample_and_check
 
     target, n, temp, prompt = small_vocab / "target", 2000, 0.8, [1, 2, 3]
     engine = _engine(target, small_vocab / "draft", "adaptive", batch=64)
     engine.policy = ScriptedPolicy("adaptive")
-    params = [
-        SamplingParams(max_new_tokens=3, temperature=temp, seed=s, ignore_eos=True)
-        for s in range(n)
-    ]
-    results = engine.generate([prompt] * n, params)
-    assert_follows_target([r.token_ids for r in results], target, prompt, temp)
-    accepted = sum(1 for r in results if r.accept_lens and r.accept_lens[0] > 1)
+    accepted = sample_and_check(engine, target, prompt, temp, n)
     assert accepted > n // 10, f"only {accepted} of {n} first rounds accepted a draft token"

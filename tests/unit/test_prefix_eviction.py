@@ -57,5 +57,7 @@ def test_victims_are_the_least_recently_used_leaves(
         unreferenced = sum(len(b.pages) for b in prefixes.blocks.values() if not b.refs)
         assert prefixes.num_evictable_slots == unreferenced
         leaves = [b for b in prefixes.blocks.values() if not b.refs and not b.children]
-        assert prefixes.num_tokens <= max_blocks * BLOCK or not leaves  # over only while all are held
+        assert (
+            prefixes.num_tokens <= max_blocks * BLOCK or not leaves
+        )  # over only while all are held
     assert sum(v is not None for v in victims) > 50
