@@ -137,3 +137,34 @@ def pick_logprobs(logprobs: torch.Tensor, tokens: list[int], num_top: int) -> li
         Logprob(t, lp, tuple(zip(top_ids[i], top_vals[i], strict=True)) if num_top else ())
         for i, (t, lp) in enumerate(zip(tokens, chosen.tolist(), strict=True))
     ]
+
+
+def ordered_outputs(
+    parts: list[tuple[Sequence[HasRid], StepOutput]], order: list[str]
+) -> StepOutput:
+    """One output from passes that ran parts of a batch: dicts merged, feature and embedding rows
+    put back in the batch's request ``order`` (each pass's rows follow its own inputs, one block
+    of ``row_counts`` rows per request it answered). One pass that ran (the usual case) is
+    already in order: its output is returned as it is, nothing copied."""
+    ran = [(inputs, part) for inputs, part in parts if inputs]
+    if len(ran) <= 1:
+        return ran[0][1] if ran else StepOutput()
+    rows: dict[str, dict[str, torch.Tensor]] = {"features": {}, "mm_input_embeds": {}}
+    out = StepOutput()
+    for inputs, part in parts:
+        answered = [i.rid for i in inputs if i.rid in part.tokens]
+        for name, by_rid in rows.items():
+            tensor = getattr(part, name)
+            if tensor is not None:
+                by_rid.update(
+                    zip(answered, tensor.split([part.row_counts[r] for r in answered]), strict=True)
+                )
+        for name in ("tokens", "prompt_ids", "row_counts", "logprobs", "prompt_logprobs", "errors",
+                     "cached_tokens"):  # fmt: skip
+            getattr(out, name).update(getattr(part, name))
+    for name, by_rid in rows.items():
+        if by_rid:
+            setattr(out, name, torch.cat([by_rid[r] for r in order if r in by_rid]))
+    # in process the rows are cut in row_counts' order (`router.draft_rows.split_rows`)
+    out.row_counts = {r: out.row_counts[r] for r in order if r in out.row_counts}
+    return out

@@ -25,10 +25,14 @@ from specmesh.protocol.images import ImageLimits
 from specmesh.protocol.steps import PrefillInput, StepOutput
 from specmesh.runtime.prefix_cache import Match
 from specmesh.runtime.sampling import TokenHistory, processed_logprobs, sample_tokens
-from specmesh.target_service.batching import extend_chunked, pick_logprobs, run_isolated
+from specmesh.target_service.batching import (
+    extend_chunked,
+    ordered_outputs,
+    pick_logprobs,
+    run_isolated,
+)
 from specmesh.target_service.grammar import mask_logits, row_masks
 from specmesh.target_service.multimodal import merge_images
-from specmesh.target_service.prefix import ordered_outputs
 from specmesh.target_service.state import TargetRequest
 
 if TYPE_CHECKING:

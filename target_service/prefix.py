@@ -26,7 +26,7 @@ import torch
 
 from specmesh.protocol.features import Feature
 from specmesh.protocol.prefix_keys import block_key
-from specmesh.protocol.steps import PrefillInput, StepOutput
+from specmesh.protocol.steps import PrefillInput
 from specmesh.runtime.kv_cache import KVCache
 from specmesh.runtime.prefix_cache import Match, PrefixCache
 
@@ -223,34 +223,3 @@ def feature_key(feature: Feature, aux_points: tuple[int, ...]) -> str | None:
     if feature is Feature.NONE:
         return None
     return f"{feature.value}:{','.join(map(str, aux_points))}" if aux_points else feature.value
-
-
-def ordered_outputs(
-    parts: list[tuple[list[PrefillInput], StepOutput]], order: list[str]
-) -> StepOutput:
-    """One output from passes that ran parts of a batch: dicts merged, feature and embedding rows
-    put back in the batch's request ``order`` (each pass's rows follow its own inputs, one block
-    of ``row_counts`` rows per request it answered). One pass that ran (the usual case) is
-    already in order: its output is returned as it is, nothing copied."""
-    ran = [(inputs, part) for inputs, part in parts if inputs]
-    if len(ran) <= 1:
-        return ran[0][1] if ran else StepOutput()
-    rows: dict[str, dict[str, torch.Tensor]] = {"features": {}, "mm_input_embeds": {}}
-    out = StepOutput()
-    for inputs, part in parts:
-        answered = [i.rid for i in inputs if i.rid in part.tokens]
-        for name, by_rid in rows.items():
-            tensor = getattr(part, name)
-            if tensor is not None:
-                by_rid.update(
-                    zip(answered, tensor.split([part.row_counts[r] for r in answered]), strict=True)
-                )
-        for name in ("tokens", "prompt_ids", "row_counts", "logprobs", "prompt_logprobs", "errors",
-                     "cached_tokens"):  # fmt: skip
-            getattr(out, name).update(getattr(part, name))
-    for name, by_rid in rows.items():
-        if by_rid:
-            setattr(out, name, torch.cat([by_rid[r] for r in order if r in by_rid]))
-    # in process the rows are cut in row_counts' order (`router.draft_rows.split_rows`)
-    out.row_counts = {r: out.row_counts[r] for r in order if r in out.row_counts}
-    return out

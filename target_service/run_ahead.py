@@ -9,8 +9,9 @@ where a verify's rejected nodes sit, and no request's state changes. When the ro
 verify names only such requests with their pending tokens as one-node trees (`take`), the
 step is answered by committing what was decided: the forward left the critical path, and the
 round costs the larger of the forward and the hop instead of their sum (what SGLang's overlap
-scheduler does in one process, across the wire here). Anything else runs as usual and the
-decided steps are dropped (their KV is overwritten).
+scheduler does in one process, across the wire here). The rest of a batch (a request that just
+joined, a drafted tree) runs as usual beside them; a decided step not asked for is dropped
+(its KV is overwritten).
 
 Lossless by construction: a decided step is exactly the step the router asks for, computed on
 the same state, and the router's choice to ask for it never depends on the token it decided.
@@ -79,17 +80,18 @@ class RunAhead:
 
     def take(
         self, rt: TargetRuntime, inputs: list[VerifyInput], feature: Feature
-    ) -> list[Decided] | None:
-        """The decided steps answering ``inputs``, when every input is one (its pending token
-        as a one-node tree, on the state it was decided on); else None, with the inputs'
-        entries dropped."""
-        hits = [self._valid(rt, inp, feature) for inp in inputs]
+    ) -> dict[str, Decided]:
+        """The decided steps answering some of ``inputs``, by request id: each such input is
+        its request's pending token as a one-node tree, on the state it was decided on. Every
+        input's entry is dropped (the others run as usual)."""
+        hits = {}
         for inp in inputs:
+            decided = self._valid(rt, inp, feature)
+            if decided is not None:
+                hits[inp.rid] = decided
             self.ready.pop(inp.rid, None)
-        if not inputs or any(h is None for h in hits):
-            return None
         self.num_hits += len(hits)
-        return hits  # type: ignore[return-value]
+        return hits
 
     def _valid(self, rt: TargetRuntime, inp: VerifyInput, feature: Feature) -> Decided | None:
         a = self.ready.get(inp.rid)

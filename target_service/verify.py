@@ -23,7 +23,7 @@ from specmesh.runtime.model_runner import BatchItem, run_batch
 from specmesh.runtime.sampling import TokenHistory
 from specmesh.runtime.tree import Tree
 from specmesh.target_service.acceptance import accept_trees, padded_row_index
-from specmesh.target_service.batching import pick_logprobs, run_isolated
+from specmesh.target_service.batching import ordered_outputs, pick_logprobs, run_isolated
 
 if TYPE_CHECKING:
     from specmesh.target_service.runtime import TargetRuntime
@@ -48,14 +48,18 @@ def verify_trees(
     """Forward every tree (prefix + ancestors + self mask, positions ``committed + depth``),
     accept a path greedily or by lossless tree sampling, keep the path's KV by length.
     A request that is invalid or whose tree does not fit in the KV cache fails alone and
-    is dropped. Requests whose step already ran ahead (`run_ahead`) are only kept."""
-    ahead = rt.ahead.take(rt, inputs, feature)
-    if ahead is not None:
-        return keep(rt, feature, ahead)
-    rows, errors = verify_rows(rt, inputs, rt.release)
+    is dropped. Requests whose step already ran ahead (`run_ahead`) are only kept; the rest of
+    the batch runs, and the rows come back in the batch's order."""
+    hits = rt.ahead.take(rt, inputs, feature)
+    rest = [i for i in inputs if i.rid not in hits]
+    rows, errors = verify_rows(rt, rest, rt.release)
     out = run_isolated(rows, lambda b: keep(rt, feature, *decide(rt, b, feature)), rt.release)
     out.errors.update(errors)
-    return out
+    if not hits:
+        return out
+    ahead = [i for i in inputs if i.rid in hits]
+    kept = keep(rt, feature, [hits[i.rid] for i in ahead])
+    return ordered_outputs([(ahead, kept), (rest, out)], [i.rid for i in inputs])
 
 
 def verify_rows(

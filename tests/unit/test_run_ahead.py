@@ -88,6 +88,29 @@ def test_a_subset_of_the_batch_keeps_its_steps(tiny_dir, oracle, rt) -> None:
         assert tokens[rid] == oracle(tiny_dir / "target", PROMPTS[rid], 6)
 
 
+def test_a_request_that_joins_runs_beside_the_decided_ones(tiny_dir, oracle, rt) -> None:
+    """a and b were run ahead, c joined after: the verify keeps a's and b's steps, runs c's,
+    and returns every row in the batch's order (the same as with nothing run ahead)."""
+    joined = {"c": PROMPTS["c"]}
+    runs = []
+    for ahead in (False, True):
+        tokens = start(rt, prompts={"a": PROMPTS["a"], "b": PROMPTS["b"]}, feature=Feature.HIDDEN)
+        if ahead:
+            rt.ahead.run(rt, ["a", "b"], Feature.HIDDEN)
+        out = rt.prefill([PrefillInput("c", joined["c"], GREEDY)], Feature.HIDDEN)
+        tokens["c"] = list(out.tokens["c"])
+        hits = rt.ahead.num_hits
+        out = step(rt, ["c", "a", "b"], tokens, ahead=False, feature=Feature.HIDDEN)
+        assert rt.ahead.num_hits - hits == (2 if ahead else 0)
+        assert list(out.row_counts) == ["c", "a", "b"]
+        runs.append((tokens, out))
+    (plain_tokens, plain_out), (ahead_tokens, ahead_out) = runs
+    assert ahead_tokens == plain_tokens
+    torch.testing.assert_close(ahead_out.features, plain_out.features, rtol=1e-5, atol=1e-5)
+    for rid, prompt in PROMPTS.items():
+        assert ahead_tokens[rid] == oracle(tiny_dir / "target", prompt, 2)
+
+
 def test_any_other_step_runs_as_usual_and_keeps_the_right_kv(tiny_dir, oracle, rt) -> None:
     """A drafted tree after a run-ahead is verified afresh: its nodes overwrite the KV the
     run-ahead wrote at the same position (kept, that KV would be for the wrong token or
