@@ -29,14 +29,12 @@ from specmesh.bench.report import write_json
 from specmesh.bench.runners import RunSpec
 from specmesh.bench.spawn import run_worker
 from specmesh.bench.suite import interleave
-from specmesh.bench.worker import Job
+from specmesh.bench.worker import ONE_DEVICE, TWO_DEVICES, Job
 from specmesh.defaults import default_models
 from specmesh.protocol.config import SpecParams
 
 SPEC = SpecParams(num_steps=5, topk=4, num_draft_tokens=8)
 PROMPT_LEN, MAX_NEW_TOKENS = 64, 128
-ONE_DEVICE = {"driver": [0]}
-TWO_DEVICES = {"target": [0], "draft": [1], "router": [1], "driver": [1]}
 
 
 def plan(batch_sizes: list[int], predraft: int) -> list[tuple[str, RunSpec, Job]]:

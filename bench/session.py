@@ -22,7 +22,7 @@ from specmesh.bench.metrics import aggregate
 from specmesh.bench.runners import RunSpec
 from specmesh.bench.spawn import run_worker
 from specmesh.bench.suite import BenchSettings, compare, goals, interleave, plan
-from specmesh.bench.worker import Job
+from specmesh.bench.worker import ONE_DEVICE, TWO_DEVICES, Job
 from specmesh.bench.workloads import load_workload
 
 WORKER_TIMEOUT_S = 1800.0
@@ -62,7 +62,9 @@ def run_side(s: BenchSettings, run: RunSpec, prompts: list[list[int]], pad: int)
         command = [s.llamacpp_python, str(llamacpp.WORKER)]
         return llamacpp.to_result(run, run_worker(command, job, s.threads, WORKER_TIMEOUT_S))
     draft = s.draft_dirs.get(run.draft_kind) if run.draft_kind else None
-    job = Job(run, s.models.target, draft, s.runtime, s.threads, prompts, pad)
+    cpus = {} if not s.pin else TWO_DEVICES if run.backend == "cluster" else ONE_DEVICE
+    job = Job(run, s.models.target, draft, s.runtime, s.threads, prompts, pad, cpus=cpus,
+              draft_args=list(s.cluster_draft_args))  # fmt: skip
     command = [sys.executable, "-m", "specmesh.bench.worker"]
     return run_worker(command, job.to_json(), s.threads, WORKER_TIMEOUT_S)
 

@@ -74,6 +74,10 @@ class BenchSettings:
     sweep: tuple[SpecParams, ...] = SWEEP
     runtime: dict[str, Any] = field(default_factory=dict)  # attention_backend, device
     threads: int = 1  # torch threads of every measured process (the cluster splits them)
+    # One core per device (`bench.worker.ONE_DEVICE` / `TWO_DEVICES`, one thread each): the
+    # split measured as on two devices, the in-process sides on one.
+    pin: bool = False
+    cluster_draft_args: tuple[str, ...] = ()  # flags the cluster's draft gets (--predraft N)
     # In-process engine variants ("torch", "triton", "triton+graphs", ...; see engine_variants),
     # each run plain and with the main draft, code, greedy, at engine_batch_sizes.
     engines: tuple[str, ...] = ()

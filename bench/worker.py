@@ -26,6 +26,12 @@ from typing import Any
 from specmesh.bench.runners import RunSpec
 from specmesh.protocol.config import SpecParams
 
+# One CPU core standing in for each device (`specmesh bench --pin`, `bench.predraft`): a side with
+# one device runs on core 0; a cluster puts its target on core 0 and its draft, router and the
+# measuring client on core 1.
+ONE_DEVICE = {"driver": [0]}
+TWO_DEVICES = {"target": [0], "draft": [1], "router": [1], "driver": [1]}
+
 
 @dataclass(frozen=True)
 class Job:

@@ -42,6 +42,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "device); transformers and llama.cpp run unsharded",
     )  # fmt: skip
     p.add_argument(
+        "--pin",
+        action="store_true",
+        help="one CPU core per device (needs 2): in-process and transformers sides on core 0, "
+        "the cluster's target on core 0 and its draft, router and client on core 1, one thread "
+        "each: what the split gives with the draft on a device of its own",
+    )
+    p.add_argument(
+        "--predraft",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the cluster's draft pre-drafts the N likeliest verify outcomes (specmesh draft "
+        "--predraft N)",
+    )
+    p.add_argument(
         "--tiny-deepseek",
         action="store_true",
         help="bench a tiny DeepSeek-V3 (MLA + MoE, made once under $SPECMESH_CACHE/bench) with "
@@ -193,12 +208,22 @@ def settings_from_args(args: argparse.Namespace):  # -> BenchSettings
             "device": args.device,
             "tensor_parallel_size": args.tensor_parallel_size,
         },
-        threads=args.threads or available_cores(),
+        threads=1 if args.pin else args.threads or available_cores(),
+        pin=_pinned(args.pin),
+        cluster_draft_args=("--predraft", str(args.predraft)) if args.predraft else (),
         engines=engine_variants(_names(args.compare_attention_backends), args.device)
         if args.compare_attention_backends
         else (),
         engine_batch_sizes=_ints(args.engine_batch_sizes, "--engine-batch-sizes"),
     )
+
+
+def _pinned(pin: bool) -> bool:
+    import os
+
+    if pin and len(os.sched_getaffinity(0)) < 2:
+        raise ValueError("--pin puts target and draft on cores 0 and 1: it needs 2 CPU cores")
+    return pin
 
 
 def _draft_kinds(args: argparse.Namespace, main: str) -> tuple[str, ...]:
