@@ -16,6 +16,8 @@ TABLE_COLUMNS = (
     ("ITL p50 ms", "itl_s_p50", "{:.1f}", 1e3),
     ("ITL p99 ms", "itl_s_p99", "{:.1f}", 1e3),
     ("accept", "mean_accept_len", "{:.2f}"),
+    ("pre-draft hits", "predraft_hit_rate", "{:.2f}"),  # rounds whose tree was pre-drafted
+    ("draft wait ms", "draft_wait_ms_per_round", "{:.2f}"),  # per round, waiting on the draft
     ("target %", "target_pct", "{:.0f}"),
     ("draft %", "draft_pct", "{:.0f}"),
     ("router %", "router_pct", "{:.0f}"),
@@ -44,7 +46,7 @@ def _row(c: dict[str, Any]) -> list[str]:
     values = {**c, **pct}
     cells = []
     for _, key, fmt, *scale in TABLE_COLUMNS:
-        v = values[key]
+        v = values.get(key)
         cells.append("-" if v is None else fmt.format(v * scale[0] if scale else v))
     return cells
 

@@ -210,3 +210,27 @@ def test_attention_backend_comparison(tiny_dir: Path, tmp_path: Path) -> None:
     assert len(engines) == 2 * 2  # 2 variants x plain / speculative at batch 1
     got = {c["name"] for c in results["comparisons"]}
     assert got >= {"triton_vs_torch_plain", "triton_vs_torch_eagle3"}
+
+
+def test_pin_places_each_side_on_its_cores(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--pin``: one thread per process; the cluster's target on core 0 and its draft, router and
+    client on core 1, every other side on core 0; ``--predraft N`` reaches the cluster's draft."""
+    from specmesh.bench import session
+    from specmesh.cli.cmd_bench import settings_from_args
+    from specmesh.cli.main import build_parser
+
+    argv = [*_tiny_args(tiny_dir, tiny_dir / "out"), "--pin", "--predraft", "4"]
+    s = settings_from_args(build_parser("bench").parse_args(argv))
+    assert s.pin and s.threads == 1 and s.cluster_draft_args == ("--predraft", "4")
+    jobs = {}
+    monkeypatch.setattr(
+        session,
+        "run_worker",
+        lambda cmd, job, threads, timeout: jobs.setdefault(job["run"]["backend"], job),
+    )
+    for backend in ("cluster", "inprocess"):
+        run = RunSpec(backend, "code", 1, 0.0, s.spec, 4, 1, "fp32", "eagle3")
+        session.run_side(s, run, [[1, 2, 3]], 0)
+    assert jobs["cluster"]["cpus"] == {"target": [0], "draft": [1], "router": [1], "driver": [1]}
+    assert jobs["inprocess"]["cpus"] == {"driver": [0]}
+    assert jobs["cluster"]["draft_args"] == ["--predraft", "4"]
