@@ -57,6 +57,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--predraft N)",
     )
     p.add_argument(
+        "--predraft-steps",
+        type=int,
+        metavar="D",
+        help="depth of a pre-drafted tree (specmesh draft --predraft-steps D)",
+    )
+    p.add_argument(
         "--tiny-deepseek",
         action="store_true",
         help="bench a tiny DeepSeek-V3 (MLA + MoE, made once under $SPECMESH_CACHE/bench) with "
@@ -210,12 +216,19 @@ def settings_from_args(args: argparse.Namespace):  # -> BenchSettings
         },
         threads=1 if args.pin else args.threads or available_cores(),
         pin=_pinned(args.pin),
-        cluster_draft_args=("--predraft", str(args.predraft)) if args.predraft else (),
+        cluster_draft_args=_predraft_args(args),
         engines=engine_variants(_names(args.compare_attention_backends), args.device)
         if args.compare_attention_backends
         else (),
         engine_batch_sizes=_ints(args.engine_batch_sizes, "--engine-batch-sizes"),
     )
+
+
+def _predraft_args(args: argparse.Namespace) -> tuple[str, ...]:
+    flags = ("--predraft", str(args.predraft)) if args.predraft else ()
+    if args.predraft and args.predraft_steps:
+        flags += ("--predraft-steps", str(args.predraft_steps))
+    return flags
 
 
 def _pinned(pin: bool) -> bool:
