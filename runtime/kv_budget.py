@@ -9,7 +9,8 @@ values), or with multi-head latent attention one latent vector and its rope key
 
 The budget is a size (``4GiB``, ``512MiB``, ``1.5GB``, bytes) or, on a CUDA device, a fraction of
 the device memory free once the weights are loaded (``0.85``), as vLLM's
-``--gpu-memory-utilization`` and SGLang's ``--mem-fraction-static`` size theirs.
+``--gpu-memory-utilization`` and SGLang's ``--mem-fraction-static`` size theirs. Under tensor
+parallelism it is a size per rank (`rank_kv_slots`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import logging
 import re
 
 import torch
+
+from specmesh.protocol.config import TargetConfig
 
 log = logging.getLogger(__name__)
 
@@ -83,3 +86,28 @@ def kv_slots(
     log.info("KV cache: %d token slots in %.1f MiB (%d bytes per token, --kv-cache-memory %s)",
              slots, slots * bytes_per_slot / 2**20, bytes_per_slot, memory)  # fmt: skip
     return slots
+
+
+def rank_kv_slots(cfg: TargetConfig, dtype: torch.dtype | None) -> int:
+    """`kv_slots` for a tensor-parallel target, from its checkpoint's config before any rank
+    loads: each rank caches its share of the KV heads (all of MLA's one latent). A size only: a
+    fraction of free memory is known once the weights are loaded, after the ranks sized theirs."""
+    from specmesh.runtime.config import load_model_config, resolve_max_context
+    from specmesh.runtime.parallel import TensorParallel, kv_head_range
+
+    if parse_kv_memory(str(cfg.kv_cache_memory)) <= 1:
+        raise ValueError(
+            f"--kv-cache-memory {cfg.kv_cache_memory}: with --tensor-parallel-size "
+            f"{cfg.tensor_parallel_size} give a size per rank (e.g. 4GiB), not a fraction"
+        )
+    mc = load_model_config(cfg.model_dir)
+    latent = mc.mla is not None
+    heads = (
+        1
+        if latent
+        else kv_head_range(mc.num_kv_heads, TensorParallel(0, cfg.tensor_parallel_size))[1]
+    )
+    per_slot = slot_bytes(mc.num_layers, heads, mc.head_dim, dtype or mc.dtype, latent)
+    max_context = resolve_max_context(cfg.max_context, mc.max_position, cfg.model_dir)
+    return kv_slots(cfg.num_kv_slots, cfg.kv_cache_memory, per_slot, cfg.page_size, cfg.device,
+                    max_context)  # fmt: skip

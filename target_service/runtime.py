@@ -31,7 +31,7 @@ from specmesh.protocol.trees import DraftTree
 from specmesh.runtime.attention.torch_backend import make_backend
 from specmesh.runtime.config import parse_dtype, resolve_max_context
 from specmesh.runtime.graph_runner import graphs_enabled
-from specmesh.runtime.kv_budget import kv_slots, slot_bytes
+from specmesh.runtime.kv_budget import kv_slots, rank_kv_slots, slot_bytes
 from specmesh.runtime.kv_cache import KVCache
 from specmesh.runtime.llava_checkpoint import is_llava_checkpoint
 from specmesh.runtime.models.causal_lm import CausalLM, ModelOutput, load_causal_lm
@@ -54,10 +54,9 @@ class TargetRuntime:
         self.cfg = cfg
         dtype = None if cfg.dtype is None else parse_dtype(cfg.dtype)
         if cfg.kv_cache_memory is not None and cfg.tensor_parallel_size != 1:
-            raise ValueError(
-                "--kv-cache-memory is not supported with --tensor-parallel-size > 1 yet (the "
-                "ranks size their caches before rank 0 loads): give --num-kv-slots"
-            )
+            # the ranks size their pools as they start, from the checkpoint's config
+            self.cfg = cfg = replace(cfg, num_kv_slots=rank_kv_slots(cfg, dtype),
+                                     kv_cache_memory=None)  # fmt: skip
         self.mm: ImageEncoder | None = None  # vision tower + projector of a LLaVA target
         if model is None and cfg.tensor_parallel_size != 1:
             model = start_tensor_parallel(cfg, dtype)

@@ -62,8 +62,31 @@ def test_budgets_that_cannot_work_are_refused(tiny_dir) -> None:
         TargetRuntime(TargetConfig(target, kv_cache_memory="0.5"))
     with pytest.raises(ValueError, match=r"holds \d+ tokens at \d+ bytes per token, fewer than"):
         TargetRuntime(TargetConfig(target, kv_cache_memory="16KiB", max_context=512))
-    with pytest.raises(ValueError, match="tensor-parallel-size"):
-        TargetRuntime(TargetConfig(target, kv_cache_memory="1GiB", tensor_parallel_size=2))
+    with pytest.raises(ValueError, match="give a size per rank"):
+        TargetRuntime(TargetConfig(target, kv_cache_memory="0.5", tensor_parallel_size=2))
+
+
+def test_tensor_parallel_ranks_size_their_share(tiny_dir, oracle) -> None:
+    """Two gloo ranks: each caches half the KV heads, so the same budget per rank buys slots at
+    half the bytes per token, sized from the checkpoint before the worker starts."""
+    target = tiny_dir / "target"
+    one = TargetRuntime(TargetConfig(str(target), kv_cache_memory="256KiB", max_context=96))
+    rt = TargetRuntime(TargetConfig(str(target), kv_cache_memory="256KiB", max_context=96,
+                                    tensor_parallel_size=2))  # fmt: skip
+    try:
+        assert rt.model.num_local_kv_heads * 2 == one.model.num_local_kv_heads
+        per_one = _pool_bytes(one.cache) // (one.cache.num_slots + 1)  # + the scratch slot
+        per_rank = _pool_bytes(rt.cache) // (rt.cache.num_slots + 1)
+        assert 2 * per_rank == per_one
+        assert rt.cache.num_slots == rt.cfg.num_kv_slots == 256 * 1024 // per_rank
+        prompt = [5, 6, 7, 8, 9, 10]
+        engine = Engine(target, target_config={"kv_cache_memory": "256KiB", "max_context": 96,
+                                               "tensor_parallel_size": 2})  # fmt: skip
+        res = engine.generate([prompt], SamplingParams(max_new_tokens=6, ignore_eos=True))[0]
+        assert res.token_ids == oracle(target, prompt, 6)
+        engine.target.model.close()
+    finally:
+        rt.model.close()
 
 
 def test_the_draft_sizes_its_own_cache(tiny_dir) -> None:
