@@ -79,7 +79,11 @@ def test_usage_counts_each_prompt_once_whatever_n(http) -> None:
     assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (6, 12)
     messages = [{"role": "user", "content": "hi"}]
     prompt = http.tok.encode("<|user|>hi\n<|assistant|>", add_special_tokens=True)
-    chat = http.oa.chat.completions.create(model="target", messages=messages, n=2, max_tokens=3)
+    # sampled, not greedy (n > 1), but never stopped early: each choice has its 3 tokens
+    chat = http.oa.chat.completions.create(
+        model="target", messages=messages, n=2, max_tokens=3, seed=7,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
     assert (chat.usage.prompt_tokens, chat.usage.completion_tokens) == (len(prompt), 6)
 
 
