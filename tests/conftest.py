@@ -85,6 +85,20 @@ def assert_speculated(results, min_mean_accept: float = 1.0) -> None:
     assert mean >= min_mean_accept, f"{mean:.2f} tokens per round, want >= {min_mean_accept}"
 
 
+def record_step_logits(drafter, rid: str) -> list[torch.Tensor]:
+    """``rid``'s root logits (the extend's), then the logits of every step forward from now
+    on, as the drafter's search sees them (its ``step_forward`` wrapped on the instance)."""
+    seen, forward = [drafter.roots[rid].logits], drafter.step_forward
+
+    def recording(step, items, hidden_in):
+        hidden, logits = forward(step, items, hidden_in)
+        seen.append(logits[0])
+        return hidden, logits
+
+    drafter.step_forward = recording
+    return seen
+
+
 def make_small_vocab_pair(root: Path, vocab_size: int, num_layers: int, seed: int) -> Path:
     """A Llama target with a handful of tokens and an EAGLE-3 draft: top-4 trees cover much of
     the target's mass, so speculative sampling accepts often and every verifier branch runs."""

@@ -18,16 +18,15 @@ import torch
 from torch import nn
 
 from specmesh.protocol.features import AuxLayers
-from specmesh.runtime.attention.base import AttentionBackend
 from specmesh.runtime.config import ModelConfig
 from specmesh.runtime.models.causal_lm import CausalLM
-from specmesh.runtime.models.layers import MLP, KVPair, RMSNorm, Rotary
+from specmesh.runtime.models.layers import MLP, PreNormBlock, RMSNorm
 from specmesh.runtime.models.mla import MLAttention
 from specmesh.runtime.models.moe import MoE, MoEGate
 from specmesh.runtime.parallel import SINGLE, TensorParallel
 
 
-class DeepseekDecoderLayer(nn.Module):
+class DeepseekDecoderLayer(PreNormBlock):
     """Pre-norm block: MLA, then a dense SwiGLU MLP or the MoE."""
 
     def __init__(self, cfg: ModelConfig, index: int, tp: TensorParallel = SINGLE) -> None:
@@ -38,17 +37,6 @@ class DeepseekDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         dense = moe is None or index < moe.first_k_dense_replace
         self.mlp = MLP(h, cfg.intermediate_size, tp) if dense else MoE(h, moe, tp)
-
-    def forward(
-        self,
-        h: torch.Tensor,  # [num_tokens, hidden]
-        positions: torch.Tensor,
-        rotary: Rotary,
-        kv: KVPair,
-        backend: AttentionBackend,
-    ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), positions, rotary, kv, backend)
-        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class DeepseekV3CausalLM(CausalLM):

@@ -213,7 +213,23 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(out.masked_fill_(outside[:, None], 0))
 
 
-class DecoderLayer(nn.Module):
+class PreNormBlock(nn.Module):
+    """A residual pre-norm block: attention, then the MLP, each on its normed input. Subclasses
+    build ``input_layernorm``, ``self_attn``, ``post_attention_layernorm`` and ``mlp``."""
+
+    def forward(
+        self,
+        h: torch.Tensor,  # [num_tokens, hidden]
+        positions: torch.Tensor,
+        rotary: Rotary,
+        kv: KVPair,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), positions, rotary, kv, backend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderLayer(PreNormBlock):
     """Pre-norm Llama block. ``input_layernorm`` is optional (EAGLE-1 layer 0 has none)."""
 
     def __init__(
@@ -230,14 +246,3 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(shape, tp)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, eps)
         self.mlp = MLP(shape.hidden_size, intermediate_size, tp)
-
-    def forward(
-        self,
-        h: torch.Tensor,  # [num_tokens, hidden]
-        positions: torch.Tensor,
-        rotary: Rotary,
-        kv: KVPair,
-        backend: AttentionBackend,
-    ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), positions, rotary, kv, backend)
-        return h + self.mlp(self.post_attention_layernorm(h))

@@ -262,18 +262,21 @@ def test_yarn_serves_the_llama_family_too(tmp_path: Path) -> None:
     assert res.token_ids == hf_greedy(d, PROMPTS[1], 12)
 
 
-def test_make_tiny_deepseek_then_generate(tmp_path: Path, capsys) -> None:
-    """``specmesh make-tiny --arch deepseek_v3`` with an EAGLE-3 head, then ``generate``."""
+@pytest.mark.parametrize("kind", ["eagle3", "mtp"])
+def test_make_tiny_deepseek_then_generate(tmp_path: Path, capsys, kind: str) -> None:
+    """``specmesh make-tiny --arch deepseek_v3`` with an EAGLE-3 head, or with a NextN layer
+    written into the target (which is then the MTP draft), then ``generate`` speculates."""
     import json
 
     from specmesh.cli.main import main
 
-    make = ["make-tiny", str(tmp_path), "--arch", "deepseek_v3", "--draft-kind", "eagle3"]
+    make = ["make-tiny", str(tmp_path), "--arch", "deepseek_v3", "--draft-kind", kind]
     assert main(make) == 0
     paths = json.loads(capsys.readouterr().out)
+    assert (paths["draft"] == paths["target"]) == (kind == "mtp")
     assert main([
         "generate", "--in-process", "--json", "--target-model", paths["target"],
-        "--draft-model", paths["draft"], "--draft-kind", "eagle3", "--speculation", "always",
+        "--draft-model", paths["draft"], "--draft-kind", kind, "--speculation", "always",
         "--prompt-ids", "5,6,7,8", "--max-new-tokens", "8", "--ignore-eos",
     ]) == 0  # fmt: skip
     out = json.loads(capsys.readouterr().out)

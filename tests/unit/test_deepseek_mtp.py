@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_speculated, hf_greedy
+from conftest import assert_speculated, hf_greedy, record_step_logits
 
 from specmesh.draft_service.mtp_drafter import MTPDrafter
 from specmesh.draft_service.runtime import load_draft
@@ -89,15 +89,7 @@ def test_nextn_chain_equals_transformers_layer(random_dir: Path) -> None:
     first, feats = out.tokens["r"][0], out.features
     drafter = _drafter(d, SpecParams(3, 1, 4), target.model)
     drafter.extend([ExtendInput("r", prompt, first, feats, new=True)])
-    logits_seen = [drafter.roots["r"].logits]  # step 0's, then each step's forward
-    forward = drafter.step_forward
-
-    def recording(step, items, hidden_in):
-        hidden, logits = forward(step, items, hidden_in)
-        logits_seen.append(logits[0])
-        return hidden, logits
-
-    drafter.step_forward = recording
+    logits_seen = record_step_logits(drafter, "r")  # step 0's logits, then each forward's
     tree = drafter.propose(["r"], [first])[0]
 
     hf = AutoModelForCausalLM.from_pretrained(d, num_hidden_layers=3, dtype=torch.float32,
@@ -228,25 +220,6 @@ def test_sglang_export_of_the_nextn_layer_drafts_the_same(random_dir: Path, tmp_
         trees.append(drafter.propose(["r"], [30])[0])
     assert trees[0].tokens.tolist() == trees[1].tokens.tolist()
     assert trees[0].parents.tolist() == trees[1].parents.tolist()
-
-
-def test_make_tiny_with_nextn_then_generate(tmp_path: Path, capsys) -> None:
-    """``specmesh make-tiny --arch deepseek_v3 --draft-kind mtp`` writes a NextN layer into the
-    target, which is the draft; ``generate --draft-kind mtp --draft-model <it>`` speculates."""
-    from specmesh.cli.main import main
-
-    make = ["make-tiny", str(tmp_path), "--arch", "deepseek_v3", "--draft-kind", "mtp"]
-    assert main(make) == 0
-    paths = json.loads(capsys.readouterr().out)
-    assert paths["draft"] == paths["target"]
-    assert main([
-        "generate", "--in-process", "--json", "--target-model", paths["target"],
-        "--draft-model", paths["draft"], "--draft-kind", "mtp", "--speculation", "always",
-        "--prompt-ids", "5,6,7,8", "--max-new-tokens", "8", "--ignore-eos",
-    ]) == 0  # fmt: skip
-    out = json.loads(capsys.readouterr().out)
-    assert out["token_ids"] == hf_greedy(paths["target"], [5, 6, 7, 8], 8)
-    assert out["num_draft_tokens"] > 0
 
 
 def test_flashinfer_is_refused_for_the_nextn_draft(random_dir: Path) -> None:

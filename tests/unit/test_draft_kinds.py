@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_speculated
+from conftest import assert_speculated, record_step_logits
 
 from specmesh.draft_service.ngram import NgramDrafter, find_continuations
 from specmesh.draft_service.runtime import load_draft
@@ -218,15 +218,7 @@ def test_mtp_topk1_chain_matches_reference(models):
         DraftConfig("mtp", str(models["mtp"]), str(models["target"]), spec), target.model
     ).drafter
     drafter.extend([ExtendInput("r", prompt, first, feats, new=True)])
-    step_logits = [drafter.roots["r"].logits]  # step 0's logits, then each forward's
-    forward = drafter.step_forward
-
-    def recording(step, items, hidden_in):
-        hidden, logits = forward(step, items, hidden_in)
-        step_logits.append(logits[0])
-        return hidden, logits
-
-    drafter.step_forward = recording
+    step_logits = record_step_logits(drafter, "r")  # step 0's logits, then each forward's
     tree = drafter.propose(["r"], [first])[0]
 
     def mtp_layer(i: int, ids: list[int], hidden: torch.Tensor, positions: list[int]):
