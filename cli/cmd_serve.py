@@ -127,6 +127,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "at most one piece between tokens (0 = every prompt in one piece)",
     )
     p.add_argument(
+        "--no-pipeline-decode",
+        dest="pipeline_decode",
+        action="store_false",
+        help="send a request's next plain decode step only after emitting the last (by default "
+        "it goes to the target before, so the router's work overlaps the target's; output is "
+        "the same)",
+    )
+    p.add_argument(
         "--placement",
         choices=PLACEMENTS,
         default=config_default(RouterConfig, "placement"),
@@ -287,6 +295,7 @@ def run_router(args: argparse.Namespace) -> int:
             speculation=args.speculation,
             prefill_chunk_tokens=args.prefill_chunk_tokens,
             placement=args.placement,
+            pipeline_decode=args.pipeline_decode,
         ),
         tokenizer=args.tokenizer,
         max_new_tokens=args.max_new_tokens,

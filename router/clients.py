@@ -9,6 +9,7 @@ split costs. Both speak the same protocol: a handshake (`configure`), steps, and
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from typing import Protocol
 
 from specmesh.protocol.features import FeatureSpec
@@ -26,6 +27,10 @@ from specmesh.protocol.steps import (
 class TargetClient(Protocol):
     info: TargetInfo
     name: str
+    # Whether the round sends a plain request's next decode step with `send_verify` before it
+    # emits the last one (`specmesh.router.round`): it pays where the target computes while the
+    # router works, over the wire.
+    pipelines: bool
 
     async def configure(self, needs: FeatureSpec) -> None:
         """The handshake: what every later step returns per token (the drafts' needs)."""
@@ -35,6 +40,10 @@ class TargetClient(Protocol):
         a piece before the last returns its rows and no token."""
 
     async def verify(self, inputs: list[VerifyInput]) -> StepOutput: ...
+    async def send_verify(self, inputs: list[VerifyInput]) -> Awaitable[StepOutput]:
+        """`verify`, sent now: in order before any step or release sent after it returns; the
+        awaitable it returns gives the answer (and must be awaited)."""
+
     async def release(self, rids: list[str]) -> None:
         """Free the requests' state, after every step already sent for them."""
 

@@ -86,6 +86,10 @@ class RouterConfig:
     # Which target replica a request goes to (`specmesh.router.placement`): "cache-aware" (the
     # longest prefix it was sent, among replicas near the least load) or "least-loaded".
     placement: str = "cache-aware"
+    # Pipelined plain decoding (`specmesh.router.round`): a request that decodes without a
+    # draft gets its next step sent to the target before the router emits the last one, where
+    # the target client says it pays (`TargetClient.pipelines`: over gRPC).
+    pipeline_decode: bool = True
 
     def __post_init__(self) -> None:
         if self.prefill_chunk_tokens < 0:
@@ -161,6 +165,7 @@ class RouterCore:
     async def stop(self) -> None:
         for w in self._workers:
             w.cancel()
+        self.rounds.cancel_ahead()
         for w in self._workers:
             with contextlib.suppress(asyncio.CancelledError):
                 await w

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Awaitable
 
 import grpc
 
@@ -123,7 +124,10 @@ class _GrpcClient:
             await self.stream.send([self.request_type(release=release)])
 
     async def _answer(self, messages: list) -> list:
-        chunks = await self.stream.request(messages)
+        return await self._checked(await self.stream.submit(messages))
+
+    async def _checked(self, answer: Awaitable[list]) -> list:
+        chunks = await answer
         if chunks[0].status.code:
             raise error_from_status(
                 chunks[0].status.code, f"{self.name}: {chunks[0].status.message}"
@@ -138,6 +142,7 @@ class _GrpcClient:
 class GrpcTargetClient(_GrpcClient):
     stub_type = target_pb2_grpc.TargetStub
     request_type = target_pb2.TargetStepRequest
+    pipelines = True
 
     def __init__(
         self,
@@ -210,7 +215,9 @@ class GrpcTargetClient(_GrpcClient):
             target_pb2.TargetStepRequest(prefill=batch, return_mm_input_embeds=mm)
         )
 
-    async def verify(self, inputs: list[VerifyInput]) -> StepOutput:
+    async def send_verify(self, inputs: list[VerifyInput]) -> Awaitable[StepOutput]:
+        """`verify`, written now (in order before anything sent later); await what it returns
+        for the answer."""
         requests = [
             target_pb2.VerifyRequest(
                 request_id=self.wire_id(i.rid),
@@ -218,12 +225,18 @@ class GrpcTargetClient(_GrpcClient):
             )
             for i in inputs
         ]
-        return await self._step(
-            target_pb2.TargetStepRequest(verify=target_pb2.VerifyBatch(requests=requests))
-        )
+        req = target_pb2.TargetStepRequest(verify=target_pb2.VerifyBatch(requests=requests))
+        return self._output(await self.stream.submit([req]))
+
+    async def verify(self, inputs: list[VerifyInput]) -> StepOutput:
+        return await (await self.send_verify(inputs))
 
     async def _step(self, req: target_pb2.TargetStepRequest) -> StepOutput:
-        chunks = await self._answer([req])
+        return await self._output(await self.stream.submit([req]))
+
+    async def _output(self, answer: Awaitable[list]) -> StepOutput:
+        """A step's answer, decoded (a failed batch raises its status)."""
+        chunks = await self._checked(answer)
         head = chunks[0]
         # Feature rows stay wire bytes: sliced per request and forwarded to the draft as is.
         row_counts, blocks = join_state_rows([c.states for c in chunks])

@@ -8,6 +8,7 @@ work it undoes.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 from concurrent.futures import ThreadPoolExecutor
 
 from specmesh.draft_service.runtime import DraftRuntime
@@ -33,6 +34,8 @@ class _Worker:
 
 
 class InProcessTarget(_Worker):
+    pipelines = False  # see `TargetClient.pipelines`; measured in bench/hop.py
+
     def __init__(self, runtime: TargetRuntime, name: str = "target-0") -> None:
         super().__init__(name)
         self.runtime = runtime
@@ -56,6 +59,11 @@ class InProcessTarget(_Worker):
 
     async def verify(self, inputs: list[VerifyInput]) -> StepOutput:
         return await self._call(self.runtime.verify, inputs, self.feature)
+
+    async def send_verify(self, inputs: list[VerifyInput]) -> Awaitable[StepOutput]:
+        """`verify`, queued on the worker now (before anything called later)."""
+        loop = asyncio.get_running_loop()
+        return loop.run_in_executor(self._worker, self.runtime.verify, inputs, self.feature)
 
     async def release(self, rids: list[str]) -> None:
         await self._call(lambda: [self.runtime.release(r) for r in rids])

@@ -20,7 +20,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from specmesh.protocol.errors import KVCacheFullError, ServiceDownError
 from specmesh.router.clients import DraftClient, TargetClient
@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from specmesh.router.policy import Plan, SpeculationPolicy
 
 log = logging.getLogger(__name__)
+Answer = TypeVar("Answer")
 
 
 class Preempted(KVCacheFullError):
@@ -90,7 +91,19 @@ class TargetReplica(Replica):
 
     async def verify(self, trees: list[VerifyInput]) -> StepOutput:
         placed, started = self.load, time.monotonic()  # who may hold KV as the step is sent
-        out = await self._answer(self.client.verify(trees))
+        return await self._verified(self.client.verify(trees), trees, placed, started)
+
+    async def send_verify(self, trees: list[VerifyInput]) -> Awaitable[StepOutput]:
+        """`verify`, sent now (in order before any step or release sent later); await what it
+        returns for the answer. Raises `ServiceDownError` when it cannot be sent."""
+        placed, started = self.load, time.monotonic()  # who may hold KV as the step is sent
+        answer = await self._answer(self.client.send_verify(trees))
+        return self._verified(answer, trees, placed, started)
+
+    async def _verified(
+        self, answer: Awaitable[StepOutput], trees: list[VerifyInput], placed: int, started: float
+    ) -> StepOutput:
+        out = await self._answer(answer)
         ended = time.monotonic()
         self.metrics.on_verify(self.name, ended - started)
         seconds = self.policy.service_time(self.name, started, ended)
@@ -98,7 +111,7 @@ class TargetReplica(Replica):
         self.policy.observe_verify(self.name, len(trees), size, seconds)
         return _mark_preempted(out, placed)
 
-    async def _answer(self, step: Awaitable[StepOutput]) -> StepOutput:
+    async def _answer(self, step: Awaitable[Answer]) -> Answer:
         try:
             return await step
         except ServiceDownError:

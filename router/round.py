@@ -3,14 +3,23 @@
 Requests are grouped by their pinned target (a `Batch`); batches run concurrently. A round
 (`RoundRunner._round`):
 
-    trees = batch.take_trees()                 last proposals, or bare roots
-    out   = target.verify(trees)               accepted path + bonus, feature rows
+    trees, out = verify(batch)                 last proposals or bare roots; the answer of a
+                                               step sent ahead, and of a fresh verify
+    send_ahead(batch, out)                     plain requests: the next step goes out now
     observe(trees, out)                        what each tree yielded, for the policy
     live  = emit(out)                          stop rules, stream, retire finished
     proposer.propose(live, out, committed)     plan; the draft extends and proposes next trees
 
 A prefill has the same shape: pieces instead of trees, the first token to emit after a last
 piece, and a draft extend (without a proposal) after an earlier one.
+
+Pipelined plain decoding (`_send_ahead`, `RouterConfig.pipeline_decode`, over gRPC): a request
+that decodes without a draft has its next step (its newest token as a one-node tree) sent
+before this step's tokens are emitted, so the target computes it (its run-ahead) while the
+router emits, and the next round only awaits its answer (`Slot.ahead`). Requests that joined
+since get a fresh verify beside it, the two answers joined. A request that stops meanwhile
+leaves: its release follows that step on the same stream, and its answer is dropped. Nothing
+of an answer is emitted before the round that reads it, so a failover replays it as any other.
 
 Faults come back from the replicas already recorded (breakers, deadlines, metrics: `replica`);
 the round only acts on them. A target that is down: its requests are replayed on another
@@ -23,7 +32,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, TypeVar
 
 from specmesh.protocol.errors import ServiceDownError, SpecmeshError
@@ -32,7 +41,7 @@ from specmesh.protocol.trees import DraftTree
 from specmesh.router.prefill_plan import plan_pieces, prefill_piece
 from specmesh.router.propose import Proposer
 from specmesh.router.replica import Preempted, TargetReplica
-from specmesh.router.slot import Slot
+from specmesh.router.slot import Ahead, Slot
 
 if TYPE_CHECKING:
     from specmesh.router.core import RouterCore
@@ -47,12 +56,12 @@ class Batch:
     target: TargetReplica
     slots: list[Slot]
 
-    def take_trees(self) -> list[VerifyInput]:
-        """Each request's proposal, or a bare root (plain decoding); a proposal is verified
+    def take_trees(self, slots: list[Slot]) -> list[VerifyInput]:
+        """Each of ``slots``' proposal, or a bare root (plain decoding); a proposal is verified
         once."""
         trees = [VerifyInput(s.rid, s.tree or DraftTree.chain([s.request.output_ids[-1]]))
-                 for s in self.slots]  # fmt: skip
-        for s in self.slots:
+                 for s in slots]  # fmt: skip
+        for s in slots:
             s.tree = None
         return trees
 
@@ -65,6 +74,7 @@ class RoundRunner:
     def __init__(self, core: RouterCore) -> None:
         self.core, self.policy = core, core.policy
         self.proposer = Proposer(core)
+        self.in_flight: set[asyncio.Task] = set()  # steps sent ahead (`Ahead`), until answered
 
     async def prefill(self, slots: list[Slot]) -> None:
         """The next prefill piece of each request, as far as the round's budget goes."""
@@ -77,10 +87,10 @@ class RoundRunner:
 
     async def _round(self, batch: Batch) -> None:
         """verify -> emit -> extend and propose, for requests pinned to one target."""
-        trees = batch.take_trees()
-        out = await self._target(batch, batch.target.verify, trees)
+        trees, out = await self._verify(batch)
         if out is None:  # the target failed: its requests were replayed or failed
             return
+        await self._send_ahead(batch, out)
         self._observe(batch, trees, out)
         live = await self._emit(batch.slots, out, trees)
         await self.proposer.propose(live, out, _verified_ids(live, out))
@@ -114,6 +124,57 @@ class RoundRunner:
         )
 
     # -- target --------------------------------------------------------------------------------
+    async def _verify(self, batch: Batch) -> tuple[list[VerifyInput], StepOutput | None]:
+        """Each request's tree (in the batch's order) and the target's answer: a step sent
+        ahead answers its requests, one fresh verify the others, awaited together."""
+        aheads = list(dict.fromkeys(s.ahead for s in batch.slots if s.ahead is not None))
+        fresh = [s for s in batch.slots if s.ahead is None]
+        trees = {v.rid: v for a in aheads for v in a.trees.values()}
+        trees |= {v.rid: v for v in batch.take_trees(fresh)}
+        steps: list[Awaitable[StepOutput]] = [a.answer for a in aheads]
+        if fresh:
+            steps.append(batch.target.verify([trees[s.rid] for s in fresh]))
+        for s in batch.slots:
+            s.ahead = None
+        out = await self._target(batch, _joined, steps)
+        if out is not None:  # a step sent ahead also answered requests that left since
+            rids = {s.rid for s in batch.slots}
+            out.tokens = {rid: t for rid, t in out.tokens.items() if rid in rids}
+        return [trees[s.rid] for s in batch.slots], out
+
+    async def _send_ahead(self, batch: Batch, out: StepOutput) -> None:
+        """Pipelined plain decoding: each request that decodes without a draft and has tokens
+        to come gets its next step (its newest token as a one-node tree) sent now, before this
+        step's tokens are emitted. The target computes it (`target_service.run_ahead`) while the
+        router emits; the next round only awaits it. A request that stops meanwhile leaves, and
+        its release follows the step on the same stream; its answer is dropped."""
+        if not (self.core.cfg.pipeline_decode and batch.target.client.pipelines):
+            return
+        trees = {s.rid: VerifyInput(s.rid, DraftTree.chain([out.tokens[s.rid][-1]]))
+                 for s in batch.slots if _decodes_on(s, out)}  # fmt: skip
+        if not trees:
+            return
+        try:
+            answer = await batch.target.send_verify(list(trees.values()))
+        except SpecmeshError:  # not sent: the next round sends its own (and meets the fault)
+            return
+        ahead = Ahead(asyncio.ensure_future(answer), trees)
+        self.in_flight.add(ahead.answer)
+        ahead.answer.add_done_callback(self._answered)
+        for s in batch.slots:
+            if s.rid in trees:
+                s.ahead = ahead
+
+    def _answered(self, task: asyncio.Task) -> None:
+        self.in_flight.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: a round that still reads it gets it again
+
+    def cancel_ahead(self) -> None:
+        """The router stops: nothing reads the steps sent ahead."""
+        for task in list(self.in_flight):
+            task.cancel()
+
     async def _target(
         self,
         batch: Batch,
@@ -183,6 +244,33 @@ class RoundRunner:
             draft = s.placement.draft if s.placement is not None else None
             if draft is not None and v.tree.num_nodes > 1 and s.rid in out.tokens:
                 self.policy.observe_round(draft.name, s.acceptance, v.tree, out.tokens[s.rid])
+
+
+def _decodes_on(s: Slot, out: StepOutput) -> bool:
+    """Whether a request's next step is a plain decode step it will surely want (unless a stop
+    token or string ends it): it decodes without a draft, and this step leaves tokens to come."""
+    tokens = out.tokens.get(s.rid)
+    if not tokens or s.rid in out.errors or s.request.finished or s.placement is None:
+        return False
+    left = s.request.params.max_new_tokens - s.request.num_generated - len(tokens)
+    return s.placement.draft is None and left > 0
+
+
+async def _joined(steps: list[Awaitable[StepOutput]]) -> StepOutput:
+    """One step's answer, or those of several (sent ahead, and fresh) as one. The feature rows
+    are the fresh step's: a step sent ahead serves only requests without a draft."""
+    if len(steps) == 1:
+        return await steps[0]
+    outs = await asyncio.gather(*steps, return_exceptions=True)
+    for o in outs:
+        if isinstance(o, BaseException):
+            raise o
+    joined = replace(outs[-1], tokens={}, logprobs={}, errors={})
+    for o in outs:
+        joined.tokens |= o.tokens
+        joined.logprobs |= o.logprobs
+        joined.errors |= o.errors
+    return joined
 
 
 def _verified_ids(live: list[Slot], out: StepOutput) -> dict[str, list[int]]:

@@ -19,10 +19,21 @@ from typing import TYPE_CHECKING
 from specmesh.router.policy import Acceptance
 
 if TYPE_CHECKING:
-    from specmesh.protocol.steps import ExtendInput
+    import asyncio
+
+    from specmesh.protocol.steps import ExtendInput, StepOutput, VerifyInput
     from specmesh.protocol.trees import DraftTree
     from specmesh.router.placement import Placement
     from specmesh.router.request import Request
+
+
+@dataclass(eq=False)
+class Ahead:
+    """A plain decode step sent before the round that reads it (`specmesh.router.round`): its
+    answer, and the one-node tree it verifies for each of its requests."""
+
+    answer: asyncio.Task[StepOutput]
+    trees: dict[str, VerifyInput]
 
 
 @dataclass(eq=False)
@@ -46,6 +57,8 @@ class Slot:
     on_draft: bool = False
     # Extends held back while the policy plans plain decoding (`draft_rows.with_backlog`).
     draft_backlog: list[ExtendInput] = field(default_factory=list)
+    # Its next decode step, sent to the target before the last one was emitted (`Ahead`).
+    ahead: Ahead | None = None
 
     def __post_init__(self) -> None:
         self.rid, self.speculate = self.request.rid, self.request.speculate
@@ -53,6 +66,7 @@ class Slot:
     def unplaced(self) -> Placement | None:
         """Forget every trace of the current placement (returned, to be released)."""
         placement, self.placement = self.placement, None
+        self.ahead = None  # its answer is dropped: the release follows it on the same stream
         self.prefill_sent, self.prefilled = 0, False  # a replay prefills its context again
         self.draft_dropped()
         return placement

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import grpc
 
@@ -71,6 +71,12 @@ class StepStream:
         self.reader: asyncio.Task | None = None
 
     async def request(self, messages: list) -> list:
+        return await (await self.submit(messages))
+
+    async def submit(self, messages: list) -> Awaitable[list]:
+        """Write a batch now, in order behind everything sent before; what it returns gives the
+        answer's chunks and must be awaited (the batch's place among the waiting ones is freed
+        there). A step sent ahead of the round that reads it (`RoundRunner`) goes this way."""
         batch_id = next(self.ids)
         loop = asyncio.get_running_loop()
         future = loop.create_future()
@@ -84,16 +90,26 @@ class StepStream:
             # of several chunks is written by a shielded task. One message is written whole or
             # not at all, so it needs neither the task nor the shield.
             await (write if len(messages) == 1 else asyncio.shield(write))
+        except BaseException:
+            self._forget(batch_id, future, timer)
+            raise
+        return self._answer(batch_id, future, timer)
+
+    async def _answer(self, batch_id: int, future: asyncio.Future, timer) -> list:
+        try:
             return await future
         except asyncio.TimeoutError:
             self._break(ServiceDownError(f"{self.peer}: no answer within {self.timeout_s:.0f} s"))
             raise ServiceDownError(f"{self.peer}: step timed out") from None
         finally:
-            if timer is not None:
-                timer.cancel()
-            self.pending.pop(batch_id, None)
-            if future.done() and not future.cancelled():
-                future.exception()  # mark retrieved: a failed write already raised the error
+            self._forget(batch_id, future, timer)
+
+    def _forget(self, batch_id: int, future: asyncio.Future, timer) -> None:
+        if timer is not None:
+            timer.cancel()
+        self.pending.pop(batch_id, None)
+        if future.done() and not future.cancelled():
+            future.exception()  # mark retrieved: a failed write already raised the error
 
     @staticmethod
     def _expire(future: asyncio.Future) -> None:

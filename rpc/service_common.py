@@ -271,19 +271,32 @@ class ModelServicer:
     async def GetInfo(self, request, context):
         return self.info(await self._ready(context))
 
-    async def Step(self, request_iterator, context):
+    async def Step(self, request_iterator, context) -> None:
+        """Answers are written in order, each started before the work that follows it (the
+        target's run-ahead, the draft's pre-drafting) takes the loop, and awaited only before
+        the next is written: a write costs about 0.1 ms of gRPC round trips through the event
+        loop (timed in both processes on the hop benchmark), which would otherwise delay that
+        work on every round."""
         runtime = await self._ready(context)
         stream = self.owners.open(context.peer())
+        writing: asyncio.Task | None = None
         try:
             async for chunks in step_batches(request_iterator, context):
                 async with self.host.work(context):
                     answer = await self._step(runtime, stream, chunks)
+                if writing is not None:
+                    await writing
                 if isinstance(answer, StreamRefusedError):
                     await abort_with(context, answer)
-                for msg in frame(answer, chunks[0].batch_id):
-                    yield msg
+                writing = asyncio.ensure_future(_write(context, frame(answer, chunks[0].batch_id)))
+                await asyncio.sleep(0)  # the write's first step: its message is handed to gRPC
                 self.after_answer(runtime, stream)
+            if writing is not None:
+                await writing
         finally:
+            if writing is not None:  # the stream ended under it: nothing reads its outcome
+                writing.cancel()
+                writing.add_done_callback(_retrieved)
             stream.closed = True
             self._submit(self._close, runtime, stream).add_done_callback(log_failure)
 
@@ -322,6 +335,16 @@ class ModelServicer:
                 grpc.StatusCode.UNAVAILABLE, f"{self.host.service_name} is still loading"
             )
         return self.runtime
+
+
+async def _write(context: grpc.aio.ServicerContext, messages: list) -> None:
+    for msg in messages:
+        await context.write(msg)
+
+
+def _retrieved(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def log_failure(future: asyncio.Future) -> None:

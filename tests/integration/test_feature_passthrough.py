@@ -30,8 +30,11 @@ class FakeStream:
     def __init__(self, answer: list) -> None:
         self.answer, self.written = answer, []
 
-    async def request(self, messages: list) -> list:
+    async def submit(self, messages: list):
         self.written += messages
+        return self._answer()
+
+    async def _answer(self) -> list:
         return self.answer
 
 

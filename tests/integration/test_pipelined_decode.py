@@ -1,0 +1,160 @@
+"""Pipelined plain decoding (`specmesh.router.round`): the router sends a request's next decode
+step to the target before it emits the last one, over a real gRPC target.
+
+The router core runs over a `GrpcTargetClient` whose `send_verify` is counted: greedy output
+equals transformers' whether the steps go ahead or not, requests that join a micro-batch whose
+others have a step in flight get their own verify beside it, and a request that stops (a stop
+token, a client that cancels) with a step in flight leaves nothing held in the target.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from grpc_harness import LoopThread, serve_target
+from procs import is_empty
+
+from specmesh.protocol.config import TargetConfig
+from specmesh.protocol.sampling import SamplingParams
+from specmesh.router.core import RouterConfig, RouterCore
+from specmesh.router.grpc_clients import GrpcTargetClient
+from specmesh.router.request import Request
+from specmesh.target_service.runtime import TargetRuntime
+
+PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [40, 41, 42, 43, 44, 45, 46, 47, 48], [90]]
+LENGTHS = [14, 9, 11, 20]
+
+
+class CountingTarget(GrpcTargetClient):
+    """Counts the verifies sent ahead and the fresh ones."""
+
+    def __init__(self, address: str) -> None:
+        super().__init__(address)
+        self.ahead = self.fresh = 0
+
+    async def send_verify(self, inputs):
+        self.ahead += 1
+        return await super().send_verify(inputs)
+
+    async def verify(self, inputs):  # the base's goes through send_verify: not counted there
+        self.fresh += 1
+        return await (await super().send_verify(inputs))
+
+
+@pytest.fixture(scope="module")
+def target(tiny_dir: Path, oracle):
+    loop = LoopThread()
+    servicer = loop.run(serve_target(TargetRuntime(TargetConfig(str(tiny_dir / "target")))))
+    model_dir = str(tiny_dir / "target")
+    yield SimpleNamespace(
+        loop=loop,
+        servicer=servicer,
+        address=f"127.0.0.1:{servicer.host.port}",
+        expected=lambda prompt, n, stop=(): oracle(model_dir, prompt, n, stop),
+    )
+    loop.run(servicer.host.shutdown(0.5))
+    loop.close()
+
+
+async def _generate(core: RouterCore, rid: str, prompt: list[int], params) -> list[int]:
+    return await _collect(core, Request(rid, prompt, params, core.info.eos_token_ids))
+
+
+async def _collect(core: RouterCore, req: Request) -> list[int]:
+    return [t async for chunk in core.generate(req) for t in chunk.token_ids]
+
+
+def _run(target, scenario, **cfg):
+    """``scenario(core)`` against a fresh router core over the target: its result, the client,
+    and whether the target still held anything for the core's stream once every request ended
+    (asked before the stream closes: closing it frees what it owned)."""
+
+    async def main():
+        client = CountingTarget(target.address)
+        await client.connect()
+        core = RouterCore([client], [], RouterConfig(**cfg))
+        await core.start()
+        try:
+            result = await scenario(core)
+            held = await _still_held(target.servicer)
+        finally:
+            await core.stop()
+            await client.close()
+        return result, client, held
+
+    return target.loop.run(main())
+
+
+async def _still_held(servicer, timeout_s: float = 10.0) -> bool:
+    """Whether the target holds a request or KV past ``timeout_s`` (releases are in-band)."""
+    for _ in range(int(timeout_s / 0.01)):
+        if is_empty(servicer.info(servicer.runtime).occupancy):
+            return False
+        await asyncio.sleep(0.01)
+    return True
+
+
+@pytest.mark.parametrize("pipeline", [True, False], ids=["pipelined", "off"])
+def test_plain_decoding_matches_transformers(target, pipeline: bool) -> None:
+    async def scenario(core):
+        runs = [_generate(core, f"r{k}", p, SamplingParams(max_new_tokens=n, ignore_eos=True))
+                for k, (p, n) in enumerate(zip(PROMPTS, LENGTHS, strict=True))]  # fmt: skip
+        return await asyncio.gather(*runs)
+
+    outputs, client, held = _run(target, scenario, pipeline_decode=pipeline)
+    for prompt, n, ids in zip(PROMPTS, LENGTHS, outputs, strict=True):
+        assert ids == target.expected(prompt, n)
+    # each decode step after a request's first goes ahead (its first follows its prefill)
+    assert (client.ahead > 0) == pipeline
+    assert not held
+
+
+def test_a_request_joining_steps_in_flight_gets_its_own_verify(target) -> None:
+    """One micro-batch: the second request joins while the first's step is in flight; both
+    rounds' answers are joined, and both outputs stay exact."""
+
+    async def scenario(core):
+        a = Request("a", PROMPTS[0], SamplingParams(max_new_tokens=24, ignore_eos=True))
+        first = asyncio.ensure_future(_collect(core, a))
+        while len(a.output_ids) < 4:
+            await asyncio.sleep(0.001)
+        second = await _generate(core, "b", PROMPTS[2], SamplingParams(max_new_tokens=8))
+        return await first, second, core
+
+    (first, second, _), client, held = _run(target, scenario, num_micro_batches=1)
+    assert first == target.expected(PROMPTS[0], 24)
+    assert second == target.expected(PROMPTS[2], 8)
+    assert client.ahead > 0 and client.fresh >= 2  # the joiner's verify beside the one ahead
+    assert not held
+
+
+def test_stopping_with_a_step_in_flight_leaves_nothing_held(target) -> None:
+    """A stop token ends the request with its next step already sent; a cancelled client ends
+    another mid-stream: both are released behind that step, and nothing stays in the target."""
+    full = target.expected(PROMPTS[3], 20)
+    stop = full[6]
+
+    async def scenario(core):
+        params = SamplingParams(max_new_tokens=20, stop_token_ids=[stop], ignore_eos=True)
+        stopped = await _generate(core, "s", PROMPTS[3], params)
+        gen = core.generate(Request("c", PROMPTS[1], SamplingParams(max_new_tokens=30)))
+        seen = []
+        async for chunk in gen:
+            seen += chunk.token_ids
+            if len(seen) >= 5:
+                break
+        await gen.aclose()
+        for _ in range(200):  # the worker retires the aborted request between rounds
+            if not core.slots:
+                break
+            await asyncio.sleep(0.01)
+        return stopped, seen
+
+    (stopped, seen), client, held = _run(target, scenario)
+    assert stopped == full[: full.index(stop) + 1]
+    assert seen[:5] == target.expected(PROMPTS[1], 5)
+    assert client.ahead > 0
+    assert not held
