@@ -3,11 +3,11 @@ and a random EAGLE-3 head) served in process and as a cluster, batch 1.
 
     python -m specmesh.bench.hop [--out DIR] [--repeats 3] [--profile]
 
-Five configurations, each (configuration, repeat) in a fresh `bench.worker` process, repeats
-interleaved (A1 B1 C1 D1 E1 A2 ...): in process plain, cluster plain, cluster plain with the
-target's run-ahead off (`--no-run-ahead`: the hop itself, nothing hidden), in process EAGLE-3,
-cluster EAGLE-3 (`--speculation always`: every round drafts and verifies the full tree;
-acceptance does not matter). The cluster is `bench.stacks.local_deployment`: target, draft and
+Six configurations, each (configuration, repeat) in a fresh `bench.worker` process, repeats
+interleaved (A1 B1 C1 D1 E1 F1 A2 ...): in process plain, cluster plain, cluster plain with the
+target's run-ahead off (`--no-run-ahead`), cluster plain with the router's pipelined decoding
+off (`--no-pipeline-decode`), in process EAGLE-3, cluster EAGLE-3 (`--speculation always`: every
+round drafts and verifies the full tree; acceptance does not matter). The cluster is `bench.stacks.local_deployment`: target, draft and
 router processes on loopback; its plain run keeps the draft service up, idle (the requests
 disable speculation). Requests run one at a time, greedy, ``PROMPT_LEN`` prompt tokens,
 ``MAX_NEW_TOKENS`` new ones.
@@ -63,10 +63,14 @@ SIGNAL_SETTLE_S = 0.5  # for the services to handle a profile signal
 # The target's flag that turns run-ahead decoding off: the plain cluster runs with it too, so
 # the hop itself shows beside what run-ahead hides of it.
 NO_RUN_AHEAD = "--no-run-ahead"
+# The router's flag that turns pipelined plain decoding off (`router.round`): the step after a
+# plain round is sent only once the last is emitted.
+NO_PIPELINE = "--no-pipeline-decode"
 # (mode, cluster configuration, in-process configuration) of each ratio reported
 MODES = (
     ("plain", "cluster plain", "inprocess plain"),
     (f"plain {NO_RUN_AHEAD}", f"cluster plain {NO_RUN_AHEAD}", "inprocess plain"),
+    (f"plain {NO_PIPELINE}", f"cluster plain {NO_PIPELINE}", "inprocess plain"),
     (DRAFT_KIND, f"cluster {DRAFT_KIND}", f"inprocess {DRAFT_KIND}"),
 )
 
@@ -85,15 +89,17 @@ def build_models(root: Path) -> ModelChoice:
 
 @dataclass(frozen=True)
 class Config:
-    """One measured configuration: a run, and flags its cluster's target gets besides."""
+    """One measured configuration: a run, and flags its cluster's target and router get
+    besides."""
 
     run: RunSpec
     target_args: tuple[str, ...] = ()
+    router_args: tuple[str, ...] = ()
 
     @property
     def label(self) -> str:
         mode = DRAFT_KIND if self.run.spec else "plain"
-        return f"{self.run.backend} {mode}{' ' + NO_RUN_AHEAD if self.target_args else ''}"
+        return " ".join([self.run.backend, mode, *self.target_args, *self.router_args])
 
 
 def plan(num_requests: int) -> list[Config]:
@@ -108,6 +114,7 @@ def plan(num_requests: int) -> list[Config]:
         Config(run("inprocess", None)),
         Config(run("cluster", None)),
         Config(run("cluster", None), (NO_RUN_AHEAD,)),
+        Config(run("cluster", None), router_args=(NO_PIPELINE,)),
         Config(run("inprocess", SPEC)),
         Config(run("cluster", SPEC)),
     ]
@@ -136,7 +143,8 @@ def measure(models: ModelChoice, threads: int, repeats: int, num_requests: int) 
     order = [(r, c) for r in range(repeats) for c in plan(num_requests)]  # interleaved
     for i, (repeat, c) in enumerate(order):
         job = Job(c.run, models.target, models.draft, {}, threads, prompts, pad,
-                  (DRAFT_KIND, SPEC), target_args=list(c.target_args))  # fmt: skip
+                  (DRAFT_KIND, SPEC), target_args=list(c.target_args),
+                  router_args=list(c.router_args))  # fmt: skip
         res = run_worker(WORKER, job.to_json(), threads, WORKER_TIMEOUT_S)
         res |= {"repeat": repeat, "ms_per_round": ms_per_round(res), "label": c.label}
         by_label.setdefault(c.label, []).append(res)
@@ -312,8 +320,9 @@ def anatomy(stats: pstats.Stats, rounds: int) -> str:
 def profile(models: ModelChoice, out: Path, num_requests: int) -> dict[str, Any]:
     """Each cluster mode once with its services profiled; prints and returns their tops."""
     report: dict[str, Any] = {}
-    runs = [c.run for c in plan(num_requests) if c.run.backend == "cluster" and not c.target_args]
-    for run in runs:  # the cluster's, run-ahead on
+    runs = [c.run for c in plan(num_requests)
+            if c.run.backend == "cluster" and not c.target_args + c.router_args]  # fmt: skip
+    for run in runs:  # the cluster's, run-ahead and pipelining on
         spawn = ProfiledSpawn(out / "profile", run.mode)
         spawn.prof_dir.mkdir(parents=True, exist_ok=True)
         res = asyncio.run(_profiled_run(models, run, spawn))

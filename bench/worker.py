@@ -51,6 +51,7 @@ class Job:
     cpus: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     draft_args: list[str] = dataclasses.field(default_factory=list)
     target_args: list[str] = dataclasses.field(default_factory=list)  # `bench.hop`: run-ahead off
+    router_args: list[str] = dataclasses.field(default_factory=list)  # `bench.hop`: no pipelining
 
     def to_json(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "run": self.run.to_json()}
@@ -104,7 +105,8 @@ def _placed_spawn(job: Job) -> Any:
     from specmesh.cluster import spawn_service
 
     def spawn(children: list, kind: str, flags: list[str]) -> str:
-        extra = {"draft": job.draft_args, "target": job.target_args}.get(kind, [])
+        extra = {"draft": job.draft_args, "target": job.target_args, "router": job.router_args}
+        extra = extra.get(kind, [])
         mine = os.sched_getaffinity(0)
         if kind in job.cpus:
             os.sched_setaffinity(0, job.cpus[kind])
