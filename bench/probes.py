@@ -60,8 +60,8 @@ class TimedTarget:
     async def prefill(self, inputs: list) -> Any:
         return await self.log.timed("target", lambda: self.inner.prefill(inputs))
 
-    async def verify(self, inputs: list) -> Any:
-        return await self.log.timed("target", lambda: self.inner.verify(inputs))
+    async def verify(self, inputs: list, rows: bool = True) -> Any:
+        return await self.log.timed("target", lambda: self.inner.verify(inputs, rows))
 
     async def release(self, rids: list[str]) -> None:
         await self.log.timed("target", lambda: self.inner.release(rids))

@@ -39,8 +39,13 @@ class TargetClient(Protocol):
         """Whole inputs, or pieces of long ones (`PrefillInput.input_start` / ``more_input``):
         a piece before the last returns its rows and no token."""
 
-    async def verify(self, inputs: list[VerifyInput]) -> StepOutput: ...
-    async def send_verify(self, inputs: list[VerifyInput]) -> Awaitable[StepOutput]:
+    async def verify(self, inputs: list[VerifyInput], rows: bool = True) -> StepOutput:
+        """The trees' accepted paths and bonus tokens; with ``rows`` the feature rows the
+        handshake named (without: none, when no draft reads them)."""
+
+    async def send_verify(
+        self, inputs: list[VerifyInput], rows: bool = True
+    ) -> Awaitable[StepOutput]:
         """`verify`, sent now: in order before any step or release sent after it returns; the
         awaitable it returns gives the answer (and must be awaited)."""
 

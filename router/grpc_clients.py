@@ -215,7 +215,9 @@ class GrpcTargetClient(_GrpcClient):
             target_pb2.TargetStepRequest(prefill=batch, return_mm_input_embeds=mm)
         )
 
-    async def send_verify(self, inputs: list[VerifyInput]) -> Awaitable[StepOutput]:
+    async def send_verify(
+        self, inputs: list[VerifyInput], rows: bool = True
+    ) -> Awaitable[StepOutput]:
         """`verify`, written now (in order before anything sent later); await what it returns
         for the answer."""
         requests = [
@@ -225,11 +227,13 @@ class GrpcTargetClient(_GrpcClient):
             )
             for i in inputs
         ]
-        req = target_pb2.TargetStepRequest(verify=target_pb2.VerifyBatch(requests=requests))
+        req = target_pb2.TargetStepRequest(
+            verify=target_pb2.VerifyBatch(requests=requests), skip_features=not rows
+        )
         return self._output(await self.stream.submit([req]))
 
-    async def verify(self, inputs: list[VerifyInput]) -> StepOutput:
-        return await (await self.send_verify(inputs))
+    async def verify(self, inputs: list[VerifyInput], rows: bool = True) -> StepOutput:
+        return await (await self.send_verify(inputs, rows))
 
     async def _step(self, req: target_pb2.TargetStepRequest) -> StepOutput:
         return await self._output(await self.stream.submit([req]))

@@ -57,13 +57,16 @@ class InProcessTarget(_Worker):
     async def prefill(self, inputs: list[PrefillInput]) -> StepOutput:
         return await self._call(self.runtime.prefill, inputs, self.feature)
 
-    async def verify(self, inputs: list[VerifyInput]) -> StepOutput:
-        return await self._call(self.runtime.verify, inputs, self.feature)
+    async def verify(self, inputs: list[VerifyInput], rows: bool = True) -> StepOutput:
+        return await (await self.send_verify(inputs, rows))
 
-    async def send_verify(self, inputs: list[VerifyInput]) -> Awaitable[StepOutput]:
+    async def send_verify(
+        self, inputs: list[VerifyInput], rows: bool = True
+    ) -> Awaitable[StepOutput]:
         """`verify`, queued on the worker now (before anything called later)."""
+        feature = self.feature if rows else Feature.NONE
         loop = asyncio.get_running_loop()
-        return loop.run_in_executor(self._worker, self.runtime.verify, inputs, self.feature)
+        return loop.run_in_executor(self._worker, self.runtime.verify, inputs, feature)
 
     async def release(self, rids: list[str]) -> None:
         await self._call(lambda: [self.runtime.release(r) for r in rids])

@@ -14,7 +14,6 @@ a draft that answered one request with an error dropped that request's state.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections import defaultdict
 from typing import TYPE_CHECKING
@@ -24,6 +23,7 @@ from specmesh.protocol.steps import DraftStepResult, ExtendInput, PrefillInput, 
 from specmesh.router.draft_rows import must_send, split_rows, with_backlog
 from specmesh.router.policy import Plan
 from specmesh.router.prefill_plan import next_context_token
+from specmesh.router.tasks import together
 
 if TYPE_CHECKING:
     from specmesh.router.core import RouterCore
@@ -53,7 +53,7 @@ class Proposer:
                     emitted_before = s.request.num_generated - len(out.tokens[s.rid])
                     _constrain(extend, s, len(ids[s.rid]) - emitted_before)
                 groups[s.placement.draft].append((s, extend))
-        await asyncio.gather(*(self._plan_and_draft(d, g, len(live)) for d, g in groups.items()))
+        await together(self._plan_and_draft(d, g, len(live)) for d, g in groups.items())
 
     async def extend_pieces(
         self, slots: list[Slot], out: StepOutput, pieces: dict[str, PrefillInput]
@@ -71,7 +71,7 @@ class Proposer:
                 if extend.new:  # a first piece: the output starts after the prompt
                     _constrain(extend, s, len(s.request.prompt_ids))
                 groups[s.placement.draft].append((s, extend))
-        await asyncio.gather(*(self._step(d, g, Plan(tree_size=1)) for d, g in groups.items()))
+        await together(self._step(d, g, Plan(tree_size=1)) for d, g in groups.items())
 
     async def _plan_and_draft(self, draft: DraftReplica, group: Sent, batch: int) -> None:
         """The policy's plan for one draft's requests (``batch``: all that the target verifies

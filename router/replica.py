@@ -89,15 +89,18 @@ class TargetReplica(Replica):
         self.metrics.on_prefill(self.name, time.monotonic() - started)
         return _mark_preempted(out, placed)
 
-    async def verify(self, trees: list[VerifyInput]) -> StepOutput:
+    async def verify(self, trees: list[VerifyInput], rows: bool = True) -> StepOutput:
+        """``rows``: return the feature rows (`TargetClient.verify`)."""
         placed, started = self.load, time.monotonic()  # who may hold KV as the step is sent
-        return await self._verified(self.client.verify(trees), trees, placed, started)
+        return await self._verified(self.client.verify(trees, rows), trees, placed, started)
 
-    async def send_verify(self, trees: list[VerifyInput]) -> Awaitable[StepOutput]:
+    async def send_verify(
+        self, trees: list[VerifyInput], rows: bool = True
+    ) -> Awaitable[StepOutput]:
         """`verify`, sent now (in order before any step or release sent later); await what it
         returns for the answer. Raises `ServiceDownError` when it cannot be sent."""
         placed, started = self.load, time.monotonic()  # who may hold KV as the step is sent
-        answer = await self._answer(self.client.send_verify(trees))
+        answer = await self._answer(self.client.send_verify(trees, rows))
         return self._verified(answer, trees, placed, started)
 
     async def _verified(
@@ -142,8 +145,8 @@ class DraftReplica(Replica):
         its deadline (any failure only costs speculation, never a request)."""
         started = time.monotonic()
         try:
-            call = self.client.step(extends, plan.speculate)
-            res = await asyncio.wait_for(call, self.deadline.seconds)
+            async with asyncio.timeout(self.deadline.seconds):  # no task, unlike wait_for
+                res = await self.client.step(extends, plan.speculate)
         except Exception as e:
             log.warning("draft %s failed (%s: %s); continuing without speculation",
                         self.name, type(e).__name__, e)  # fmt: skip

@@ -42,6 +42,7 @@ from specmesh.router.prefill_plan import plan_pieces, prefill_piece
 from specmesh.router.propose import Proposer
 from specmesh.router.replica import Preempted, TargetReplica
 from specmesh.router.slot import Ahead, Slot
+from specmesh.router.tasks import together
 
 if TYPE_CHECKING:
     from specmesh.router.core import RouterCore
@@ -80,10 +81,10 @@ class RoundRunner:
         """The next prefill piece of each request, as far as the round's budget goes."""
         sizes = plan_pieces(slots, self.core.cfg.prefill_chunk_tokens)
         chosen = [s for s in slots if s.rid in sizes]
-        await asyncio.gather(*(self._prefill(batch, sizes) for batch in _batches(chosen)))
+        await together(self._prefill(batch, sizes) for batch in _batches(chosen))
 
     async def step(self, slots: list[Slot]) -> None:
-        await asyncio.gather(*(self._round(batch) for batch in _batches(slots)))
+        await together(self._round(batch) for batch in _batches(slots))
 
     async def _round(self, batch: Batch) -> None:
         """verify -> emit -> extend and propose, for requests pinned to one target."""
@@ -132,8 +133,9 @@ class RoundRunner:
         trees = {v.rid: v for a in aheads for v in a.trees.values()}
         trees |= {v.rid: v for v in batch.take_trees(fresh)}
         steps: list[Awaitable[StepOutput]] = [a.answer for a in aheads]
-        if fresh:
-            steps.append(batch.target.verify([trees[s.rid] for s in fresh]))
+        if fresh:  # feature rows only where a draft reads them
+            rows = any(s.placement.draft is not None for s in fresh)
+            steps.append(batch.target.verify([trees[s.rid] for s in fresh], rows))
         for s in batch.slots:
             s.ahead = None
         out = await self._target(batch, _joined, steps)
@@ -155,7 +157,7 @@ class RoundRunner:
         if not trees:
             return
         try:
-            answer = await batch.target.send_verify(list(trees.values()))
+            answer = await batch.target.send_verify(list(trees.values()), rows=False)
         except SpecmeshError:  # not sent: the next round sends its own (and meets the fault)
             return
         ahead = Ahead(asyncio.ensure_future(answer), trees)

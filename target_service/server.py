@@ -61,8 +61,9 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServicer):
         super().__init__(host)
         self.chunk_bytes = chunk_bytes
         self.needs: dict[int, FeatureSpec] = {}  # per open stream: what its drafts read
-        # Per stream: the plain requests its last verify answered, to run ahead (`run_ahead`).
-        self.plain: dict[int, list[str]] = {}
+        # Per stream: the plain requests its last verify answered, to run ahead (`run_ahead`),
+        # and the feature that verify returned.
+        self.plain: dict[int, tuple[list[str], Feature]] = {}
         # GetTokenizer's answer, read from the checkpoint at the first call and kept: every
         # router of this target gets the same files and digest.
         self.tokenizer_files: TokenizerFiles | None = None
@@ -97,6 +98,8 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServicer):
                 f"batch of {len(rids)} requests exceeds max_batch_size {runtime.cfg.max_requests}"
             )
         feature = self.needs.get(stream.id, FeatureSpec()).feature
+        if req.skip_features and work != "prefill":  # no draft reads this batch's rows
+            feature = Feature.NONE
         errors, run = {}, []
         for r in requests:
             new = work == "prefill" and not r.input_start  # a later piece continues its request
@@ -111,7 +114,7 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServicer):
         if work != "prefill" and runtime.cfg.run_ahead:
             plain = [r.request_id for r in run if work == "decode" or len(r.tree.tokens) == 1]
             live = {sid: p for sid, p in self.plain.items() if sid in self.owners.streams}
-            self.plain = {**live, stream.id: [rid for rid in plain if rid in out.tokens]}
+            self.plain = {**live, stream.id: ([rid for rid in plain if rid in out.tokens], feature)}
         return self._response(req, _Batch(rids, out), feature)
 
     def _run(self, runtime: TargetRuntime, work: str, requests: list, feature: Feature):
@@ -137,9 +140,8 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServicer):
     def after_answer(self, runtime: TargetRuntime, stream: StreamOwner) -> None:
         """A verify of one-node trees was answered: decide those requests' next step now,
         while the router handles this one (`target_service.run_ahead`)."""
-        plain = self.plain.pop(stream.id, None)
-        if plain:
-            feature = self.needs.get(stream.id, FeatureSpec()).feature
+        plain, feature = self.plain.pop(stream.id, ([], Feature.NONE))
+        if plain:  # with the feature that batch returned: the next one likely asks the same
             self.run_soon(runtime.ahead.run, runtime, plain, feature)
 
     def _open(self, runtime: TargetRuntime, stream: StreamOwner, needs: FeatureSpec) -> None:

@@ -18,7 +18,10 @@ from grpc_harness import LoopThread, serve_target
 from procs import is_empty
 
 from specmesh.protocol.config import TargetConfig
+from specmesh.protocol.features import Feature, FeatureSpec
 from specmesh.protocol.sampling import SamplingParams
+from specmesh.protocol.steps import PrefillInput, VerifyInput
+from specmesh.protocol.trees import DraftTree
 from specmesh.router.core import RouterConfig, RouterCore
 from specmesh.router.grpc_clients import GrpcTargetClient
 from specmesh.router.request import Request
@@ -35,13 +38,13 @@ class CountingTarget(GrpcTargetClient):
         super().__init__(address)
         self.ahead = self.fresh = 0
 
-    async def send_verify(self, inputs):
+    async def send_verify(self, inputs, rows=True):
         self.ahead += 1
-        return await super().send_verify(inputs)
+        return await super().send_verify(inputs, rows)
 
-    async def verify(self, inputs):  # the base's goes through send_verify: not counted there
+    async def verify(self, inputs, rows=True):  # the base's goes through send_verify: uncounted
         self.fresh += 1
-        return await (await super().send_verify(inputs))
+        return await (await super().send_verify(inputs, rows))
 
 
 @pytest.fixture(scope="module")
@@ -158,3 +161,33 @@ def test_stopping_with_a_step_in_flight_leaves_nothing_held(target) -> None:
     assert seen[:5] == target.expected(PROMPTS[1], 5)
     assert client.ahead > 0
     assert not held
+
+
+def test_a_verify_without_rows_returns_no_features_and_the_same_tokens(target) -> None:
+    """The router asks no feature rows for a step whose requests have no draft
+    (``skip_features``): an EAGLE-3 stream's verify then returns none, its tokens unchanged, and
+    the target's run-ahead decides the next step without them too."""
+    runtime = target.servicer.runtime
+
+    async def main():
+        client = GrpcTargetClient(target.address)
+        await client.connect()
+        await client.configure(FeatureSpec(Feature.AUX_HIDDEN))
+        params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+        out = await client.prefill([PrefillInput("f", PROMPTS[0], params)])
+        tokens, outs = [out.tokens["f"][-1]], []
+        for rows in (True, False, False):
+            hits = runtime.ahead.num_hits
+            outs.append(await client.verify([VerifyInput("f", DraftTree.chain(tokens[-1:]))], rows))
+            tokens.append(outs[-1].tokens["f"][-1])
+            outs[-1].hit = runtime.ahead.num_hits > hits
+        await client.release(["f"])
+        await client.close()
+        return tokens, outs
+
+    tokens, (with_rows, first_without, second_without) = target.loop.run(main())
+    assert tokens == target.expected(PROMPTS[0], 4)
+    assert with_rows.features is not None and with_rows.row_counts == {"f": 1}
+    assert first_without.features is None and second_without.features is None
+    # decided with rows, asked without: a miss; then decided and asked without: a hit
+    assert (with_rows.hit, first_without.hit, second_without.hit) == (False, False, True)

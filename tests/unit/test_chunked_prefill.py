@@ -168,9 +168,9 @@ class Recording(InProcessTarget):
             await self.after_piece()
         return out
 
-    async def verify(self, inputs):
+    async def verify(self, inputs, rows=True):
         self.calls.append(("verify", [i.rid for i in inputs]))
-        return await super().verify(inputs)
+        return await super().verify(inputs, rows)
 
 
 async def _started(

@@ -156,8 +156,8 @@ def _watch(core: RouterCore) -> Counter:
     seen, target, draft = Counter(), core.targets[0], core.drafts[0]
     verify, prefill, step = target.verify, target.prefill, draft.step
 
-    async def watched_verify(inputs: list[VerifyInput]) -> StepOutput:
-        out = await verify(inputs)
+    async def watched_verify(inputs: list[VerifyInput], rows: bool = True) -> StepOutput:
+        out = await verify(inputs, rows)
         seen["preempted"] += sum(isinstance(e, KVCacheFullError) for e in out.errors.values())
         return out
 

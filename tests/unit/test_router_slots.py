@@ -51,7 +51,7 @@ class _FullTarget:
 
     name = "t"
 
-    async def verify(self, inputs: list[VerifyInput]) -> StepOutput:
+    async def verify(self, inputs: list[VerifyInput], rows: bool = True) -> StepOutput:
         return StepOutput(errors={"a": KVCacheFullError("no free KV slots")})
 
 

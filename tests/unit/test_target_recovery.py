@@ -20,13 +20,13 @@ class FlakyTarget(InProcessTarget):
 
     armed = False
 
-    async def verify(self, inputs):
+    async def verify(self, inputs, rows=True):
         if self.armed:
             self.armed = False
             for i in inputs:
                 self.runtime.release(i.rid)  # a restarted replica has lost its KV
             raise ServiceDownError(f"{self.name}: connection reset")
-        return await super().verify(inputs)
+        return await super().verify(inputs, rows)
 
 
 def test_failed_target_is_used_again_after_cooldown(tiny_dir: Path, oracle) -> None:

@@ -85,11 +85,12 @@ class StreamOpen(_message.Message):
     def __init__(self, feature: _Optional[_Union[_common_pb2.Feature, str]] = ..., aux_layer_ids: _Optional[_Iterable[int]] = ..., aux_numbering: _Optional[_Union[_common_pb2.AuxNumbering, str]] = ...) -> None: ...
 
 class TargetStepRequest(_message.Message):
-    __slots__ = ("batch_id", "chunk_index", "more_chunks", "return_mm_input_embeds", "prefill", "decode", "verify", "release", "open")
+    __slots__ = ("batch_id", "chunk_index", "more_chunks", "return_mm_input_embeds", "skip_features", "prefill", "decode", "verify", "release", "open")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
     MORE_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     RETURN_MM_INPUT_EMBEDS_FIELD_NUMBER: _ClassVar[int]
+    SKIP_FEATURES_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
@@ -99,12 +100,13 @@ class TargetStepRequest(_message.Message):
     chunk_index: int
     more_chunks: bool
     return_mm_input_embeds: bool
+    skip_features: bool
     prefill: PrefillBatch
     decode: DecodeBatch
     verify: VerifyBatch
     release: _common_pb2.ReleaseBatch
     open: StreamOpen
-    def __init__(self, batch_id: _Optional[int] = ..., chunk_index: _Optional[int] = ..., more_chunks: _Optional[bool] = ..., return_mm_input_embeds: _Optional[bool] = ..., prefill: _Optional[_Union[PrefillBatch, _Mapping]] = ..., decode: _Optional[_Union[DecodeBatch, _Mapping]] = ..., verify: _Optional[_Union[VerifyBatch, _Mapping]] = ..., release: _Optional[_Union[_common_pb2.ReleaseBatch, _Mapping]] = ..., open: _Optional[_Union[StreamOpen, _Mapping]] = ...) -> None: ...
+    def __init__(self, batch_id: _Optional[int] = ..., chunk_index: _Optional[int] = ..., more_chunks: _Optional[bool] = ..., return_mm_input_embeds: _Optional[bool] = ..., skip_features: _Optional[bool] = ..., prefill: _Optional[_Union[PrefillBatch, _Mapping]] = ..., decode: _Optional[_Union[DecodeBatch, _Mapping]] = ..., verify: _Optional[_Union[VerifyBatch, _Mapping]] = ..., release: _Optional[_Union[_common_pb2.ReleaseBatch, _Mapping]] = ..., open: _Optional[_Union[StreamOpen, _Mapping]] = ...) -> None: ...
 
 class PrefillBatch(_message.Message):
     __slots__ = ("requests",)
