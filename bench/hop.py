@@ -7,9 +7,9 @@ Six configurations, each (configuration, repeat) in a fresh `bench.worker` proce
 interleaved (A1 B1 C1 D1 E1 F1 A2 ...): in process plain, cluster plain, cluster plain with the
 target's run-ahead off (`--no-run-ahead`), cluster plain with the router's pipelined decoding
 off (`--no-pipeline-decode`), in process EAGLE-3, cluster EAGLE-3 (`--speculation always`: every
-round drafts and verifies the full tree; acceptance does not matter). The cluster is `bench.stacks.local_deployment`: target, draft and
-router processes on loopback; its plain run keeps the draft service up, idle (the requests
-disable speculation). Requests run one at a time, greedy, ``PROMPT_LEN`` prompt tokens,
+round drafts and verifies the full tree; acceptance does not matter). The cluster is
+`bench.stacks.local_deployment`: target, draft and router processes on loopback; its plain run
+keeps the draft service up, idle (the requests disable speculation). Requests run one at a time, greedy, ``PROMPT_LEN`` prompt tokens,
 ``MAX_NEW_TOKENS`` new ones.
 
 A round is one streamed chunk after the first (prefill's) token: a decode step, or one draft +

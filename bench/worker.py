@@ -105,8 +105,8 @@ def _placed_spawn(job: Job) -> Any:
     from specmesh.cluster import spawn_service
 
     def spawn(children: list, kind: str, flags: list[str]) -> str:
-        extra = {"draft": job.draft_args, "target": job.target_args, "router": job.router_args}
-        extra = extra.get(kind, [])
+        by_kind = {"draft": job.draft_args, "target": job.target_args, "router": job.router_args}
+        extra = by_kind.get(kind, [])
         mine = os.sched_getaffinity(0)
         if kind in job.cpus:
             os.sched_setaffinity(0, job.cpus[kind])

@@ -230,13 +230,17 @@ class GrpcTargetClient(_GrpcClient):
         req = target_pb2.TargetStepRequest(
             verify=target_pb2.VerifyBatch(requests=requests), skip_features=not rows
         )
-        return self._output(await self.stream.submit([req]))
+        return await self._send(req)
 
     async def verify(self, inputs: list[VerifyInput], rows: bool = True) -> StepOutput:
         return await (await self.send_verify(inputs, rows))
 
     async def _step(self, req: target_pb2.TargetStepRequest) -> StepOutput:
-        return await self._output(await self.stream.submit([req]))
+        return await (await self._send(req))
+
+    async def _send(self, req: target_pb2.TargetStepRequest) -> Awaitable[StepOutput]:
+        """Write ``req`` now; await what it returns for the decoded answer."""
+        return self._output(await self.stream.submit([req]))
 
     async def _output(self, answer: Awaitable[list]) -> StepOutput:
         """A step's answer, decoded (a failed batch raises its status)."""

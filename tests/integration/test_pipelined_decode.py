@@ -4,7 +4,9 @@ step to the target before it emits the last one, over a real gRPC target.
 The router core runs over a `GrpcTargetClient` whose `send_verify` is counted: greedy output
 equals transformers' whether the steps go ahead or not, requests that join a micro-batch whose
 others have a step in flight get their own verify beside it, and a request that stops (a stop
-token, a client that cancels) with a step in flight leaves nothing held in the target.
+token, a client that cancels) with a step in flight leaves nothing held in the target. Requests
+preempted for KV space, and a request replayed when its draft recovers (it leaves with a step in
+flight), come out exact too.
 """
 
 from __future__ import annotations
@@ -17,13 +19,16 @@ import pytest
 from grpc_harness import LoopThread, serve_target
 from procs import is_empty
 
-from specmesh.protocol.config import TargetConfig
+from specmesh.draft_service.runtime import load_draft
+from specmesh.protocol.config import DraftConfig, SpecParams, TargetConfig
+from specmesh.protocol.errors import KVCacheFullError, ServiceDownError
 from specmesh.protocol.features import Feature, FeatureSpec
 from specmesh.protocol.sampling import SamplingParams
 from specmesh.protocol.steps import PrefillInput, VerifyInput
 from specmesh.protocol.trees import DraftTree
 from specmesh.router.core import RouterConfig, RouterCore
 from specmesh.router.grpc_clients import GrpcTargetClient
+from specmesh.router.in_process import InProcessDraft
 from specmesh.router.request import Request
 from specmesh.target_service.runtime import TargetRuntime
 
@@ -32,19 +37,25 @@ LENGTHS = [14, 9, 11, 20]
 
 
 class CountingTarget(GrpcTargetClient):
-    """Counts the verifies sent ahead and the fresh ones."""
+    """Counts the verifies sent ahead, the fresh ones, and the requests their answers refused
+    for want of KV slots."""
 
     def __init__(self, address: str) -> None:
         super().__init__(address)
-        self.ahead = self.fresh = 0
+        self.ahead = self.fresh = self.kv_full = 0
 
     async def send_verify(self, inputs, rows=True):
         self.ahead += 1
-        return await super().send_verify(inputs, rows)
+        return self._counted(await super().send_verify(inputs, rows))
 
     async def verify(self, inputs, rows=True):  # the base's goes through send_verify: uncounted
         self.fresh += 1
-        return await (await super().send_verify(inputs, rows))
+        return await self._counted(await super().send_verify(inputs, rows))
+
+    async def _counted(self, answer):
+        out = await answer
+        self.kv_full += sum(isinstance(e, KVCacheFullError) for e in out.errors.values())
+        return out
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +81,7 @@ async def _collect(core: RouterCore, req: Request) -> list[int]:
     return [t async for chunk in core.generate(req) for t in chunk.token_ids]
 
 
-def _run(target, scenario, **cfg):
+def _run(target, scenario, drafts=(), **cfg):
     """``scenario(core)`` against a fresh router core over the target: its result, the client,
     and whether the target still held anything for the core's stream once every request ended
     (asked before the stream closes: closing it frees what it owned)."""
@@ -78,7 +89,7 @@ def _run(target, scenario, **cfg):
     async def main():
         client = CountingTarget(target.address)
         await client.connect()
-        core = RouterCore([client], [], RouterConfig(**cfg))
+        core = RouterCore([client], drafts, RouterConfig(**cfg))
         await core.start()
         try:
             result = await scenario(core)
@@ -191,3 +202,73 @@ def test_a_verify_without_rows_returns_no_features_and_the_same_tokens(target) -
     assert first_without.features is None and second_without.features is None
     # decided with rows, asked without: a miss; then decided and asked without: a hit
     assert (with_rows.hit, first_without.hit, second_without.hit) == (False, False, True)
+
+
+def test_requests_preempted_with_a_step_in_flight_are_replayed_exactly(target) -> None:
+    """A target with 64 KV slots for 6 requests that want 144 at the end: running requests are
+    preempted (their steps sent ahead answered with a full cache, or dropped when they leave)
+    and replayed from what was streamed; every output equals transformers' and nothing is held
+    afterwards. A replay that kept its old placement's step in flight would emit its token."""
+    model_dir = target.servicer.runtime.cfg.model_dir
+    small = TargetRuntime(TargetConfig(model_dir, num_kv_slots=64))
+    servicer = target.loop.run(serve_target(small))
+    tight = SimpleNamespace(
+        loop=target.loop, servicer=servicer, address=f"127.0.0.1:{servicer.host.port}"
+    )
+    prompts = [[5 + i, 6, 7, 8, 9, 10, 11, 12] for i in range(6)]
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+
+    async def scenario(core):
+        runs = [_generate(core, f"p{k}", p, params) for k, p in enumerate(prompts)]
+        return await asyncio.gather(*runs)
+
+    try:
+        outputs, client, held = _run(tight, scenario, max_batch_size=6, num_micro_batches=1)
+    finally:
+        target.loop.run(servicer.host.shutdown(0.5))
+    assert client.kv_full > 0 and client.ahead > 0  # preempted with steps sent ahead
+    assert outputs == [target.expected(p, 16) for p in prompts]
+    assert not held
+
+
+class FlakyDraft(InProcessDraft):
+    """A self-draft whose second step fails (a mid-generation outage), then works; counts the
+    steps that extended request "a"."""
+
+    calls = steps_for_a = 0
+
+    async def step(self, extends, propose=True):
+        self.calls += 1
+        if self.calls == 2:
+            raise ServiceDownError(f"{self.name}: connection reset")
+        self.steps_for_a += any(e.rid == "a" for e in extends)
+        return await super().step(extends, propose)
+
+
+def test_speculation_resumes_with_a_step_in_flight(target) -> None:
+    """A request that lost its draft decodes plain, its steps sent ahead; when the draft serves
+    again it is replayed (it leaves with a step in flight) and speculates again. Its output is
+    transformers', and the replay never reads the step its old placement sent."""
+    model_dir = target.servicer.runtime.cfg.model_dir
+    draft = FlakyDraft(
+        load_draft(DraftConfig("standalone", model_dir, model_dir, SpecParams(3, 1, 4)))
+    )
+
+    async def scenario(core):
+        a = Request("a", [5, 6, 7], SamplingParams(max_new_tokens=150, ignore_eos=True))
+        first = asyncio.ensure_future(_collect(core, a))
+        while draft.calls < 2 or core.slots["a"].placement.draft is not None:
+            await asyncio.sleep(0.001)  # until the outage took its draft
+        steps_before = draft.steps_for_a
+        # A new request gets the draft (no cooldown); its successful step closes the breaker.
+        await _generate(core, "b", [9, 9], SamplingParams(max_new_tokens=2))
+        return await first, a.accept_lens, draft.steps_for_a - steps_before
+
+    (tokens, accept_lens, resumed_steps), client, held = _run(
+        target, scenario, drafts=[draft], draft_cooldown_s=0.0, resume_min_remaining=8,
+        num_micro_batches=1,
+    )  # fmt: skip
+    assert tokens == target.expected([5, 6, 7], 150)
+    assert 1 in accept_lens and client.ahead > 0  # plain, pipelined, during the outage
+    assert resumed_steps > 0 and accept_lens[-2] == 4  # the self-draft's 3 + bonus, again
+    assert not held
