@@ -1,7 +1,7 @@
 """What the gRPC hop costs, as pure system cost: a near-free model (Llama, 4 layers, 64 wide,
 and a random EAGLE-3 head) served in process and as a cluster, batch 1.
 
-    python -m specmesh.bench.hop [--out DIR] [--repeats 3] [--profile]
+    python -m specmesh.bench.hop [--out DIR] [--repeats 3] [--only plain|eagle3] [--profile]
 
 Six configurations, each (configuration, repeat) in a fresh `bench.worker` process, repeats
 interleaved (A1 B1 C1 D1 E1 F1 A2 ...): in process plain, cluster plain, cluster plain with the
@@ -9,8 +9,13 @@ target's run-ahead off (`--no-run-ahead`), cluster plain with the router's pipel
 off (`--no-pipeline-decode`), in process EAGLE-3, cluster EAGLE-3 (`--speculation always`: every
 round drafts and verifies the full tree; acceptance does not matter). The cluster is
 `bench.stacks.local_deployment`: target, draft and router processes on loopback; its plain run
-keeps the draft service up, idle (the requests disable speculation). Requests run one at a time, greedy, ``PROMPT_LEN`` prompt tokens,
-``MAX_NEW_TOKENS`` new ones.
+keeps the draft service up, idle (the requests disable speculation). Requests run one at a
+time, greedy, ``PROMPT_LEN`` prompt tokens, ``MAX_NEW_TOKENS`` new ones. ``--only`` runs the
+plain or the EAGLE-3 configurations alone.
+
+Beside each ratio: the gRPC floor of its round (`bench.hop_floor`: a bare `grpc.aio` echo on
+this machine, one round trip per service the round calls) and the best ratio a round that calls
+its services one after the other could reach over that floor.
 
 A round is one streamed chunk after the first (prefill's) token: a decode step, or one draft +
 verify. ms/round = (last chunk - first chunk) / rounds, over a run's requests.
@@ -41,6 +46,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from specmesh.bench import hop_floor
 from specmesh.bench.metrics import aggregate, ratio_spread, spread
 from specmesh.bench.report import write_json
 from specmesh.bench.runners import RunSpec
@@ -97,20 +103,23 @@ class Config:
     router_args: tuple[str, ...] = ()
 
     @property
+    def kind(self) -> str:
+        return DRAFT_KIND if self.run.spec else "plain"
+
+    @property
     def label(self) -> str:
-        mode = DRAFT_KIND if self.run.spec else "plain"
-        return " ".join([self.run.backend, mode, *self.target_args, *self.router_args])
+        return " ".join([self.run.backend, self.kind, *self.target_args, *self.router_args])
 
 
-def plan(num_requests: int) -> list[Config]:
+def plan(num_requests: int, only: str | None = None) -> list[Config]:
     """In process and cluster back to back, plain (the cluster with run-ahead on and off)
-    then EAGLE-3."""
+    then EAGLE-3; ``only``: the configurations of one of the two."""
 
     def run(backend: str, spec: SpecParams | None) -> RunSpec:
         kind = DRAFT_KIND if spec else None
         return RunSpec(backend, WORKLOAD, 1, 0.0, spec, MAX_NEW_TOKENS, num_requests, DTYPE, kind)
 
-    return [
+    configs = [
         Config(run("inprocess", None)),
         Config(run("cluster", None)),
         Config(run("cluster", None), (NO_RUN_AHEAD,)),
@@ -118,6 +127,7 @@ def plan(num_requests: int) -> list[Config]:
         Config(run("inprocess", SPEC)),
         Config(run("cluster", SPEC)),
     ]
+    return [c for c in configs if only is None or c.kind == only]
 
 
 def num_rounds(res: dict[str, Any]) -> int:
@@ -131,8 +141,11 @@ def ms_per_round(res: dict[str, Any]) -> float:
     return 1e3 * decode_s / num_rounds(res)
 
 
-def measure(models: ModelChoice, threads: int, repeats: int, num_requests: int) -> list[dict]:
-    """Every (configuration, repeat) in its own worker process; one aggregated entry each."""
+def measure(
+    models: ModelChoice, threads: int, repeats: int, num_requests: int, only: str | None = None
+) -> list[dict]:
+    """Every (configuration, repeat) in its own worker process; one aggregated entry each.
+    ``only``: the plain configurations, or the EAGLE-3 ones."""
     from specmesh.bench.workloads import load_workload
     from specmesh.router.tokenizer import load_tokenizer
 
@@ -140,7 +153,7 @@ def measure(models: ModelChoice, threads: int, repeats: int, num_requests: int) 
     prompts = load_workload(WORKLOAD, tokenizer, num_requests, PROMPT_LEN).prompts
     pad = tokenizer.pad_token_id or 0
     by_label: dict[str, list[dict[str, Any]]] = {}
-    order = [(r, c) for r in range(repeats) for c in plan(num_requests)]  # interleaved
+    order = [(r, c) for r in range(repeats) for c in plan(num_requests, only)]  # interleaved
     for i, (repeat, c) in enumerate(order):
         job = Job(c.run, models.target, models.draft, {}, threads, prompts, pad,
                   (DRAFT_KIND, SPEC), target_args=list(c.target_args),
@@ -159,10 +172,13 @@ def _config(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def compare(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per mode: cluster / in process tokens/s, and the milliseconds per round the hop adds."""
+    """Per mode measured: cluster / in process tokens/s, and the milliseconds per round the
+    hop adds."""
     by_label = {c["label"]: c for c in configs}
     out = []
     for mode, cluster_label, local_label in MODES:
+        if cluster_label not in by_label:
+            continue
         cluster, local = by_label[cluster_label], by_label[local_label]
         extra = [a - b for a, b in zip(cluster["ms_per_round_runs"], local["ms_per_round_runs"], strict=True)]  # fmt: skip
         median_extra = cluster["ms_per_round"]["median"] - local["ms_per_round"]["median"]
@@ -183,15 +199,33 @@ def format_tables(configs: list[dict[str, Any]], comparisons: list[dict[str, Any
             f"{c['tokens_per_s_max']:.1f}) | {ms['median']:.2f} ({ms['min']:.2f} - {ms['max']:.2f})"
             f" | {c['mean_accept_len']:.2f} | {1e3 * c['ttft_s_mean']:.1f} |"
         )
-    lines += ["", "| mode | cluster / in process, tok/s (min - max) | hop ms/round (min - max) |"]
-    lines.append("|---|---|---|")
+    lines += ["", "| mode | cluster / in process, tok/s (min - max) | hop ms/round (min - max) "
+              "| gRPC floor ms/round | best sequential ratio |", "|---|---|---|---|---|"]  # fmt: skip
     for c in comparisons:
         lines.append(
             f"| {c['mode']} | {c['ratio']:.2f} ({c['ratio_min']:.2f} - {c['ratio_max']:.2f}) | "
             f"{c['extra_ms_per_round']:+.2f} ({c['extra_ms_per_round_min']:.2f} - "
-            f"{c['extra_ms_per_round_max']:.2f}) |"
+            f"{c['extra_ms_per_round_max']:.2f}) | {c['floor_ms_per_round']:.2f} | "
+            f"{c['best_sequential_ratio']:.2f} |"
         )
     return "\n".join(lines)
+
+
+def with_floor(
+    comparisons: list[dict[str, Any]], configs: list[dict[str, Any]], floor: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Each mode with the gRPC floor of its round (`bench.hop_floor`: a plain round is one
+    small round trip, an EAGLE-3 round a small one and one carrying feature rows) and the best
+    ratio a round calling its services in sequence could reach: in process / (in process +
+    floor), per round."""
+    small, rows = (f["round_trip_ms"] for f in floor)
+    local = {c["label"]: c["ms_per_round"]["median"] for c in configs}
+    for c in comparisons:
+        mode = next(m for m in MODES if m[0] == c["mode"])
+        floor_ms = small + (rows if mode[0] == DRAFT_KIND else 0.0)
+        c["floor_ms_per_round"] = floor_ms
+        c["best_sequential_ratio"] = local[mode[2]] / (local[mode[2]] + floor_ms)
+    return comparisons
 
 
 # -- --profile ----------------------------------------------------------------------------------
@@ -345,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--num-requests", type=int, default=NUM_REQUESTS, help="per run")
     parser.add_argument("--profile", action="store_true", help="profile the cluster services")
+    parser.add_argument("--only", choices=("plain", DRAFT_KIND),
+                        help="run only the plain or only the EAGLE-3 configurations")  # fmt: skip
     args = parser.parse_args(argv)
     if min(args.repeats, args.num_requests) < 1:
         parser.error("--repeats and --num-requests must be >= 1")
@@ -358,9 +394,10 @@ def run_hop(out: Path, args: argparse.Namespace) -> None:
     started = time.time()
     models = build_models(out / "models")
     threads = model_threads(2)  # what each cluster model service gets: the same in process
-    configs = measure(models, threads, args.repeats, args.num_requests)
-    comparisons = compare(configs)
-    print(format_tables(configs, comparisons))
+    configs = measure(models, threads, args.repeats, args.num_requests, args.only)
+    floor = hop_floor.measure()
+    comparisons = with_floor(compare(configs), configs, floor)
+    print(format_tables(configs, comparisons), hop_floor.format_floor(floor), sep="\n\n")
     results = {
         "meta": {
             "cpu_model": cpu_model(), "num_cpus": os.cpu_count(), "repeats": args.repeats,
@@ -372,6 +409,7 @@ def run_hop(out: Path, args: argparse.Namespace) -> None:
         },
         "configs": configs,
         "comparisons": comparisons,
+        "floor": floor,
     }  # fmt: skip
     if args.profile:
         results["profile"] = profile(models, out, args.num_requests)

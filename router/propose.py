@@ -40,7 +40,8 @@ class Proposer:
     async def propose(self, live: list[Slot], out: StepOutput, ids: dict[str, list[int]]) -> None:
         """Each request's draft extends over ``ids[rid]`` (what the target committed: ``out``
         holds their rows) and proposes the next tree, per draft as its plan says; ``live`` are
-        the requests of one target step that go on."""
+        the requests of one target step that go on, before ``out``'s tokens are emitted (the
+        round emits them while the draft works)."""
         if self.policy.mode == "never":  # for good: never resumed
             await self._stop_speculating(live)
         rows, groups = split_rows(out), defaultdict(list)
@@ -50,8 +51,7 @@ class Proposer:
                 extend = ExtendInput(s.rid, ids[s.rid], out.tokens[s.rid][-1], feats, mm,
                                      bool(s.request.images))  # fmt: skip
                 if not s.on_draft and not s.draft_backlog:  # it starts: the whole context
-                    emitted_before = s.request.num_generated - len(out.tokens[s.rid])
-                    _constrain(extend, s, len(ids[s.rid]) - emitted_before)
+                    _constrain(extend, s, len(ids[s.rid]) - s.request.num_generated)
                 groups[s.placement.draft].append((s, extend))
         await together(self._plan_and_draft(d, g, len(live)) for d, g in groups.items())
 
@@ -93,7 +93,8 @@ class Proposer:
 
     async def _step(self, draft: DraftReplica, sent: Sent, plan: Plan) -> None:
         """One draft step; each request gets its next tree (cut to the plan) or loses its
-        draft."""
+        draft. A request the round's emit finished while the step ran has left: what the
+        answer says of it changes nothing, and its release followed the step."""
         for s, _ in sent:
             s.on_draft = True  # the step creates its state there, whatever it answers
         started = time.perf_counter()

@@ -7,11 +7,15 @@ Requests are grouped by their pinned target (a `Batch`); batches run concurrentl
                                                step sent ahead, and of a fresh verify
     send_ahead(batch, out)                     plain requests: the next step goes out now
     observe(trees, out)                        what each tree yielded, for the policy
-    live  = emit(out)                          stop rules, stream, retire finished
-    proposer.propose(live, out, committed)     plan; the draft extends and proposes next trees
+    going = requests the answer leaves tokens to come
+    proposer.propose(going, out, committed)    plan; the draft extends and proposes next trees,
+      overlapped with                          its step written first, then while it works:
+    emit(out)                                  stop rules, stream, retire finished
 
 A prefill has the same shape: pieces instead of trees, the first token to emit after a last
-piece, and a draft extend (without a proposal) after an earlier one.
+piece, and a draft extend (without a proposal) after an earlier one. A request the emit
+finishes had its draft step sent for nothing: it leaves, and its release follows that step on
+the draft's stream (`_overlapped`).
 
 Pipelined plain decoding (`_send_ahead`, `RouterConfig.pipeline_decode`, over gRPC): a request
 that decodes without a draft has its next step (its newest token as a one-node tree) sent
@@ -87,14 +91,18 @@ class RoundRunner:
         await together(self._round(batch) for batch in _batches(slots))
 
     async def _round(self, batch: Batch) -> None:
-        """verify -> emit -> extend and propose, for requests pinned to one target."""
+        """verify -> extend and propose, overlapped with the emit, for requests pinned to one
+        target."""
         trees, out = await self._verify(batch)
         if out is None:  # the target failed: its requests were replayed or failed
             return
         await self._send_ahead(batch, out)
         self._observe(batch, trees, out)
-        live = await self._emit(batch.slots, out, trees)
-        await self.proposer.propose(live, out, _verified_ids(live, out))
+        going = [s for s in batch.slots if _goes_on(s, out)]
+        drafting = None  # plain decoding: nothing to overlap
+        if any(s.placement.draft is not None for s in going):
+            drafting = self.proposer.propose(going, out, _verified_ids(going, out))
+        await self._overlapped(drafting, self._emit(batch.slots, out, trees))
 
     async def _prefill(self, batch: Batch, sizes: dict[str, int]) -> None:
         """Send each request's next piece (`prefill_plan`). After its last piece a request
@@ -109,20 +117,22 @@ class RoundRunner:
             if not pieces[s.rid].input_start and s.rid in out.tokens:  # a first piece
                 s.request.cached_tokens = out.cached_tokens.get(s.rid, 0)
         more = await self._settle([s for s in batch.slots if pieces[s.rid].more_input], out)
-        live = await self._emit([s for s in batch.slots if not pieces[s.rid].more_input], out)
-        for s in live:
-            s.prefilled = True
+        last = [s for s in batch.slots if not pieces[s.rid].more_input]
+        going = [s for s in last if _goes_on(s, out)]
         # A multimodal prompt ran with its image placeholders expanded: the draft's rows follow
         # the expanded ids (the request keeps its original prompt for replays).
-        ids = {s.rid: out.prompt_ids.get(s.rid) or pieces[s.rid].input_ids for s in live}
+        ids = {s.rid: out.prompt_ids.get(s.rid) or pieces[s.rid].input_ids for s in going}
         # A draft that starts a request (its whole prompt) and one that continues it (the last
         # piece of a chunked prompt) are planned and stepped apart.
-        starts = [s for s in live if not s.on_draft]
-        continues = [s for s in live if s.on_draft]
-        await asyncio.gather(
+        starts = [s for s in going if not s.on_draft]
+        continues = [s for s in going if s.on_draft]
+        drafting = asyncio.gather(
             self.proposer.extend_pieces(more, out, pieces),
             *(self.proposer.propose(group, out, ids) for group in (starts, continues)),
         )
+        live = await self._overlapped(drafting, self._emit(last, out))
+        for s in live:
+            s.prefilled = True
 
     # -- target --------------------------------------------------------------------------------
     async def _verify(self, batch: Batch) -> tuple[list[VerifyInput], StepOutput | None]:
@@ -213,6 +223,26 @@ class RoundRunner:
             self.core.fail(s.request, error)
         await self.core.leave(s, requeue=wait)
 
+    @staticmethod
+    async def _overlapped(
+        drafting: Awaitable[object] | None, emit: Awaitable[list[Slot]]
+    ) -> list[Slot]:
+        """The draft step goes out first and works while the router emits: its message is
+        written (one loop turn runs it up to its first wait) before the emit's stop rules,
+        detokenizing and streaming. A request the emit finishes leaves meanwhile: its release
+        follows the step on the draft's stream. Returns the emit's live requests."""
+        if drafting is None:
+            return await emit
+        task = asyncio.ensure_future(drafting)
+        await asyncio.sleep(0)
+        try:
+            live = await emit
+        except BaseException:
+            task.cancel()
+            raise
+        await task
+        return live
+
     # -- emit ----------------------------------------------------------------------------------
     async def _emit(
         self, slots: list[Slot], out: StepOutput, trees: list[VerifyInput] | None = None
@@ -248,14 +278,19 @@ class RoundRunner:
                 self.policy.observe_round(draft.name, s.acceptance, v.tree, out.tokens[s.rid])
 
 
-def _decodes_on(s: Slot, out: StepOutput) -> bool:
-    """Whether a request's next step is a plain decode step it will surely want (unless a stop
-    token or string ends it): it decodes without a draft, and this step leaves tokens to come."""
+def _goes_on(s: Slot, out: StepOutput) -> bool:
+    """Whether a request will want a next step after this one (unless a stop token or string
+    in its new tokens ends it): the target answered it, and these tokens leave more to come."""
     tokens = out.tokens.get(s.rid)
     if not tokens or s.rid in out.errors or s.request.finished or s.placement is None:
         return False
-    left = s.request.params.max_new_tokens - s.request.num_generated - len(tokens)
-    return s.placement.draft is None and left > 0
+    return s.request.num_generated + len(tokens) < s.request.params.max_new_tokens
+
+
+def _decodes_on(s: Slot, out: StepOutput) -> bool:
+    """Whether a request's next step is a plain decode step it will surely want: it goes on
+    (`_goes_on`) without a draft."""
+    return _goes_on(s, out) and s.placement.draft is None
 
 
 async def _joined(steps: list[Awaitable[StepOutput]]) -> StepOutput:
@@ -275,10 +310,10 @@ async def _joined(steps: list[Awaitable[StepOutput]]) -> StepOutput:
     return joined
 
 
-def _verified_ids(live: list[Slot], out: StepOutput) -> dict[str, list[int]]:
-    """What a verify committed for each request that goes on: the root and the accepted tokens
-    (the bonus token is pending). ``emit`` appended all of ``out``'s tokens to a live request."""
-    return {s.rid: s.request.output_ids[-len(out.tokens[s.rid]) - 1 : -1] for s in live}
+def _verified_ids(going: list[Slot], out: StepOutput) -> dict[str, list[int]]:
+    """What a verify committed for each request that goes on, before its tokens are emitted:
+    the root (its newest token) and the accepted tokens (the bonus token is pending)."""
+    return {s.rid: [s.request.output_ids[-1], *out.tokens[s.rid][:-1]] for s in going}
 
 
 def _prompt_logprobs(entries: list[Logprob] | None) -> list[Logprob | None] | None:

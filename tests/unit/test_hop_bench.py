@@ -1,0 +1,42 @@
+"""`bench.hop`'s bookkeeping and `bench.hop_floor`, the gRPC floor it reports beside its ratios:
+a real echo server process and a `grpc.aio` client (no timing is asserted beyond its order)."""
+
+from __future__ import annotations
+
+import pytest
+
+from specmesh.bench import hop, hop_floor
+
+
+def test_the_floor_is_measured_against_a_real_echo_server() -> None:
+    (small, large) = hop_floor.measure((16, 2048), count=20)
+    for f, size in ((small, 16), (large, 2048)):
+        assert f["bytes"] == size and f["count"] == 20
+        assert 0 < f["p10_ms"] <= f["round_trip_ms"] <= f["p90_ms"]
+    assert "| 2048 |" in hop_floor.format_floor([small, large])
+
+
+def _config(label: str, ms: float, tok_s: float) -> dict:
+    return {"label": label, "ms_per_round": {"median": ms}, "ms_per_round_runs": [ms],
+            "tokens_per_s_runs": [tok_s]}  # fmt: skip
+
+
+def test_each_mode_gets_its_floor_and_best_sequential_ratio() -> None:
+    configs = [_config("inprocess plain", 1.0, 900.0), _config("cluster plain", 1.2, 750.0),
+               _config("inprocess eagle3", 3.0, 300.0), _config("cluster eagle3", 4.0, 225.0)]  # fmt: skip
+    floor = [{"round_trip_ms": 0.25}, {"round_trip_ms": 0.5}]
+    by_mode = {c["mode"]: c for c in hop.with_floor(hop.compare(configs), configs, floor)}
+    assert set(by_mode) == {"plain", "eagle3"}  # modes whose configurations did not run: none
+    assert by_mode["plain"]["floor_ms_per_round"] == pytest.approx(0.25)  # the target's trip
+    assert by_mode["plain"]["best_sequential_ratio"] == pytest.approx(1.0 / 1.25)
+    assert by_mode["eagle3"]["floor_ms_per_round"] == pytest.approx(0.75)  # target, then draft
+    assert by_mode["eagle3"]["best_sequential_ratio"] == pytest.approx(3.0 / 3.75)
+    assert by_mode["eagle3"]["ratio"] == pytest.approx(0.75)
+
+
+@pytest.mark.parametrize("only", ["plain", "eagle3"])
+def test_only_runs_one_kind(only: str) -> None:
+    chosen = hop.plan(2, only)
+    assert {c.kind for c in chosen} == {only}
+    assert {c.run.backend for c in chosen} == {"inprocess", "cluster"}
+    assert len(hop.plan(2, "plain")) + len(hop.plan(2, "eagle3")) == len(hop.plan(2))
