@@ -84,6 +84,10 @@ class KVCache:
         have = len(self.requests[rid].pages) if rid in self.requests else 0
         return max(0, -(-num_tokens // self.page_size) - have)
 
+    def holds_at_most(self) -> int:
+        """The most tokens one request can ever hold: the whole pool."""
+        return self.num_slots // self.page_size * self.page_size
+
     def can_allocate(self, demands: dict[str | None, int]) -> bool:
         """Whether ``demands`` fit; unreferenced prefix-cache pages are given back for them if
         needed (they are a cache: taking them changes no request)."""

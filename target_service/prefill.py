@@ -192,6 +192,11 @@ def _admit(rt: TargetRuntime, inp: PrefillInput, admitted: dict[str, int]) -> Pr
         )
     if not inp.input_start and inp.rid in rt.cache.requests:
         raise DuplicateRequestError(f"request {inp.rid!r} already has KV state")
+    if end + 1 > rt.cache.holds_at_most():  # never fits, however long it waits
+        raise InvalidRequestError(
+            f"request {inp.rid!r}: prompt of {end} tokens needs more KV than the whole cache "
+            f"holds ({rt.cache.holds_at_most()} slots)"
+        )
     if not rt.cache.can_allocate({**admitted, inp.rid: end + 1}):
         raise KVCacheFullError(
             f"request {inp.rid!r}: prompt of {end} tokens does not fit; "

@@ -26,7 +26,7 @@ from specmesh.protocol.steps import ExtendInput, StepOutput
 from specmesh.router.chat import ChatRenderer
 from specmesh.router.core import RouterConfig
 from specmesh.router.engine import Engine
-from specmesh.router.propose import Proposer
+from specmesh.router.round import Batch
 from specmesh.runtime.grammar import Grammars
 
 SCHEMA = {
@@ -67,17 +67,17 @@ def _tiny(tiny_dir: Path, **router) -> Engine:
 
 @pytest.fixture
 def proposals(monkeypatch: pytest.MonkeyPatch) -> list:
-    """Each tree the draft proposes, with its request's constraint and output so far (the
-    root, the pending token, last)."""
+    """Each draft tree the target verifies, with its request's constraint and output so far
+    (the root, the pending token, last), taken as the round takes the tree."""
     seen: list = []
-    step = Proposer._step
+    take = Batch.take_trees
 
-    async def spy(self, draft, sent, plan) -> None:
-        before = {s.rid: list(s.request.output_ids) for s, _ in sent}
-        await step(self, draft, sent, plan)
-        seen.extend((s.request.params.constraint, before[s.rid], s.tree) for s, _ in sent if s.tree)
+    def spy(self, slots):
+        seen.extend((s.request.params.constraint, list(s.request.output_ids), s.tree)
+                    for s in slots if s.tree is not None)  # fmt: skip
+        return take(self, slots)
 
-    monkeypatch.setattr(Proposer, "_step", spy)
+    monkeypatch.setattr(Batch, "take_trees", spy)
     return seen
 
 

@@ -15,7 +15,7 @@ from conftest import assert_speculated
 from oracle_draft import mean_accept, oracle_engine
 
 from specmesh.protocol.config import SpecParams, TargetConfig
-from specmesh.protocol.errors import DuplicateRequestError, KVCacheFullError
+from specmesh.protocol.errors import DuplicateRequestError, InvalidRequestError, KVCacheFullError
 from specmesh.protocol.sampling import SamplingParams
 from specmesh.protocol.steps import PrefillInput, StepOutput, VerifyInput
 from specmesh.protocol.trees import DraftTree
@@ -96,9 +96,9 @@ def test_small_kv_cache_preempts_and_replays(
 
 
 def test_request_that_never_fits_fails_once_alone(tiny_dir: Path, oracle) -> None:
-    """A prompt larger than the whole cache waits while another request holds KV, and fails
-    (RESOURCE_EXHAUSTED) once it has the target to itself; two such prompts refused in the
-    same step fail at once rather than wait for each other. The other request is served."""
+    """A prompt larger than the whole cache fails at once (INVALID_ARGUMENT: it can never fit,
+    so it neither waits for other requests nor is retried), in whichever micro-batch it lands;
+    two such prompts never wait for each other. The other request is served."""
     engine = Engine(tiny_dir / "target", target_config={"num_kv_slots": 16})
     prefills = Counter()
 
@@ -113,7 +113,9 @@ def test_request_that_never_fits_fails_once_alone(tiny_dir: Path, oracle) -> Non
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
     reqs = [engine.make_request(p, params) for p in [*big, small]]
     results = asyncio.run(_serve(engine, reqs))
-    assert all(isinstance(r, KVCacheFullError) for r in results[:2]), results
+    assert all(isinstance(r, InvalidRequestError) for r in results[:2]), results
+    assert "more KV than the whole cache holds (16 slots)" in str(results[0])
+    assert prefills["calls"] <= 2  # refused before any wait: no retries
     assert results[2].token_ids == oracle(tiny_dir / "target", small, 4)
     assert not engine.target.cache.requests and engine.target.kv_slots() == (0, 16)
 

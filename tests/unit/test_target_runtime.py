@@ -13,7 +13,7 @@ from conftest import reorder_tolerance
 from transformers import AutoModelForCausalLM
 
 from specmesh.protocol.config import TargetConfig
-from specmesh.protocol.errors import KVCacheFullError, UnknownRequestError
+from specmesh.protocol.errors import InvalidRequestError, KVCacheFullError, UnknownRequestError
 from specmesh.protocol.features import Feature, FeatureSpec
 from specmesh.protocol.sampling import SamplingParams
 from specmesh.protocol.steps import PrefillInput, VerifyInput
@@ -162,9 +162,11 @@ def test_full_kv_cache_is_a_specific_error_and_leaves_others_intact(tiny_dir: Pa
     target = tiny_dir / "target"
     rt = _runtime(target, num_kv_slots=16)
     rt.prefill([PrefillInput("small", [1, 2, 3], SamplingParams())])
-    out = rt.prefill([PrefillInput("big", list(range(3, 20)), SamplingParams())])
-    assert isinstance(out.errors["big"], KVCacheFullError)
-    assert "big" not in rt.cache.requests
+    out = rt.prefill([PrefillInput("big", list(range(3, 16)), SamplingParams())])
+    assert isinstance(out.errors["big"], KVCacheFullError)  # it would fit alone: it may wait
+    out = rt.prefill([PrefillInput("huge", list(range(3, 20)), SamplingParams())])
+    assert isinstance(out.errors["huge"], InvalidRequestError)  # more than the whole cache
+    assert "big" not in rt.cache.requests and "huge" not in rt.cache.requests
     assert rt.decode(["small"]).tokens["small"] == oracle(target, [1, 2, 3], 2)[1:]
     assert rt.release("nope") is False  # releasing is idempotent
     assert isinstance(rt.decode(["nope"]).errors["nope"], UnknownRequestError)
