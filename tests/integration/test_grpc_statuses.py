@@ -188,7 +188,9 @@ def test_draft_step_statuses_and_malformed_tensors(stack) -> None:
     assert wait_until(lambda: not runtime.live and not runtime.drafter.cache.requests)
 
 
-def test_full_kv_cache_is_resource_exhausted(stack) -> None:
+def test_a_prompt_larger_than_the_whole_kv_cache_is_invalid_argument(stack) -> None:
+    """It could never fit, so it fails at once rather than wait (or come back as a "try
+    later"); the target serves the next request."""
     small = TargetRuntime(TargetConfig(stack.dirs.target, num_kv_slots=16, max_context=64))
     target = stack.loop.run(serve_target(small))
     router = stack.loop.run(serve_router(target))
@@ -196,7 +198,8 @@ def test_full_kv_cache_is_resource_exhausted(stack) -> None:
         with GenerationClient(f"127.0.0.1:{router.port}") as client:
             with pytest.raises(grpc.RpcError) as e:
                 collect(client.generate(prompt_token_ids=list(range(5, 25)), sampling=greedy(4)))
-            assert e.value.code() == CODE.RESOURCE_EXHAUSTED, e.value.details()
+            assert e.value.code() == CODE.INVALID_ARGUMENT, e.value.details()
+            assert "more KV than the whole cache holds (16 slots)" in e.value.details()
             ids = collect(client.generate(prompt_token_ids=[5, 6, 7], sampling=greedy(6)))[0]
             assert ids == stack.expected([5, 6, 7], 6)
     finally:
