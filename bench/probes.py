@@ -52,7 +52,7 @@ class TimedTarget:
     def __init__(self, inner: Any, log: CallLog) -> None:
         self.inner, self.log = inner, log
         self.info, self.name = inner.info, inner.name
-        self.pipelines = False  # each verify is timed whole
+        self.remote = False  # each verify is timed whole: no step sent ahead
 
     async def configure(self, draft: Any) -> None:
         await self.inner.configure(draft)

@@ -135,6 +135,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "the same)",
     )
     p.add_argument(
+        "--no-balance-micro-batches",
+        dest="balance_micro_batches",
+        action="store_false",
+        help="let the first micro-batch that wakes admit every waiting request (by default each "
+        "takes at most its share of the requests held, so the target verifies one micro-batch "
+        "while the draft works on the other)",
+    )
+    p.add_argument(
         "--placement",
         choices=PLACEMENTS,
         default=config_default(RouterConfig, "placement"),
@@ -296,6 +304,7 @@ def run_router(args: argparse.Namespace) -> int:
             prefill_chunk_tokens=args.prefill_chunk_tokens,
             placement=args.placement,
             pipeline_decode=args.pipeline_decode,
+            balance_micro_batches=args.balance_micro_batches,
         ),
         tokenizer=args.tokenizer,
         max_new_tokens=args.max_new_tokens,

@@ -27,10 +27,11 @@ from specmesh.protocol.steps import (
 class TargetClient(Protocol):
     info: TargetInfo
     name: str
-    # Whether the round sends a plain request's next decode step with `send_verify` before it
-    # emits the last one (`specmesh.router.round`): it pays where the target computes while the
-    # router works, over the wire.
-    pipelines: bool
+    # Whether the target runs apart from the router and the draft (its own process, over the
+    # wire), so that work sent to it overlaps theirs. Then the round sends a plain request's
+    # next decode step with `send_verify` before it emits the last one (`specmesh.router.round`)
+    # and admission splits requests between the micro-batches (`RouterCore._share`).
+    remote: bool
 
     async def configure(self, needs: FeatureSpec) -> None:
         """The handshake: what every later step returns per token (the drafts' needs)."""

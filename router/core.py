@@ -60,6 +60,9 @@ log = logging.getLogger(__name__)
 class RouterConfig:
     max_batch_size: int = 32  # requests per micro-batch
     num_micro_batches: int = 2
+    # Admission gives each micro-batch at most its share of the requests held (`_share`);
+    # None: where it pays, when a target is remote (`TargetClient.remote`: its own process).
+    balance_micro_batches: bool | None = None
     max_waiting: int = 4096  # queued requests before admission says RESOURCE_EXHAUSTED
     # A draft step slower than its deadline counts as a draft failure. The deadline adapts:
     # draft_deadline_factor x the p99 of the draft's recent steps, at least
@@ -88,7 +91,7 @@ class RouterConfig:
     placement: str = "cache-aware"
     # Pipelined plain decoding (`specmesh.router.round`): a request that decodes without a
     # draft gets its next step sent to the target before the router emits the last one, where
-    # the target client says it pays (`TargetClient.pipelines`: over gRPC).
+    # the target client says it pays (`TargetClient.remote`: over gRPC).
     pipeline_decode: bool = True
 
     def __post_init__(self) -> None:
@@ -121,6 +124,9 @@ class RouterCore:
         if not targets:
             raise ValueError("the router needs at least one target")
         self.targets, self.drafts, self.cfg = targets, drafts, cfg
+        self.balanced = cfg.balance_micro_batches
+        if self.balanced is None:  # in process one device runs both: one full batch is best
+            self.balanced = any(t.remote for t in targets)
         self.policy = policy or SpeculationPolicy(cfg.speculation)
         self.waiting: deque[Slot] = deque()  # waiting for admission, first come first
         # Set when a request arrives or a replica frees a place; cleared by each try to admit.
@@ -336,13 +342,24 @@ class RouterCore:
         self.waiting.append(slot)
         self.wakeup.set()
 
+    def _share(self) -> int:
+        """A micro-batch's share of the requests the router holds (running or waiting), when
+        admission is balanced. The micro-batches overlap (the target verifies one while the
+        draft works on the other) only when each has work, so a burst is split between them
+        instead of filling the first worker that wakes: 8 requests at once were admitted 7 and
+        1, and the target verified both back to back, then waited for the draft."""
+        if not self.balanced:
+            return self.cfg.max_batch_size
+        held = sum(not s.request.finished for s in self.slots.values())
+        return max(1, -(-held // self.cfg.num_micro_batches))
+
     def _admit(self, running: list[Slot], index: int) -> list[Slot]:
         """Waiting requests in arrival order, each pinned to replicas with room, up to the
         micro-batch's size; the first that no replica has room for stops admission (it keeps
         its place at the head of the queue)."""
         self.wakeup.clear()  # this try sees every arrival and freed place so far
-        new = []
-        while len(running) + len(new) < self.cfg.max_batch_size and self.waiting:
+        new, limit = [], min(self.cfg.max_batch_size, self._share())
+        while len(running) + len(new) < limit and self.waiting:
             slot = self.waiting[0]
             if slot.request.finished:
                 self.waiting.popleft()

@@ -142,7 +142,7 @@ class _GrpcClient:
 class GrpcTargetClient(_GrpcClient):
     stub_type = target_pb2_grpc.TargetStub
     request_type = target_pb2.TargetStepRequest
-    pipelines = True
+    remote = True
 
     def __init__(
         self,

@@ -34,7 +34,7 @@ class _Worker:
 
 
 class InProcessTarget(_Worker):
-    pipelines = False  # see `TargetClient.pipelines`; measured in bench/hop.py
+    remote = False  # see `TargetClient.remote`; measured in bench/hop.py and bench --pin
 
     def __init__(self, runtime: TargetRuntime, name: str = "target-0") -> None:
         super().__init__(name)

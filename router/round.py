@@ -160,7 +160,7 @@ class RoundRunner:
         step's tokens are emitted. The target computes it (`target_service.run_ahead`) while the
         router emits; the next round only awaits it. A request that stops meanwhile leaves, and
         its release follows the step on the same stream; its answer is dropped."""
-        if not (self.core.cfg.pipeline_decode and batch.target.client.pipelines):
+        if not (self.core.cfg.pipeline_decode and batch.target.client.remote):
             return
         trees = {s.rid: VerifyInput(s.rid, DraftTree.chain([out.tokens[s.rid][-1]]))
                  for s in batch.slots if _decodes_on(s, out)}  # fmt: skip

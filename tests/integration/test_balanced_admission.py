@@ -1,0 +1,103 @@
+"""Balanced admission (`RouterCore._share`): over a remote (gRPC) target, a burst of requests is
+split between the micro-batches, so the target verifies one while the draft works on the other;
+in process (one device runs both) one micro-batch takes them all, as before. Output equals
+transformers' either way, and the target holds nothing afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from grpc_harness import LoopThread, serve_target
+from procs import is_empty
+
+from specmesh.protocol.config import TargetConfig
+from specmesh.protocol.sampling import SamplingParams
+from specmesh.router.core import RouterConfig, RouterCore
+from specmesh.router.grpc_clients import GrpcTargetClient
+from specmesh.router.in_process import InProcessTarget
+from specmesh.router.request import Request
+from specmesh.router.round import RoundRunner
+from specmesh.target_service.runtime import TargetRuntime
+
+PROMPTS = [[5 + i, 6, 7, 8, 9] for i in range(8)]
+NEW_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def target(tiny_dir: Path, oracle):
+    loop = LoopThread()
+    model_dir = str(tiny_dir / "target")
+    servicer = loop.run(serve_target(TargetRuntime(TargetConfig(model_dir))))
+    yield SimpleNamespace(
+        loop=loop,
+        servicer=servicer,
+        model_dir=model_dir,
+        expected=[oracle(model_dir, p, NEW_TOKENS) for p in PROMPTS],
+    )
+    loop.run(servicer.host.shutdown(0.5))
+    loop.close()
+
+
+def _burst(target, client_of, monkeypatch, **cfg) -> tuple[list[list[int]], list[int]]:
+    """Eight requests at once through a router core over ``client_of()``: their tokens, and
+    the number of requests each decode round of a micro-batch carried."""
+    sizes: list[int] = []
+    step = RoundRunner.step
+
+    async def counted(self, slots):
+        sizes.append(len(slots))
+        await step(self, slots)
+
+    monkeypatch.setattr(RoundRunner, "step", counted)
+
+    async def main():
+        client = client_of()
+        if isinstance(client, GrpcTargetClient):
+            await client.connect()
+        core = RouterCore([client], [], RouterConfig(num_micro_batches=2, **cfg))
+        await core.start()
+        try:
+            params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+            reqs = [Request(f"r{i}", p, params) for i, p in enumerate(PROMPTS)]
+            runs = [_tokens(core, r) for r in reqs]
+            return await asyncio.gather(*runs)
+        finally:
+            await core.stop()
+            if isinstance(client, GrpcTargetClient):
+                await client.close()
+
+    return target.loop.run(main()), sizes
+
+
+async def _tokens(core: RouterCore, req: Request) -> list[int]:
+    return [t async for chunk in core.generate(req) for t in chunk.token_ids]
+
+
+def _grpc(target):
+    return lambda: GrpcTargetClient(f"127.0.0.1:{target.servicer.host.port}")
+
+
+def test_a_burst_is_split_between_micro_batches_over_grpc(target, monkeypatch) -> None:
+    outputs, sizes = _burst(target, _grpc(target), monkeypatch)
+    assert outputs == target.expected
+    assert max(sizes) == 4  # eight requests, two micro-batches: four each
+    assert is_empty(target.servicer.info(target.servicer.runtime).occupancy)
+
+
+def test_unbalanced_admission_lets_one_micro_batch_take_the_burst(target, monkeypatch) -> None:
+    outputs, sizes = _burst(target, _grpc(target), monkeypatch, balance_micro_batches=False)
+    assert outputs == target.expected
+    assert max(sizes) > 4
+
+
+def test_in_process_one_micro_batch_takes_the_burst(target, monkeypatch) -> None:
+    """In process the target and draft share a device: one full micro-batch is best, and the
+    default (balance where a target is remote) keeps it."""
+    runtime = TargetRuntime(TargetConfig(target.model_dir))
+    outputs, sizes = _burst(target, lambda: InProcessTarget(runtime), monkeypatch)
+    assert outputs == target.expected
+    assert max(sizes) > 4
