@@ -358,7 +358,10 @@ class RouterCore:
         micro-batch's size; the first that no replica has room for stops admission (it keeps
         its place at the head of the queue)."""
         self.wakeup.clear()  # this try sees every arrival and freed place so far
-        new, limit = [], min(self.cfg.max_batch_size, self._share())
+        new: list[Slot] = []
+        if not self.waiting:  # the share counts every request held: only when one may join
+            return new
+        limit = min(self.cfg.max_batch_size, self._share())
         while len(running) + len(new) < limit and self.waiting:
             slot = self.waiting[0]
             if slot.request.finished:
