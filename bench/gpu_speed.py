@@ -83,8 +83,9 @@ def cluster_runner(args: argparse.Namespace, spec: SpecParams, stack: contextlib
     stack.callback(loop.close)
     models = ModelChoice(args.target_model, args.draft_model, args.draft_kind)
     runtime = {"device": args.device, "dtype": args.dtype, "attention_backend": args.attention_backend}  # fmt: skip
-    router_args = ["--max-batch-size", str(max(args.sizes)),
-                   "--num-micro-batches", str(args.num_micro_batches)]  # fmt: skip
+    router_args = ["--max-batch-size", str(max(args.sizes))]
+    if args.num_micro_batches is not None:
+        router_args += ["--num-micro-batches", str(args.num_micro_batches)]
     deployment = local_deployment(models, spec, runtime, "always", router_args)
     cluster = loop.run_until_complete(deployment.__aenter__())
     stack.callback(lambda: loop.run_until_complete(deployment.__aexit__(None, None, None)))
@@ -114,6 +115,11 @@ def transformers_runner(args: argparse.Namespace, pad_token_id: int):
         return time.perf_counter() - t0, args.max_new_tokens * len(prompts), 1.0
 
     return run
+
+
+def micro_batches(args: argparse.Namespace) -> int:
+    """The router's micro-batches on this side: as given, else `RouterCore`'s default."""
+    return args.num_micro_batches or (2 if args.cluster else 1)
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -158,7 +164,7 @@ def _measure(args: argparse.Namespace, stack: contextlib.ExitStack) -> dict[str,
         "attention_backend": None if args.transformers else args.attention_backend,
         "cuda_graph": not (args.transformers or args.disable_cuda_graph),
         "processes": "target, draft, router" if args.cluster else "one",
-        "num_micro_batches": None if args.transformers else args.num_micro_batches,
+        "num_micro_batches": None if args.transformers else micro_batches(args),
         "spec": list(args.spec), "max_new_tokens": args.max_new_tokens,
         "prompt_len": args.prompt_len, "repeats": args.repeats, "rows": rows, "ratios": ratios,
     }  # fmt: skip
@@ -186,8 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--num-micro-batches", type=int, default=RouterConfig.num_micro_batches,
-                   help="the router's micro-batches (requests of one run are split between them "
-                   "as they arrive: over gRPC they do, in process they all land in the first)")  # fmt: skip
+                   help="the router's micro-batches (default: 2 over gRPC, 1 in process; over "
+                   "gRPC the requests of a run are split between them as they arrive)")  # fmt: skip
     p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args(argv)
     args.sizes = [int(b) for b in args.batch_sizes.split(",")]

@@ -100,7 +100,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="requests per micro-batch",
     )
     p.add_argument(
-        "--num-micro-batches", type=int, default=config_default(RouterConfig, "num_micro_batches")
+        "--num-micro-batches",
+        type=int,
+        default=config_default(RouterConfig, "num_micro_batches"),
+        help="micro-batches in flight, so the target verifies one while the draft works on "
+        "another (default 2; on one device shared by target and draft, 1)",
     )
     p.add_argument(
         "--draft-timeout-s",

@@ -6,14 +6,15 @@ router. One round for a micro-batch reads like the algorithm (`specmesh.router.r
     emit(out.tokens)                                    (stream; stop rules applied per token)
     trees  = draft.step(extend over accepted, propose)  (draft extend + next proposal)
 
-``num_micro_batches`` workers run rounds concurrently, so the target verifies one micro-batch
-while the draft extends and proposes for another. Requests join a micro-batch between rounds
-(continuous batching) and leave when finished. A request is pinned to one target and one draft
-replica (least loaded at admission, `specmesh.router.placement`); each replica's connection,
-breaker and deadline live in a `specmesh.router.replica.Replica`. Admission is first come, first
-served: a request that no replica has room for (each holds at most its ``--max-requests``) waits
-at the head of the queue until one frees a place. The core runs `Slot`s: a request (`Request`,
-the truth its client reads) with what the scheduler keeps to run it.
+``num_micro_batches`` workers run rounds concurrently (two over gRPC, one in process), so the
+target verifies one micro-batch while the draft extends and proposes for another. Requests join
+a micro-batch between rounds (continuous batching) and leave when finished. A request is pinned
+to one target and one draft replica (least loaded at admission, `specmesh.router.placement`);
+each replica's connection, breaker and deadline live in a `specmesh.router.replica.Replica`.
+Admission is first come, first served: a request that no replica has room for (each holds at
+most its ``--max-requests``) waits at the head of the queue until one frees a place. The core
+runs `Slot`s: a request (`Request`, the truth its client reads) with what the scheduler keeps to
+run it.
 
 Lifecycle. The worker running a request is the only code that creates or frees its state in
 the services: a client that cancels (or whose deadline passes) only marks the request aborted;
@@ -59,7 +60,11 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class RouterConfig:
     max_batch_size: int = 32  # requests per micro-batch
-    num_micro_batches: int = 2
+    # Workers running rounds concurrently. None: 2 where a target is remote (the target verifies
+    # one micro-batch while the draft works on the other), 1 in process: there one device runs
+    # both, and a second worker would take each arrival into a batch of its own beside the
+    # running one (two half-size steps cost more than one full one; bench/README.md).
+    num_micro_batches: int | None = None
     # Admission gives each micro-batch at most its share of the requests held (`_share`);
     # None: where it pays, when a target is remote (`TargetClient.remote`: its own process).
     balance_micro_batches: bool | None = None
@@ -95,6 +100,8 @@ class RouterConfig:
     pipeline_decode: bool = True
 
     def __post_init__(self) -> None:
+        if self.num_micro_batches is not None and self.num_micro_batches < 1:
+            raise ValueError(f"num_micro_batches must be >= 1, got {self.num_micro_batches}")
         if self.prefill_chunk_tokens < 0:
             raise ValueError(
                 f"prefill_chunk_tokens must be >= 0 (0 = off), got {self.prefill_chunk_tokens}"
@@ -124,9 +131,10 @@ class RouterCore:
         if not targets:
             raise ValueError("the router needs at least one target")
         self.targets, self.drafts, self.cfg = targets, drafts, cfg
-        self.balanced = cfg.balance_micro_batches
-        if self.balanced is None:  # in process one device runs both: one full batch is best
-            self.balanced = any(t.remote for t in targets)
+        # In process one device runs both services: one full batch is best (RouterConfig).
+        remote = any(t.remote for t in targets)
+        self.num_micro_batches = cfg.num_micro_batches or (2 if remote else 1)
+        self.balanced = remote if cfg.balance_micro_batches is None else cfg.balance_micro_batches
         self.policy = policy or SpeculationPolicy(cfg.speculation)
         self.waiting: deque[Slot] = deque()  # waiting for admission, first come first
         # Set when a request arrives or a replica frees a place; cleared by each try to admit.
@@ -165,7 +173,7 @@ class RouterCore:
         await asyncio.gather(*(t.configure(needs) for t in self.targets))
         self.metrics.start()  # the services' KV occupancy, polled
         self._workers = [
-            asyncio.create_task(self._worker(i)) for i in range(self.cfg.num_micro_batches)
+            asyncio.create_task(self._worker(i)) for i in range(self.num_micro_batches)
         ]
 
     async def stop(self) -> None:
@@ -351,7 +359,7 @@ class RouterCore:
         if not self.balanced:
             return self.cfg.max_batch_size
         held = sum(not s.request.finished for s in self.slots.values())
-        return max(1, -(-held // self.cfg.num_micro_batches))
+        return max(1, -(-held // self.num_micro_batches))
 
     def _admit(self, running: list[Slot], index: int) -> list[Slot]:
         """Waiting requests in arrival order, each pinned to replicas with room, up to the

@@ -1,7 +1,8 @@
 """Balanced admission (`RouterCore._share`): over a remote (gRPC) target, a burst of requests is
 split between the micro-batches, so the target verifies one while the draft works on the other;
-in process (one device runs both) one micro-batch takes them all, as before. Output equals
-transformers' either way, and the target holds nothing afterwards.
+in process (one device runs both) one micro-batch takes them all, as before. In process there is
+one micro-batch by default, so a request arriving while another runs joins its batch. Output
+equals transformers' every way, and the target holds nothing afterwards.
 """
 
 from __future__ import annotations
@@ -115,3 +116,62 @@ def test_in_process_one_micro_batch_takes_the_burst(target, monkeypatch) -> None
     outputs, sizes = _burst(target, lambda: InProcessTarget(runtime), monkeypatch)
     assert outputs == target.expected
     assert max(sizes) > 4
+
+
+def _staggered(target, monkeypatch, cfg: RouterConfig) -> tuple[list[list[int]], list[int], int]:
+    """In process: a long request, then a short one sent once the first has streamed a token
+    (as under sustained load); their tokens, the requests each round carried and the core's
+    number of micro-batches."""
+    sizes: list[int] = []
+    step = RoundRunner.step
+
+    async def counted(self, slots):
+        sizes.append(len(slots))
+        await step(self, slots)
+
+    monkeypatch.setattr(RoundRunner, "step", counted)
+    runtime = TargetRuntime(TargetConfig(target.model_dir))
+
+    async def main():
+        core = RouterCore([InProcessTarget(runtime)], [], cfg)
+        await core.start()
+        try:
+            first = Request(
+                "long", PROMPTS[0], SamplingParams(max_new_tokens=4 * NEW_TOKENS, ignore_eos=True)
+            )
+            later = Request(
+                "short", PROMPTS[1], SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+            )
+            stream, tokens = core.generate(first), []
+            tokens += (await anext(stream)).token_ids
+            running = asyncio.ensure_future(_tokens(core, later))
+            tokens += [t async for chunk in stream for t in chunk.token_ids]
+            return [tokens, await running], core.num_micro_batches
+        finally:
+            await core.stop()
+
+    outputs, workers = target.loop.run(main())
+    return outputs, sizes, workers
+
+
+def test_in_process_an_arrival_joins_the_running_micro_batch(target, oracle, monkeypatch) -> None:
+    """The in-process default is one micro-batch: a second worker would take the arrival into a
+    batch of its own (two half-size steps on one device; bench/README.md, sustained load)."""
+    outputs, sizes, workers = _staggered(target, monkeypatch, RouterConfig())
+    assert workers == 1
+    assert outputs == [oracle(target.model_dir, PROMPTS[0], 4 * NEW_TOKENS), target.expected[1]]
+    assert max(sizes) == 2  # the short request ran in the long one's rounds
+
+
+def test_micro_batches_default_to_two_over_grpc(target) -> None:
+    async def main():
+        client = _grpc(target)()
+        await client.connect()
+        try:
+            return RouterCore([client], [], RouterConfig()).num_micro_batches
+        finally:
+            await client.close()
+
+    assert target.loop.run(main()) == 2
+    with pytest.raises(ValueError, match="num_micro_batches must be >= 1"):
+        RouterConfig(num_micro_batches=0)
