@@ -23,7 +23,9 @@ Estimates, all deterministic given the measurements (tests inject them):
   plain) before the estimates decide;
 - acceptance: per request and per draft replica, a decayed record of what each cut would have
   yielded (`Acceptance`); a request leans on its draft's record until it has its own, and the
-  draft's record starts optimistic (every draft token accepted);
+  draft's record starts optimistic (every draft token accepted). A plain round ages the
+  request's record toward its draft's (`Acceptance.fade`): without that, a request that went
+  plain after a few bad rounds kept its record, and with it its plan, to the end;
 - exploring: a bucket's plan now and then tries the other side (plain when speculating, the
   full tree when not), so neither estimate goes stale: after ``probe_every`` plans, then twice
   as many after each probe, up to ``MAX_PROBE_INTERVAL`` (a short run explores little, a long
@@ -72,6 +74,13 @@ class Acceptance:
             yielded = 1 + sum(1 for i in path if i < k)
             self.sums[k - 1] = self.sums[k - 1] * self.decay + yielded
             self.counts[k - 1] = self.counts[k - 1] * self.decay + 1.0
+
+    def fade(self) -> None:
+        """A round without speculation tells nothing of acceptance: the record keeps its means
+        but weighs less, so the prior (its draft's record) takes over again as such rounds pass
+        and a request that stopped speculating after a bad patch tries again."""
+        self.sums = [s * self.decay for s in self.sums]
+        self.counts = [n * self.decay for n in self.counts]
 
     def expected(self, k: int, prior: float, prior_weight: float) -> float:
         """Tokens per round with trees cut to ``k``, the record shrunk toward ``prior``."""
@@ -155,6 +164,9 @@ class SpeculationPolicy:
         self, draft: str, request: Acceptance, tree: DraftTree, tokens: list[int]
     ) -> None:
         """A verified tree and the tokens its round yielded, for the request and its draft."""
+        if tree.num_nodes == 1:  # a plain round: only the request's own record ages
+            request.fade()
+            return
         path = tree.accepted_path(tokens)
         request.observe(path, tree.num_nodes)
         self.drafts.setdefault(draft, Acceptance()).observe(path, tree.num_nodes)

@@ -274,7 +274,7 @@ class RoundRunner:
         """What each request's tree yielded, for the policy (its record and its draft's)."""
         for s, v in zip(batch.slots, trees, strict=True):
             draft = s.placement.draft if s.placement is not None else None
-            if draft is not None and v.tree.num_nodes > 1 and s.rid in out.tokens:
+            if draft is not None and s.rid in out.tokens:
                 self.policy.observe_round(draft.name, s.acceptance, v.tree, out.tokens[s.rid])
 
 

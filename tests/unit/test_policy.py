@@ -114,6 +114,27 @@ def test_new_requests_lean_on_their_drafts_record() -> None:
     assert not policy.plan("t", "d", 1, [Acceptance()], N).speculate  # the draft never hits
 
 
+def test_a_request_that_went_plain_speculates_again_as_its_record_ages() -> None:
+    """A bad patch sends a request to plain decoding; plain rounds tell nothing of acceptance,
+    so its record fades toward its draft's (which accepts 5 of 8 for everyone else) until the
+    plan speculates again, instead of staying plain to the end."""
+    policy = _policy({1: 0.010, N: 0.012}, draft=0.008)
+    unlucky, others = Acceptance(), [Acceptance() for _ in range(4)]
+    chain, root = DraftTree.chain(list(range(N))), DraftTree.chain([0])
+    for _ in range(30):
+        policy.observe_round("d", unlucky, chain, [999])
+        for record in others:
+            policy.observe_round("d", record, chain, [1, 2, 3, 4, 5, 999])
+    assert not policy.plan("t", "d", 1, [unlucky], N).speculate
+    assert policy.plan("t", "d", 1, [Acceptance()], N).speculate  # the draft's record is good
+    plans = []
+    for _ in range(40):
+        policy.observe_round("d", unlucky, root, [7])  # a plain round
+        plans.append(policy.plan("t", "d", 1, [unlucky], N).speculate)
+    first = plans.index(True)
+    assert 1 <= first < 30 and all(plans[first:])  # after some plain rounds, then for good
+
+
 def test_probes_the_other_side_periodically_and_deterministically() -> None:
     def plans() -> list[int]:
         policy = SpeculationPolicy("adaptive", probe_every=4)
