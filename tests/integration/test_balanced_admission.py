@@ -44,10 +44,8 @@ def target(tiny_dir: Path, oracle):
     loop.close()
 
 
-def _burst(target, client_of, monkeypatch, **cfg) -> tuple[list[list[int]], list[int]]:
-    """Eight requests at once through a router core over ``client_of()``: their tokens, and
-    the number of requests each decode round of a micro-batch carried; the gRPC target must
-    hold nothing once they ended."""
+def _round_sizes(monkeypatch) -> list[int]:
+    """The number of requests each decode round of a micro-batch carries, from now on."""
     sizes: list[int] = []
     step = RoundRunner.step
 
@@ -56,6 +54,14 @@ def _burst(target, client_of, monkeypatch, **cfg) -> tuple[list[list[int]], list
         await step(self, slots)
 
     monkeypatch.setattr(RoundRunner, "step", counted)
+    return sizes
+
+
+def _burst(target, client_of, monkeypatch, **cfg) -> tuple[list[list[int]], list[int]]:
+    """Eight requests at once through a router core over ``client_of()``: their tokens, and
+    the number of requests each decode round of a micro-batch carried; the gRPC target must
+    hold nothing once they ended."""
+    sizes = _round_sizes(monkeypatch)
 
     async def main():
         client = client_of()
@@ -122,14 +128,7 @@ def _staggered(target, monkeypatch, cfg: RouterConfig) -> tuple[list[list[int]],
     """In process: a long request, then a short one sent once the first has streamed a token
     (as under sustained load); their tokens, the requests each round carried and the core's
     number of micro-batches."""
-    sizes: list[int] = []
-    step = RoundRunner.step
-
-    async def counted(self, slots):
-        sizes.append(len(slots))
-        await step(self, slots)
-
-    monkeypatch.setattr(RoundRunner, "step", counted)
+    sizes = _round_sizes(monkeypatch)
     runtime = TargetRuntime(TargetConfig(target.model_dir))
 
     async def main():
