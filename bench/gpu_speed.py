@@ -117,11 +117,6 @@ def transformers_runner(args: argparse.Namespace, pad_token_id: int):
     return run
 
 
-def micro_batches(args: argparse.Namespace) -> int:
-    """The router's micro-batches on this side: as given, else `RouterCore`'s default."""
-    return args.num_micro_batches or (2 if args.cluster else 1)
-
-
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     with contextlib.ExitStack() as stack:
         return _measure(args, stack)
@@ -164,7 +159,8 @@ def _measure(args: argparse.Namespace, stack: contextlib.ExitStack) -> dict[str,
         "attention_backend": None if args.transformers else args.attention_backend,
         "cuda_graph": not (args.transformers or args.disable_cuda_graph),
         "processes": "target, draft, router" if args.cluster else "one",
-        "num_micro_batches": None if args.transformers else micro_batches(args),
+        "num_micro_batches": None if args.transformers
+        else RouterConfig(num_micro_batches=args.num_micro_batches).micro_batches(args.cluster),
         "spec": list(args.spec), "max_new_tokens": args.max_new_tokens,
         "prompt_len": args.prompt_len, "repeats": args.repeats, "rows": rows, "ratios": ratios,
     }  # fmt: skip

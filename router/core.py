@@ -13,8 +13,7 @@ to one target and one draft replica (least loaded at admission, `specmesh.router
 each replica's connection, breaker and deadline live in a `specmesh.router.replica.Replica`.
 Admission is first come, first served: a request that no replica has room for (each holds at
 most its ``--max-requests``) waits at the head of the queue until one frees a place. The core
-runs `Slot`s: a request (`Request`, the truth its client reads) with what the scheduler keeps to
-run it.
+runs `Slot`s: a request (`Request`, what its client reads) with what the scheduler keeps.
 
 Lifecycle. The worker running a request is the only code that creates or frees its state in
 the services: a client that cancels (or whose deadline passes) only marks the request aborted;
@@ -60,13 +59,9 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class RouterConfig:
     max_batch_size: int = 32  # requests per micro-batch
-    # Workers running rounds concurrently. None: 2 where a target is remote (the target verifies
-    # one micro-batch while the draft works on the other), 1 in process: there one device runs
-    # both, and a second worker would take each arrival into a batch of its own beside the
-    # running one (two half-size steps cost more than one full one; bench/README.md).
-    num_micro_batches: int | None = None
-    # Admission gives each micro-batch at most its share of the requests held (`_share`);
-    # None: where it pays, when a target is remote (`TargetClient.remote`: its own process).
+    num_micro_batches: int | None = None  # workers running rounds; None: `micro_batches`
+    # Each micro-batch admits at most its share of the requests held (`_share`); None: where a
+    # target is remote (`TargetClient.remote`), where it pays
     balance_micro_batches: bool | None = None
     max_waiting: int = 4096  # queued requests before admission says RESOURCE_EXHAUSTED
     # A draft step slower than its deadline counts as a draft failure. The deadline adapts:
@@ -78,9 +73,8 @@ class RouterConfig:
     draft_cooldown_s: float = 5.0  # circuit breaker: how long a failed draft is left alone
     max_replays: int = 2  # target failovers per request before UNAVAILABLE
     target_cooldown_s: float = 10.0  # a failed target replica gets no new requests this long
-    # A request that lost its draft is replayed (one prefill of its context) to speculate again
-    # once a draft has served a step successfully, if this many tokens are still to come.
-    resume_min_remaining: int = 32
+    # A request that lost its draft is replayed onto one once a draft served a step again, if
+    resume_min_remaining: int = 32  # this many tokens are still to come
     # Per round and micro-batch (`specmesh.router.policy`): "adaptive" speculates, and with how
     # many tree nodes, only where measured costs and acceptance say it yields more tokens per
     # second; "always" verifies the draft's full trees every round; "never" decodes without the
@@ -112,6 +106,12 @@ class RouterConfig:
                 f"got {self.speculation!r}"
             )
 
+    def micro_batches(self, remote: bool) -> int:
+        """As set, else 2 where a target is remote (the target verifies one micro-batch while
+        the draft works on the other) and 1 in process: one device runs both there, and a second
+        worker would take each arrival into a half-size batch of its own (bench/README.md)."""
+        return self.num_micro_batches or (2 if remote else 1)
+
     def draft_deadline(self) -> StepDeadline:
         """A fresh step deadline for one draft replica."""
         return StepDeadline(
@@ -131,9 +131,8 @@ class RouterCore:
         if not targets:
             raise ValueError("the router needs at least one target")
         self.targets, self.drafts, self.cfg = targets, drafts, cfg
-        # In process one device runs both services: one full batch is best (RouterConfig).
-        remote = any(t.remote for t in targets)
-        self.num_micro_batches = cfg.num_micro_batches or (2 if remote else 1)
+        remote = any(t.remote for t in targets)  # in process one full batch is best
+        self.num_micro_batches = cfg.micro_batches(remote)
         self.balanced = remote if cfg.balance_micro_batches is None else cfg.balance_micro_batches
         self.policy = policy or SpeculationPolicy(cfg.speculation)
         self.waiting: deque[Slot] = deque()  # waiting for admission, first come first
@@ -351,11 +350,9 @@ class RouterCore:
         self.wakeup.set()
 
     def _share(self) -> int:
-        """A micro-batch's share of the requests the router holds (running or waiting), when
-        admission is balanced. The micro-batches overlap (the target verifies one while the
-        draft works on the other) only when each has work, so a burst is split between them
-        instead of filling the first worker that wakes: 8 requests at once were admitted 7 and
-        1, and the target verified both back to back, then waited for the draft."""
+        """A micro-batch's share of the requests held (running or waiting), when admission is
+        balanced: the micro-batches overlap only when each has work, so a burst is split (8 at
+        once were admitted 7 and 1 by the first worker to wake; README "Balanced micro-batches")."""
         if not self.balanced:
             return self.cfg.max_batch_size
         held = sum(not s.request.finished for s in self.slots.values())

@@ -221,6 +221,23 @@ def test_adaptive_engine_equals_transformers_greedy(tiny_dir: Path, oracle, scri
         assert seen[res.request_id] == context[: len(seen[res.request_id])]
 
 
+def test_plain_rounds_age_the_requests_records(tiny_dir: Path, oracle, monkeypatch) -> None:
+    """Through the engine, every plain round a drafting request takes fades its record (and
+    only those rounds do): a request that went plain can come back to speculation."""
+    engine = _engine(tiny_dir / "target", tiny_dir / "draft", "adaptive", batch=2)
+    engine.policy = ScriptedPolicy("adaptive")
+    sizes, fades = [], []
+    observe = engine.policy.observe_round
+    engine.policy.observe_round = lambda d, r, tree, t: (
+        sizes.append(tree.num_nodes) or observe(d, r, tree, t)
+    )
+    monkeypatch.setattr(Acceptance, "fade", lambda self: fades.append(self))
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in MAX_NEW]
+    for prompt, n, res in zip(PROMPTS, MAX_NEW, engine.generate(PROMPTS, params), strict=True):
+        assert res.token_ids == oracle(tiny_dir / "target", prompt, n)
+    assert sizes.count(1) > 0 and len(fades) == sizes.count(1)
+
+
 def test_never_runs_no_draft_step(tiny_dir: Path, oracle) -> None:
     engine = _engine(tiny_dir / "target", tiny_dir / "draft", "never", batch=4)
     calls = []
