@@ -104,7 +104,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=config_default(RouterConfig, "num_micro_batches"),
         help="micro-batches in flight, so the target verifies one while the draft works on "
-        "another (default 2; on one device shared by target and draft, 1)",
+        "another (default 2; set 1 where target and draft share one device)",
     )
     p.add_argument(
         "--draft-timeout-s",

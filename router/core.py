@@ -60,8 +60,7 @@ log = logging.getLogger(__name__)
 class RouterConfig:
     max_batch_size: int = 32  # requests per micro-batch
     num_micro_batches: int | None = None  # workers running rounds; None: `micro_batches`
-    # Each micro-batch admits at most its share of the requests held (`_share`); None: where a
-    # target is remote (`TargetClient.remote`), where it pays
+    # Each micro-batch admits at most its share of the requests held (`_share`); None: on if remote
     balance_micro_batches: bool | None = None
     max_waiting: int = 4096  # queued requests before admission says RESOURCE_EXHAUSTED
     # A draft step slower than its deadline counts as a draft failure. The deadline adapts:
@@ -73,8 +72,9 @@ class RouterConfig:
     draft_cooldown_s: float = 5.0  # circuit breaker: how long a failed draft is left alone
     max_replays: int = 2  # target failovers per request before UNAVAILABLE
     target_cooldown_s: float = 10.0  # a failed target replica gets no new requests this long
-    # A request that lost its draft is replayed onto one once a draft served a step again, if
-    resume_min_remaining: int = 32  # this many tokens are still to come
+    # A request that lost its draft is replayed onto one once a draft served a step again,
+    # if at least this many of its tokens are still to come
+    resume_min_remaining: int = 32
     # Per round and micro-batch (`specmesh.router.policy`): "adaptive" speculates, and with how
     # many tree nodes, only where measured costs and acceptance say it yields more tokens per
     # second; "always" verifies the draft's full trees every round; "never" decodes without the
