@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import shlex
 import statistics
 import time
 from typing import Any
@@ -77,6 +78,7 @@ def cluster_runner(args: argparse.Namespace, spec: SpecParams, stack: contextlib
 
     from specmesh.bench.runners import RunSpec
     from specmesh.bench.stacks import local_deployment
+    from specmesh.cluster import spawn_service
     from specmesh.defaults import ModelChoice
 
     loop = asyncio.new_event_loop()
@@ -86,7 +88,12 @@ def cluster_runner(args: argparse.Namespace, spec: SpecParams, stack: contextlib
     router_args = ["--max-batch-size", str(max(args.sizes))]
     if args.num_micro_batches is not None:
         router_args += ["--num-micro-batches", str(args.num_micro_batches)]
-    deployment = local_deployment(models, spec, runtime, "always", router_args)
+    extra = {"draft": shlex.split(args.draft_args), "target": shlex.split(args.target_args)}
+
+    def spawn(children: list, kind: str, flags: list[str]) -> str:
+        return spawn_service(children, kind, [*flags, *extra.get(kind, [])])
+
+    deployment = local_deployment(models, spec, runtime, "always", router_args, spawn=spawn)
     cluster = loop.run_until_complete(deployment.__aenter__())
     stack.callback(lambda: loop.run_until_complete(deployment.__aexit__(None, None, None)))
 
@@ -159,6 +166,8 @@ def _measure(args: argparse.Namespace, stack: contextlib.ExitStack) -> dict[str,
         "attention_backend": None if args.transformers else args.attention_backend,
         "cuda_graph": not (args.transformers or args.disable_cuda_graph),
         "processes": "target, draft, router" if args.cluster else "one",
+        "service_args": {"draft": args.draft_args, "target": args.target_args} if args.cluster
+        else None,
         "num_micro_batches": None if args.transformers
         else RouterConfig(num_micro_batches=args.num_micro_batches).micro_batches(args.cluster),
         "spec": list(args.spec), "max_new_tokens": args.max_new_tokens,
@@ -190,6 +199,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-micro-batches", type=int, default=RouterConfig.num_micro_batches,
                    help="the router's micro-batches (default: 2 over gRPC, 1 in process; over "
                    "gRPC the requests of a run are split between them as they arrive)")  # fmt: skip
+    p.add_argument("--draft-args", default="", help="--cluster: extra flags of the draft "
+                   "service, as one string: --draft-args='--predraft 4'")  # fmt: skip
+    p.add_argument("--target-args", default="", help="--cluster: extra flags of the target "
+                   "service: --target-args=--no-run-ahead")  # fmt: skip
     p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args(argv)
     args.sizes = [int(b) for b in args.batch_sizes.split(",")]

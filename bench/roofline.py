@@ -99,6 +99,7 @@ def profile_decode(rt: TargetRuntime, batch: int, context: int, steps: int, path
     table = events.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=70)
     with open(path, "w") as f:
         f.write(f"{rt.cfg.attention_backend}, cuda_graph={rt.graphs is not None}, "
+                f"fused_kernels={rt.model.fused}, "
                 f"batch {batch}, {steps} decode steps\n")  # fmt: skip
         f.write(table)
     return {"batch_size": batch, "steps": steps, "wall_ms_per_step": wall / steps * 1e3,
@@ -110,7 +111,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rt = TargetRuntime(TargetConfig(
         model_dir=args.target_model, dtype=args.dtype, device="cuda",
         attention_backend=args.attention_backend, cuda_graph=not args.disable_cuda_graph,
-        cuda_graph_max_bs=max(batch_sizes), max_context=args.context + args.steps + 64,
+        fused_kernels=not args.no_fused_kernels, cuda_graph_max_bs=max(batch_sizes), max_context=args.context + args.steps + 64,
         max_requests=max(batch_sizes), num_kv_slots=max(batch_sizes) * (args.context + args.steps + 128),
     ))  # fmt: skip
     measured = copy_bandwidth("cuda")
@@ -136,7 +137,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "device": torch.cuda.get_device_name(0), "profile": profiled, "target": args.target_model,
         "dtype": args.dtype, "attention_backend": args.attention_backend,
-        "cuda_graph": rt.graphs is not None, "context": args.context, "steps": args.steps,
+        "cuda_graph": rt.graphs is not None, "fused_kernels": rt.model.fused, "context": args.context, "steps": args.steps,
         "copy_bandwidth_tbs": measured / 1e12, "nominal_bandwidth_tbs": args.nominal_bandwidth_tbs,
         "rows": rows,
     }  # fmt: skip
@@ -149,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--attention-backend", default="triton")
     p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--no-fused-kernels", action="store_true", help="the unfused decoder ops")
     p.add_argument("--batch-sizes", default="1,8,32")
     p.add_argument("--context", type=int, default=512, help="prompt tokens per request")
     p.add_argument("--steps", type=int, default=100, help="timed decode steps per batch size")

@@ -58,6 +58,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="do not decide a plain request's next decode step while the router handles the "
         "step just answered (run-ahead hides the hop behind the forward; output is the same)",
     )
+    p.add_argument(
+        "--no-fused-kernels",
+        dest="fused_kernels",
+        action="store_false",
+        help="on CUDA, run the decoder's norms, RoPE, KV store and SiLU as separate torch ops "
+        "and q/k/v, gate/up as separate products (the fused Triton kernels are the default)",
+    )
     add_prefix_cache_args(p)
     add_limit_args(p, TargetConfig, IMAGE_LIMITS)
     add_metrics_port_arg(p)
@@ -229,7 +236,8 @@ def run_target(args: argparse.Namespace) -> int:
     def load() -> TargetRuntime:
         tree_sizes = {"cuda_graph_tree_sizes": args.cuda_graph_tree_sizes}
         images = {name: getattr(args, name) for name in IMAGE_LIMITS}
-        tp = {"tensor_parallel_size": args.tensor_parallel_size, "run_ahead": args.run_ahead}
+        tp = {"tensor_parallel_size": args.tensor_parallel_size, "run_ahead": args.run_ahead,
+              "fused_kernels": args.fused_kernels}  # fmt: skip
         prefix = {"prefix_cache_tokens": args.prefix_cache_tokens,
                   "prefix_block_size": args.prefix_block_size}  # fmt: skip
         return TargetRuntime(

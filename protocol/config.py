@@ -82,6 +82,9 @@ class TargetConfig:
     # Decide a plain request's next decode step while the router handles the one just answered
     # (`target_service.run_ahead`).
     run_ahead: bool = True
+    # On CUDA: RMSNorm with the residual add, RoPE with the KV store, SiLU * up in one Triton
+    # kernel each, and merged q/k/v and gate/up products (`kernels.fused`).
+    fused_kernels: bool = True
 
 
 @dataclass(frozen=True)

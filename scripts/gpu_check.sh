@@ -6,16 +6,19 @@
 #     tests      pytest tests/gpu (= -m gpu) + the kernel / backend / graph suites on cuda
 #     e2e        the lifecycle and fault suites with real services on cuda (--device cuda)
 #     roofline   a Llama-3.1-8B-shaped bf16 target: decode step vs bytes / bandwidth, and a
-#                torch.profiler table of its decode steps per backend -> OUT/profile-*.txt
+#                torch.profiler table of its decode steps per backend, with the fused decoder
+#                kernels and without (--no-fused-kernels) -> OUT/profile-*.txt
 #     speed      plain vs EAGLE-3 per backend, eager / CUDA graphs, and transformers, at batch
 #                1 / 8 / 32: the 8B-shaped pair (forced acceptance) and the demo pair
 #     cluster    the same through a gRPC cluster (target, draft and router processes sharing
-#                the GPU), with 1 and 2 router micro-batches, to set against speed's in-process
-#                triton + CUDA graphs
+#                the GPU), with 1 and 2 router micro-batches and with pre-drafting, to set
+#                against speed's in-process triton + CUDA graphs
 #     train      (not in the default list) a larger demo pair trained on the GPU (`make-demo
 #                --preset gpu`), compared with models/demo by `specmesh.demo.compare`; the
 #                pair comes back as OUT/demo-pair.tar.part-* (cat them | tar x)
-# JSON results are merged into OUT/gpu_results.json.
+# JSON results are merged into OUT/gpu_results.json. Runs are chosen by SPECMESH_SPEED_RUNS and
+# SPECMESH_CLUSTER_RUNS (model:config lists, defaults below), SPECMESH_ROOFLINE_BACKENDS /
+# _VARIANTS and SPECMESH_BATCH_SIZES (default 1,8,32).
 #
 # What the machine lacks is installed from wheels in $SPECMESH_WHEELS (default .whl/; the list
 # is in bench/README.md, "On a GPU"); torch, triton and grpcio are usually there. Each phase has
@@ -28,6 +31,7 @@ PHASES=" ${*:-env tests e2e roofline speed cluster} "
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 SYNTH=${SPECMESH_SYNTHETIC_DIR:-/tmp/specmesh-llama8b}
+BATCHES=${SPECMESH_BATCH_SIZES:-1,8,32}  # of the speed and cluster phases
 WHEELS=${SPECMESH_WHEELS:-.whl}
 STATUS=0
 
@@ -77,11 +81,18 @@ make_synthetic() {
   [ -f "$SYNTH/target/config.json" ] || "$PY" -m specmesh.bench.synthetic "$SYNTH"
 }
 
-roofline() {  # decode step of the 8B-shaped target vs bytes / bandwidth, per backend
+roofline() {  # decode step of the 8B-shaped target vs bytes / bandwidth, per backend, with the
+  # fused decoder kernels (the default) and without them (--no-fused-kernels), each profiled
+  local backend variant flags name
   make_synthetic || return 1
   for backend in ${SPECMESH_ROOFLINE_BACKENDS:-triton flashinfer}; do
-    "$PY" -m specmesh.bench.roofline --target-model "$SYNTH/target" --attention-backend "$backend" \
-      --profile "$OUT/profile-$backend.txt" --out "$JSON/roofline-$backend.json" || return 1
+    for variant in ${SPECMESH_ROOFLINE_VARIANTS:-fused unfused}; do
+      flags=() name=$backend
+      [ "$variant" = unfused ] && flags=(--no-fused-kernels) name=$backend-unfused
+      "$PY" -m specmesh.bench.roofline --target-model "$SYNTH/target" --attention-backend \
+        "$backend" "${flags[@]}" --profile "$OUT/profile-$name.txt" \
+        --out "$JSON/roofline-$name.json" || return 1
+    done
   done
 }
 
@@ -112,23 +123,27 @@ speed() {  # plain vs EAGLE-3 tokens/s per engine configuration (bench/gpu_speed
     esac
     echo "--- speed $model $cfg"
     "$PY" -m specmesh.bench.gpu_speed --target-model "$target" --draft-model "$draft" \
-      "${flags[@]}" --out "$JSON/speed-$model-$cfg.json" >/dev/null || failed=1
+      "${flags[@]}" --batch-sizes "$BATCHES" --out "$JSON/speed-$model-$cfg.json" >/dev/null || failed=1
   done
   return $failed
 }
 
 cluster() {  # the same runs through a gRPC cluster (target, draft, router processes on the GPU);
   # the in-process counterpart is speed's <model>:triton-graphs, where every request of a run
-  # lands in one micro-batch: --num-micro-batches 1 is the like-for-like hop, 2 the default
-  local model target draft mb failed=0
-  for model in ${SPECMESH_CLUSTER_MODELS:-llama8b demo}; do
+  # lands in one micro-batch: mb1 is the like-for-like hop, mb2 the router's default over gRPC;
+  # -predraft adds the draft's --predraft 4 (full-depth trees), -noahead the target's
+  # --no-run-ahead
+  local run model cfg target draft mb extra failed=0
+  for run in ${SPECMESH_CLUSTER_RUNS:-llama8b:mb1 llama8b:mb1-predraft llama8b:mb2 demo:mb1}; do
+    model=${run%%:*} cfg=${run#*:} extra=()
     model_dirs "$model" || return 1
-    for mb in ${SPECMESH_CLUSTER_MICRO_BATCHES:-1 2}; do
-      echo "--- cluster $model, $mb micro-batches"
-      "$PY" -m specmesh.bench.gpu_speed --cluster --attention-backend triton --target-model \
-        "$target" --draft-model "$draft" --num-micro-batches "$mb" \
-        --out "$JSON/cluster-$model-mb$mb.json" >/dev/null || failed=1
-    done
+    mb=${cfg%%-*} mb=${mb#mb}
+    [[ $cfg == *-predraft* ]] && extra+=("--draft-args=--predraft 4 --predraft-steps 5")
+    [[ $cfg == *-noahead* ]] && extra+=("--target-args=--no-run-ahead")
+    echo "--- cluster $model $cfg"
+    "$PY" -m specmesh.bench.gpu_speed --cluster --attention-backend triton --target-model \
+      "$target" --draft-model "$draft" --num-micro-batches "$mb" "${extra[@]}" \
+      --batch-sizes "$BATCHES" --out "$JSON/cluster-$model-$cfg.json" >/dev/null || failed=1
   done
   return $failed
 }
@@ -152,10 +167,19 @@ src, dst = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
 merged = {p.stem: json.loads(p.read_text()) for p in sorted(src.glob("*.json"))}
 dst.write_text(json.dumps(merged, indent=1))
 print(f"{len(merged)} results -> {dst}")
+for name, result in merged.items():  # one line per row: the figures to read first
+    for row in result.get("rows", []):
+        if "step_ms_median" in row:
+            print(f"{name} b{row['batch_size']}: step {row['step_ms_median']:.2f} ms, "
+                  f"{row['pct_of_bound_measured_bw']:.1f}% of the bandwidth bound")
+        elif "tokens_per_s" in row:
+            t = row["tokens_per_s"]
+            print(f"{name} b{row['batch_size']} {row['mode']}: {t['median']:.1f} tok/s "
+                  f"({t['min']:.1f} - {t['max']:.1f}), accept {row['accept_len']:.2f}")
 EOF
 }
 
-export PY OUT SYNTH JSON SPEED_RUNS
+export PY OUT SYNTH JSON SPEED_RUNS BATCHES
 export -f env_report make_synthetic model_dirs roofline speed cluster train
 phase env 60 env_report
 phase tests 900 "\"$PY\" -m pytest -q -p no:cacheprovider -rfE ${SPECMESH_TEST_PATHS:-tests/gpu ${KERNEL_SUITES[*]}}"

@@ -1,9 +1,12 @@
-"""What the GPU suites share (`tests/gpu`): an engine on CUDA, and a spy on its captured
-runners."""
+"""What the GPU suites share (`tests/gpu`): an engine on CUDA, a spy on its captured runners,
+and greedy output checked up to bf16 rounding."""
 
 from __future__ import annotations
 
+from functools import cache
 from pathlib import Path
+
+import torch
 
 from specmesh.protocol.config import SpecParams
 from specmesh.router.core import RouterConfig
@@ -21,7 +24,13 @@ def cuda_engine(target: Path, backend: str, graphs: bool, kind: str | None, draf
 
 
 def spy_graph_replays(engine: Engine) -> set[str]:
-    """Names of the captured runners that served a batch (filled in as the engine runs)."""
+    """Names of the captured runners that served a batch (filled in as the engine runs).
+
+    The handshake comes first: an EAGLE-3 draft's aux layers make the target capture its graphs
+    again (`TargetRuntime.configure`), so the runners watched are those the engine will use. The
+    engine's own handshake, with the same needs, then captures nothing."""
+    if engine.draft is not None:
+        engine.target.configure(engine.draft.info().needs)
     used: set[str] = set()
     runners = {"decode": engine.target.graphs.decode}
     runners |= {f"verify{n}": r for n, r in engine.target.graphs.verify.items()}
@@ -34,3 +43,32 @@ def spy_graph_replays(engine: Engine) -> set[str]:
         run = runner.run
         runner.run = lambda *a, _run=run, _name=name, **k: used.add(_name) or _run(*a, **k)
     return used
+
+
+@cache
+def _hf_bf16(model_dir: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+
+
+def assert_greedy_up_to_rounding(target: Path, prompt: list[int], tokens: list[int]) -> None:
+    """Every token (greedy in bf16) is within bf16 rounding of the fp32 model's best at its
+    position: its fp32 logit is at most ``tol`` below the best, with ``tol`` measured there.
+
+    transformers runs the same model in bf16 on the same ids; ``err`` is the largest change bf16
+    makes to any logit at the position, taken as the size of a bf16 engine's errors there (other
+    kernels, the same rounding). The engine picks token t over the fp32 best b only if its errors
+    lift t over b by the fp32 gap, so the gap is at most ``|err_t| + |err_b| <= 2 * err``.
+    ``tol = max(0.1, 2 * err)``; a token farther below the best than bf16's errors reach fails."""
+    from conftest import _hf_model
+
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        fp32 = _hf_model(str(target))(ids).logits[0].float()
+        bf16 = _hf_bf16(str(target))(ids).logits[0].float()
+    for k, tok in enumerate(tokens):
+        row = fp32[len(prompt) - 1 + k]
+        err = (bf16[len(prompt) - 1 + k] - row).abs().max().item()
+        gap, tol = (row.max() - row[tok]).item(), max(0.1, 2 * err)
+        assert gap <= tol, (k, tok, row.argmax().item(), gap, tol)

@@ -9,6 +9,7 @@ plain model, unchanged."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -20,6 +21,8 @@ from specmesh.runtime.attention.base import AttentionBackend
 from specmesh.runtime.config import CheckpointError, ModelConfig, load_model_config
 from specmesh.runtime.loader import assign_parameters, load_tensors
 from specmesh.runtime.models.layers import (
+    MLP,
+    Attention,
     DecoderLayer,
     KVPair,
     RMSNorm,
@@ -74,6 +77,17 @@ class CausalLM(nn.Module):
             head_rows = vocab_range(cfg.vocab_size, tp)[1]
             self.lm_head = nn.Linear(cfg.hidden_size, head_rows, bias=False)
         self.set_aux_layers(aux)
+        self.fused = False  # `fuse_kernels`
+
+    def fuse_kernels(self) -> None:
+        """Run the decoder on the fused CUDA kernels (`kernels.fused`): RMSNorm with the residual
+        add, RoPE with the KV store, SiLU * up, and merged q/k/v and gate/up products."""
+        if not (self.head_weight.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+            raise ValueError("fused kernels run on CUDA (or on CPU under TRITON_INTERPRET=1)")
+        for module in self.modules():
+            if isinstance(module, (Attention, MLP)):
+                module.fuse()
+        self.fused = True
 
     def decoder_layer(self, index: int) -> nn.Module:
         """Layer ``index`` of the stack, called as ``layer(h, positions, rotary, kv, backend)``."""
@@ -119,14 +133,35 @@ class CausalLM(nn.Module):
     ) -> ModelOutput:
         h = self.embed(input_ids) if input_embeds is None else input_embeds
         captured: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.model.layers):
-            if i in self.aux_points:
-                captured[i] = h
-            h = layer(h, positions, self.rotary, kv_pools[i], backend)
+        if self.fused:
+            hidden, h = self._fused_layers(h, positions, kv_pools, backend, captured)
+        else:
+            for i, layer in enumerate(self.model.layers):
+                if i in self.aux_points:
+                    captured[i] = h
+                h = layer(h, positions, self.rotary, kv_pools[i], backend)
+            hidden = self.model.norm(h)
         captured[len(self.model.layers)] = h
         aux = torch.cat([captured[p] for p in self.aux_points], -1) if self.aux_points else None
         mm = input_embeds if input_embeds is not None and input_ids is None else None
-        return ModelOutput(self.model.norm(h), h, aux, mm)
+        return ModelOutput(hidden, h, aux, mm)
+
+    def _fused_layers(
+        self, h: torch.Tensor, positions: torch.Tensor, kv_pools: list[KVPair],
+        backend: AttentionBackend, captured: dict[int, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The layers with each residual add fused into the next RMSNorm: (normed, pre-norm)."""
+        from specmesh.kernels.fused import add_rms_norm
+
+        delta = None  # the last block's output is h + delta
+        for i, layer in enumerate(self.model.layers):
+            norm = layer.input_layernorm
+            h, x = add_rms_norm(h, norm.weight, norm.eps, delta)
+            if i in self.aux_points:
+                captured[i] = h
+            h, delta = layer.forward_fused(h, x, positions, self.rotary, kv_pools[i], backend)
+        h, hidden = add_rms_norm(h, self.model.norm.weight, self.model.norm.eps, delta)
+        return hidden, h
 
 
 def load_causal_lm(

@@ -158,6 +158,16 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps)
         self.qk_norm = s.qk_norm
         self.scale = s.head_dim**-0.5
+        self.qkv: torch.Tensor | None = None  # set by `fuse`: [q; k; v] weights, one matrix
+        self.qkv_bias: torch.Tensor | None = None
+
+    def fuse(self) -> None:
+        """One q/k/v product instead of three, and the fused RoPE + KV store (CUDA only). The
+        three weights become views of the one matrix: the parameters stay as they were named."""
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        self.qkv = _merge([p.weight for p in projections])
+        if self.q_proj.bias is not None:
+            self.qkv_bias = _merge([p.bias for p in projections])
 
     def forward(
         self,
@@ -167,6 +177,8 @@ class Attention(nn.Module):
         kv: KVPair,
         backend: AttentionBackend,
     ) -> torch.Tensor:
+        if self.qkv is not None:
+            return self._fused_forward(x, positions, rotary, kv, backend)
         n = x.shape[0]
         q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
@@ -177,6 +189,34 @@ class Attention(nn.Module):
         store_kv(k, v, kv.k, kv.v, backend.meta.out_slots)
         out = backend.forward(q, k, v, kv.k, kv.v, self.scale)  # [num_tokens, heads, head_dim]
         return self.tp.all_reduce(self.o_proj(out.reshape(n, self.num_heads * self.head_dim)))
+
+    def _fused_forward(
+        self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, kv: KVPair,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:  # fmt: skip
+        from specmesh.kernels.fused import rope_store
+
+        n, d = x.shape[0], self.head_dim
+        q, k, v = F.linear(x, self.qkv, self.qkv_bias).split(
+            [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], -1
+        )
+        q, k, v = q.view(n, -1, d), k.view(n, -1, d), v.view(n, -1, d)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, signed_sin = rotary.cos_sin(positions, q.dtype)
+        q, k = rope_store(q, k, v, cos, signed_sin, kv.k, kv.v, backend.meta.out_slots)
+        out = backend.forward(q, k, v, kv.k, kv.v, self.scale)
+        return self.tp.all_reduce(self.o_proj(out.reshape(n, self.num_heads * d)))
+
+
+def _merge(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate along dim 0 and make each input's data a view of its rows of the result."""
+    merged = torch.cat([t.detach() for t in tensors])
+    start = 0
+    for t in tensors:
+        t.data = merged[start : start + t.shape[0]]
+        start += t.shape[0]
+    return merged
 
 
 class MLP(nn.Module):
@@ -191,8 +231,17 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, local, bias=False)
         self.up_proj = nn.Linear(hidden_size, local, bias=False)
         self.down_proj = nn.Linear(local, hidden_size, bias=False)
+        self.gate_up: torch.Tensor | None = None  # set by `fuse`: [gate; up], one matrix
+
+    def fuse(self) -> None:
+        """One gate/up product and the fused SiLU * up (CUDA only); weights become views."""
+        self.gate_up = _merge([self.gate_proj.weight, self.up_proj.weight])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is not None:
+            from specmesh.kernels.fused import silu_mul
+
+            return self.tp.all_reduce(self.down_proj(silu_mul(F.linear(x, self.gate_up))))
         return self.tp.all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
 
 
@@ -227,6 +276,20 @@ class PreNormBlock(nn.Module):
     ) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), positions, rotary, kv, backend)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def forward_fused(
+        self, h: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
+        kv: KVPair, backend: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The block on its input ``h`` and ``x = input_layernorm(h)`` (computed by the caller,
+        fused with the previous block's residual add): returns ``(h', m)`` whose sum is the
+        block's output, left unadded so the next norm adds it in the same pass."""
+        from specmesh.kernels.fused import add_rms_norm
+
+        norm = self.post_attention_layernorm
+        a = self.self_attn(x, positions, rotary, kv, backend)
+        h, x = add_rms_norm(a, norm.weight, norm.eps, h)
+        return h, self.mlp(x)
 
 
 class DecoderLayer(PreNormBlock):

@@ -10,7 +10,8 @@ Routing of one token (`route`, transformers' ``DeepseekV3TopkRouter`` op for op,
     weights = scores[experts] (/ their sum if norm_topk_prob) * routed_scaling_factor
 
 The layer's output is ``sum_e weight_e * expert_e(x) + shared_experts(x)``. Experts run over the
-tokens routed to them, in ascending expert order (as transformers adds them).
+tokens routed to them, in ascending expert order (as transformers adds them); while a CUDA graph is
+captured, every expert runs on every token instead (`dense_experts`).
 """
 
 from __future__ import annotations
@@ -100,13 +101,33 @@ class MoE(nn.Module):
         if self.has_shared:
             self.shared_experts = MLP(hidden_size, inter * moe.n_shared_experts)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
+    def forward(self, x: torch.Tensor, dense: bool | None = None) -> torch.Tensor:
+        """``x``: [num_tokens, hidden]. ``dense``: run every expert on every token (None:
+        `dense_experts` decides)."""
         weights, ids = self.gate(x)  # [num_tokens, top_k]
+        if dense is None:
+            dense = dense_experts(x)
         out = torch.zeros_like(x)
-        for e in ids.unique().tolist():  # ascending
-            tokens, slot = torch.where(ids == e)
-            y = self.experts[e](x[tokens]) * weights[tokens, slot, None]
-            out.index_add_(0, tokens, y.to(out.dtype))
+        if dense:  # the routed path's sum, term for term, without a host sync
+            for e, expert in enumerate(self.experts):  # ascending, as below
+                picked = ids == e  # [num_tokens, top_k]: a token picks an expert once at most
+                w = torch.where(picked, weights, 0.0).sum(dim=-1, keepdim=True)
+                y = torch.where(picked.any(dim=-1, keepdim=True), expert(x) * w, 0.0)
+                out += y.to(out.dtype)  # a token that did not pick ``e`` adds 0
+        else:
+            for e in ids.unique().tolist():  # ascending
+                tokens, slot = torch.where(ids == e)
+                y = self.experts[e](x[tokens]) * weights[tokens, slot, None]
+                out.index_add_(0, tokens, y.to(out.dtype))
         if self.has_shared:
             out = out + self.shared_experts(x)
         return self.tp.all_reduce(out)
+
+
+def dense_experts(x: torch.Tensor) -> bool:
+    """Whether `MoE` computes every expert on every token of ``x`` (weight 0 where the token did
+    not pick it): while a CUDA graph is captured, where the routed path's host syncs (``unique``,
+    ``where``) are not permitted. Exact (the routed path's sum, in its order; only the GEMMs'
+    shapes differ) and sync-free, but costly with many experts: a grouped-GEMM kernel is the
+    next step."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()

@@ -20,7 +20,9 @@ def test_gpu_speed_measures_every_side(synthetic_pair, tmp_path: Path, side: str
 
     target, draft = synthetic_pair
     out = tmp_path / "speed.json"
-    flags = {"engine": [], "cluster": ["--cluster", "--num-micro-batches", "1"],
+    # the cluster's services get extra flags (a flag they do not take would stop them starting)
+    service_args = ["--draft-args=--predraft 2 --predraft-steps 5", "--target-args=--no-run-ahead"]
+    flags = {"engine": [], "cluster": ["--cluster", "--num-micro-batches", "1", *service_args],
              "transformers": ["--transformers"]}[side]  # fmt: skip
     argv = ["--target-model", str(target), "--draft-model", str(draft), "--device", "cpu",
             "--dtype", "fp32", "--attention-backend", "torch", "--batch-sizes", "1,2",
@@ -36,6 +38,11 @@ def test_gpu_speed_measures_every_side(synthetic_pair, tmp_path: Path, side: str
         # Forced acceptance: every speculative round emits num_steps + 1 = 6 tokens.
         assert row["accept_len"] == (6.0 if mode == "speculative" else 1.0)
     assert result["num_micro_batches"] == {"engine": 1, "cluster": 1, "transformers": None}[side]
+    if side == "cluster":
+        assert result["service_args"] == {
+            "draft": "--predraft 2 --predraft-steps 5",
+            "target": "--no-run-ahead",
+        }
     if side != "transformers":
         assert set(result["ratios"]) == {"speculative_vs_plain_b1", "speculative_vs_plain_b2"}
 

@@ -23,6 +23,13 @@ DECODE = [(70, 1), (3, 1), (17, 1), (0, 1)]
 RAGGED = [(5, 1), (0, 7), (40, 3), (33, 8)]  # decode, prefill, extend, verify-sized rows
 
 
+def fp32_tol(device: str) -> dict[str, float]:
+    """The kernel against the reference in fp32. On CUDA the two sum their dot products in
+    other orders (V3's 576-wide rows: 1.4e-5 apart seen on an H100), so the bound is 1e-4."""
+    tol = 1e-4 if device.startswith("cuda") else 1e-5
+    return {"rtol": tol, "atol": tol}
+
+
 def mla_batch(
     lens: list[tuple[int, int]],
     heads: int,
@@ -65,7 +72,7 @@ def test_triton_matches_reference_fp32(device: str, shared_v: bool, case: str) -
     ref = mla_attention(q, k_pool, v_pool, meta, 0.3, impl="torch")
     out = mla_attention(q, k_pool, v_pool, meta, 0.3, impl="triton")
     assert out.shape == (q.shape[0], heads, latent)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, ref, **fp32_tol(device))
 
 
 @pytest.mark.parametrize("device", kernel_devices())
@@ -77,7 +84,7 @@ def test_split_kv_matches_reference(device: str, tree_mask: bool, num_splits: in
                                         seed=num_splits)  # fmt: skip
     ref = mla_attention(q, k_pool, v_pool, meta, 0.3, impl="torch")
     out = mla_attention_triton(q, k_pool, v_pool, meta, 0.3, num_splits=num_splits)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, ref, **fp32_tol(device))
 
 
 @pytest.mark.parametrize("device", kernel_devices())
@@ -117,7 +124,7 @@ def test_triton_backend_serves_the_latent_cache_sync_free(device: str) -> None:
     backend.prepare(meta)
     out = backend.forward(q, q[:, :1], q[:, :1, :32], pool.k, pool.v, 0.5)
     ref = mla_attention(q, pool.k, pool.v, meta, 0.5, impl="torch")
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, ref, **fp32_tol(device))
 
 
 def test_refuses_shapes_it_does_not_run() -> None:
