@@ -65,6 +65,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="on CUDA, run the decoder's norms, RoPE, KV store and SiLU as separate torch ops "
         "and q/k/v, gate/up as separate products (the fused Triton kernels are the default)",
     )
+    p.add_argument(
+        "--no-warm-up",
+        dest="warm_up",
+        action="store_false",
+        help="on CUDA, report ready without first running a pseudo request (which compiles the "
+        "kernels a first prefill or eager verify would, e.g. FlashInfer's JIT)",
+    )
     add_prefix_cache_args(p)
     add_limit_args(p, TargetConfig, IMAGE_LIMITS)
     add_metrics_port_arg(p)
@@ -237,7 +244,7 @@ def run_target(args: argparse.Namespace) -> int:
         tree_sizes = {"cuda_graph_tree_sizes": args.cuda_graph_tree_sizes}
         images = {name: getattr(args, name) for name in IMAGE_LIMITS}
         tp = {"tensor_parallel_size": args.tensor_parallel_size, "run_ahead": args.run_ahead,
-              "fused_kernels": args.fused_kernels}  # fmt: skip
+              "fused_kernels": args.fused_kernels, "warm_up": args.warm_up}  # fmt: skip
         prefix = {"prefix_cache_tokens": args.prefix_cache_tokens,
                   "prefix_block_size": args.prefix_block_size}  # fmt: skip
         return TargetRuntime(

@@ -85,6 +85,10 @@ class TargetConfig:
     # On CUDA: RMSNorm with the residual add, RoPE with the KV store, SiLU * up in one Triton
     # kernel each, and merged q/k/v and gate/up products (`kernels.fused`).
     fused_kernels: bool = True
+    # On CUDA: one pseudo request (prefill, an eager verify) before ready, so kernels that
+    # compile at first use (FlashInfer's JIT) do not stall the first real request
+    # (`target_service.warmup`).
+    warm_up: bool = True
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ from specmesh.target_service.run_ahead import RunAhead
 from specmesh.target_service.state import TargetRequest
 from specmesh.target_service.tp_model import start_tensor_parallel
 from specmesh.target_service.verify import verify_trees
+from specmesh.target_service.warmup import warm_up
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +108,8 @@ class TargetRuntime:
         self.partial = PartialPrefills()  # requests whose input is still arriving in pieces
         self.grammars = Grammars(cfg.model_dir, mc.vocab_size, mc.eos_token_ids)
         self.ahead = RunAhead()  # plain requests' next steps, decided early (`run_ahead`)
+        if cfg.warm_up and torch.device(cfg.device).type == "cuda":
+            warm_up(self)
 
     def _capture_graphs(self) -> TargetGraphs | None:
         cfg = self.cfg
