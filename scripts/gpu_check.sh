@@ -132,18 +132,24 @@ cluster() {  # the same runs through a gRPC cluster (target, draft, router proce
   # the in-process counterpart is speed's <model>:triton-graphs, where every request of a run
   # lands in one micro-batch: mb1 is the like-for-like hop, mb2 the router's default over gRPC;
   # -predraft adds the draft's --predraft 4 (full-depth trees), -noahead the target's
-  # --no-run-ahead
-  local run model cfg target draft mb extra failed=0
+  # --no-run-ahead, -mps runs the services under CUDA MPS (one GPU context shared by them)
+  local run model cfg target draft mb extra mps failed=0
   for run in ${SPECMESH_CLUSTER_RUNS:-llama8b:mb1 llama8b:mb1-predraft llama8b:mb2 demo:mb1}; do
     model=${run%%:*} cfg=${run#*:} extra=()
     model_dirs "$model" || return 1
     mb=${cfg%%-*} mb=${mb#mb}
     [[ $cfg == *-predraft* ]] && extra+=("--draft-args=--predraft 4 --predraft-steps 5")
     [[ $cfg == *-noahead* ]] && extra+=("--target-args=--no-run-ahead")
+    mps=0
+    if [[ $cfg == *-mps* ]]; then
+      command -v nvidia-cuda-mps-control >/dev/null || { echo "no MPS here: $run"; failed=1; continue; }
+      nvidia-cuda-mps-control -d && mps=1
+    fi
     echo "--- cluster $model $cfg"
     "$PY" -m specmesh.bench.gpu_speed --cluster --attention-backend triton --target-model \
       "$target" --draft-model "$draft" --num-micro-batches "$mb" "${extra[@]}" \
       --batch-sizes "$BATCHES" --out "$JSON/cluster-$model-$cfg.json" >/dev/null || failed=1
+    [ $mps -eq 0 ] || echo quit | nvidia-cuda-mps-control
   done
   return $failed
 }
