@@ -114,6 +114,8 @@ def rope_store(
     for t in (q, k, v):
         if t.stride(2) != 1 or t.stride(1) != dim:
             raise ValueError("rope_store needs each token's heads packed (stride(1) == head_dim)")
+    if cos.shape[-1] != dim:
+        raise ValueError(f"rope_store rotates whole heads: cos has {cos.shape[-1]} of {dim} dims")
     if k_pool.stride(1) != dim or k_pool.stride(2) != 1 or v_pool.stride() != k_pool.stride():
         raise ValueError("rope_store needs contiguous [slots, heads, head_dim] pools")
     q_out, k_out = torch.empty(n, hq, dim, dtype=q.dtype, device=q.device), torch.empty_like(k)

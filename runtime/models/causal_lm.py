@@ -84,8 +84,9 @@ class CausalLM(nn.Module):
         add, RoPE with the KV store, SiLU * up, and merged q/k/v and gate/up products."""
         if not (self.head_weight.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
             raise ValueError("fused kernels run on CUDA (or on CPU under TRITON_INTERPRET=1)")
+        full_rotary = self.config.rope_dim == self.config.head_dim  # what rope_store rotates
         for module in self.modules():
-            if isinstance(module, (Attention, MLP)):
+            if isinstance(module, MLP) or (isinstance(module, Attention) and full_rotary):
                 module.fuse()
         self.fused = True
 
