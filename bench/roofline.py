@@ -111,7 +111,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rt = TargetRuntime(TargetConfig(
         model_dir=args.target_model, dtype=args.dtype, device="cuda",
         attention_backend=args.attention_backend, cuda_graph=not args.disable_cuda_graph,
-        fused_kernels=not args.no_fused_kernels, cuda_graph_max_bs=max(batch_sizes), max_context=args.context + args.steps + 64,
+        fused_kernels=not args.no_fused_kernels, cuda_graph_max_bs=max(batch_sizes),
+        max_context=args.context + args.steps + 64,
         max_requests=max(batch_sizes), num_kv_slots=max(batch_sizes) * (args.context + args.steps + 128),
     ))  # fmt: skip
     measured = copy_bandwidth("cuda")
@@ -137,7 +138,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "device": torch.cuda.get_device_name(0), "profile": profiled, "target": args.target_model,
         "dtype": args.dtype, "attention_backend": args.attention_backend,
-        "cuda_graph": rt.graphs is not None, "fused_kernels": rt.model.fused, "context": args.context, "steps": args.steps,
+        "cuda_graph": rt.graphs is not None, "fused_kernels": rt.model.fused,
+        "context": args.context, "steps": args.steps,
         "copy_bandwidth_tbs": measured / 1e12, "nominal_bandwidth_tbs": args.nominal_bandwidth_tbs,
         "rows": rows,
     }  # fmt: skip

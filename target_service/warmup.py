@@ -22,11 +22,12 @@ if TYPE_CHECKING:
     from specmesh.target_service.runtime import TargetRuntime
 
 WARMUP_RID = "__warmup__"  # ids of real requests come from the router (`rpc` ids): no clash
-PROMPT = [0, 1, 2, 3, 4]  # shorter than a prefix-cache block: nothing is cached
+PROMPT = [0, 1, 2, 3, 4]  # shorter than the default prefix-cache block (16): nothing is cached
 
 
 def warm_up(rt: TargetRuntime) -> None:
-    """Prefill, verify a tree of 3 nodes (a root and two children) and release, eagerly."""
+    """Prefill, verify a one-level tree (a root and its children) of the smallest size from 3 up
+    that no CUDA graph captured, and release."""
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
     prompt = [t % rt.model_config.vocab_size for t in PROMPT]
     sizes = rt.graphs.verify if rt.graphs is not None else {}
