@@ -64,8 +64,10 @@ class TargetRuntime:
         if model is None and is_llava_checkpoint(cfg.model_dir):
             model, self.mm = load_llava(cfg.model_dir, dtype=dtype, device=cfg.device)
         self.model = model or load_causal_lm(cfg.model_dir, dtype=dtype, device=cfg.device)
+        # Fused before the graphs capture the forward; only a model loaded here: a tensor-
+        # parallel or LLaVA model (or one passed in) keeps the unfused ops (README).
         if cfg.fused_kernels and torch.device(cfg.device).type == "cuda" and model is None:
-            self.model.fuse_kernels()  # before the graphs capture the forward
+            self.model.fuse_kernels()
         mc = self.model.config
         self.model_config = mc
         limit = resolve_max_context(cfg.max_context, mc.max_position, cfg.model_dir)
