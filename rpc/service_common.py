@@ -22,10 +22,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from specmesh.protocol.codec import GRPC_MAX_MESSAGE_BYTES, grpc_message_options
 from specmesh.protocol.errors import SpecmeshError
+from specmesh.rpc.malformed import add_servicer
 from specmesh.rpc.metrics import ServiceMetrics
 from specmesh.rpc.ownership import Ownership, StreamOwner
 from specmesh.rpc.wire import abort_with, frame, status_pb, step_batches
@@ -82,9 +83,12 @@ class ServiceHost:
             interceptors=list(interceptors),
         )
         self.health = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            (service_name, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
+        add_servicer(health_pb2_grpc.add_HealthServicer_to_server, self.health, self.server)
+        names = (service_name, health.SERVICE_NAME, reflection.SERVICE_NAME)
+        add_servicer(
+            reflection_pb2_grpc.add_ServerReflectionServicer_to_server,
+            reflection.aio.ReflectionServicer(names),
+            self.server,
         )
         self.port = 0  # bound by `start`
         self.draining = False
@@ -360,7 +364,7 @@ async def start_model(
     credentials: grpc.ServerCredentials | None = None,
 ) -> None:
     """Register, listen, warm up ``runtime`` and turn ready (tests start services this way)."""
-    add_to_server(servicer, servicer.host.server)
+    add_servicer(add_to_server, servicer, servicer.host.server)
     await servicer.host.start(credentials)
     await servicer.attach(runtime, warm_up)
 
@@ -377,7 +381,7 @@ async def serve_model(
     """Process entry of a model service: listen at once (liveness), load and warm up in a
     thread (then readiness), serve until SIGTERM / SIGINT, drain, stop."""
     host = servicer.host
-    add_to_server(servicer, host.server)
+    add_servicer(add_to_server, servicer, host.server)
     await host.start(credentials)
     tls = "TLS" if credentials is not None else "plaintext"
     log.info("%s listening on %s (%s); loading", host.service_name, host.address, tls)
