@@ -80,9 +80,10 @@ class TreeDrafter:
         lookahead = self.prefix_lookahead
         self.prefixes = DraftPrefixes(self.cache, block_size, max_tokens, lookahead=lookahead)
 
-    def release_prefix(self, rid: str) -> None:
-        if self.prefixes is not None:
-            self.prefixes.release(rid)
+    def release(self, rid: str) -> None:
+        """Free ``rid``'s row, then its prefix references (`KVCache.release` keeps the order)."""
+        self.cache.release(rid)
+        self.roots.pop(rid, None)
 
     def enable_step_graphs(self, mode: str, max_bs: int) -> None:
         """Run decode steps through static-shape runners (``"cuda-graph"``: captured now, before

@@ -122,8 +122,3 @@ class FeatureDrafter(TreeDrafter):
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return self.net.to_target_ids(draft_ids)
-
-    def release(self, rid: str) -> None:
-        self.release_prefix(rid)
-        self.cache.release(rid)
-        self.roots.pop(rid, None)

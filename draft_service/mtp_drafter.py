@@ -174,8 +174,3 @@ class MTPDrafter(TreeDrafter):
         self, step: int, items: list[BatchItem], hidden_in: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return self._forward_step(step, items, hidden_in)
-
-    def release(self, rid: str) -> None:
-        self.release_prefix(rid)
-        self.cache.release(rid)
-        self.roots.pop(rid, None)

@@ -82,8 +82,3 @@ class StandaloneDrafter(TreeDrafter):
         )
         logits = self.model.compute_logits(out.hidden)[:, : self.num_proposable]
         return out.hidden, logits
-
-    def release(self, rid: str) -> None:
-        self.release_prefix(rid)
-        self.cache.release(rid)
-        self.roots.pop(rid, None)

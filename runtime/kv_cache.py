@@ -13,10 +13,23 @@ what makes rollback structural: verification writes tree nodes at token indices
 ``committed_len .. committed_len + N - 1``; accepting a path permutes those row entries so the
 accepted nodes come first and moves ``committed_len``. Rejected slots stay reserved by the request
 for its next round; no K/V is copied and nothing is freed per round.
+
+A page is free in exactly one place. Every page of the pool is, at any time, exactly one of:
+
+    free        on ``free_pages``, once, listed by no row
+    a row's     listed by one request's row, not shared: freed by that request's release
+    shared      owned by a prefix cache (``shared``): any number of rows list it, releases
+                skip it; the cache frees it (``unshare``) only once no row lists it
+
+so a release frees its row's own pages first and only then lets the prefix cache drop the row's
+references (``on_release``): a block the cache evicts then can never be one a live row lists.
+`check` asserts the picture; with ``SPECMESH_CHECK_KV=1`` it runs after every release and
+eviction (the tests turn it on; cheap enough for a production debug run: O(pages)).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -77,6 +90,9 @@ class KVCache:
         # ``reclaim(n)`` asks it to free n pages when the pool runs short (returns pages freed).
         self.shared: set[int] = set()
         self.reclaim: Callable[[int], int] | None = None
+        # Called with a request's id once its row is gone: the prefix cache drops its references.
+        self.on_release: Callable[[str], None] | None = None
+        self.checked = os.environ.get("SPECMESH_CHECK_KV", "") not in ("", "0")
 
     # -- ask ----------------------------------------------------------------------------------
     def pages_needed(self, rid: str | None, num_tokens: int) -> int:
@@ -158,11 +174,16 @@ class KVCache:
         self.req_to_slot.view(-1).index_copy_(0, index, slots.to(dev))
 
     def release(self, rid: str) -> None:
+        """Free ``rid``'s row and its own pages, then drop its prefix references."""
         req = self.requests.pop(rid, None)
         if req is None:
             raise UnknownRequestError(f"unknown request id {rid!r}")
         self.free_pages.extend(p for p in reversed(req.pages) if p not in self.shared)
         self.free_rows.append(req.row)
+        if self.on_release is not None:
+            self.on_release(rid)
+        if self.checked:
+            self.check()
 
     # -- pages shared with a prefix cache -------------------------------------------------------
     def attach_shared(self, rid: str, pages: list[int]) -> None:
@@ -185,6 +206,29 @@ class KVCache:
         """The prefix cache evicted ``pages``, which no row lists any more: free them."""
         self.shared.difference_update(pages)
         self.free_pages.extend(pages)
+        if self.checked:
+            self.check()
+
+    def check(self) -> None:
+        """Raise unless every page is in exactly one place (the module's picture): free once and
+        in no row, a row's own in one row only, or shared; none lost."""
+        free = set(self.free_pages)
+        if len(free) != len(self.free_pages):
+            raise AssertionError(f"{len(self.free_pages) - len(free)} pages are free twice")
+        own: set[int] = set()
+        for rid, req in self.requests.items():
+            pages = set(req.pages)
+            if len(pages) != len(req.pages) or pages & free or (pages - self.shared) & own:
+                raise AssertionError(
+                    f"request {rid!r} lists a page twice, a free page or another row's page: "
+                    f"{sorted(pages & free)[:8]} free, {sorted((pages - self.shared) & own)[:8]}"
+                )
+            own |= pages - self.shared
+        if free & self.shared:
+            raise AssertionError(f"pages both free and shared: {sorted(free & self.shared)[:8]}")
+        lost = self.num_slots // self.page_size - len(free) - len(own) - len(self.shared)
+        if lost:
+            raise AssertionError(f"{lost} pages are neither free, nor a row's, nor shared")
 
     def get(self, rid: str) -> RequestSlots:
         req = self.requests.get(rid)

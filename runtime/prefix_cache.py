@@ -18,7 +18,8 @@ Lifetimes: a block is referenced by every running request whose row lists it; un
 blocks are evicted least recently used first, leaves before their parents (a parent's key is in
 its children's), when the KV pool runs short (`KVCache.reclaim`) or the cache exceeds
 ``max_tokens``. Cached pages belong to the cache, not to a request or a stream: a request's
-release drops its references only. The evictable blocks (unreferenced leaves) wait in a heap by
+release drops its references only, and only after its row is gone (`KVCache.release` frees the
+row, then calls ``on_release``), so an evicted block's pages are never ones a live row lists. The evictable blocks (unreferenced leaves) wait in a heap by
 last use, so finding each victim costs O(log n) however many referenced blocks are older.
 """
 
@@ -80,6 +81,7 @@ class PrefixCache:
         self.num_free_pages = 0  # pages of unreferenced blocks
         self.num_queried = self.num_hit = 0  # prompt tokens looked up / found, for metrics
         cache.reclaim = self.evict
+        cache.on_release = self._released
 
     @property
     def num_tokens(self) -> int:
@@ -153,8 +155,9 @@ class PrefixCache:
             self._use(block)
         self.evict(0)
 
-    def release(self, rid: str) -> None:
-        """``rid`` no longer lists its blocks; the cache is brought back within its bound."""
+    def _released(self, rid: str) -> None:
+        """``rid``'s row is gone (`KVCache.release`, never called directly): it no longer
+        lists its blocks; the cache is brought back within its bound."""
         for b in self.held.pop(rid, ()):
             self._ref(b, -1)
         self.evict(0)

@@ -165,17 +165,15 @@ class TargetPrefixes:
                 seen.add(first)
         return leaders, followers
 
-    def release(self, rid: str) -> None:
+    def retire(self, rid: str) -> None:
         """Before the request's KV goes: its committed sequence's full blocks (prompt and
-        answer: a chat's next turn resends both) join the cache, then its references go."""
+        answer: a chat's next turn resends both) join the cache. Its references go with its
+        row (`KVCache.release`)."""
         self.matched.pop(rid, None)
         rec = self.committed.pop(rid, None)
-        if self.blocks is None:
-            return
-        if rec is not None and rid in self.blocks.cache.requests:
+        if self.blocks is not None and rec is not None and rid in self.blocks.cache.requests:
             rows = None if rec.rows is None else torch.cat(rec.rows)
             self.blocks.insert(rid, rec.ids, rec.key, rows)
-        self.blocks.release(rid)
 
     @property
     def num_tokens(self) -> int:

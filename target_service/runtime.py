@@ -244,8 +244,8 @@ class TargetRuntime:
         self.requests.pop(rid, None)
         self.ahead.drop(rid)
         self.partial.pop(rid)
-        self.prefixes.release(rid)
+        self.prefixes.retire(rid)
         if rid not in self.cache.requests:
             return False
-        self.cache.release(rid)
+        self.cache.release(rid)  # the row first, then its prefix references
         return True

@@ -17,6 +17,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+# Every KV cache checks its free list after each release and eviction (`KVCache.check`); the
+# service processes the e2e tests start inherit it.
+os.environ.setdefault("SPECMESH_CHECK_KV", "1")
 sys.path.insert(0, str(Path(__file__).parent))  # test helpers: grpc_harness
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 

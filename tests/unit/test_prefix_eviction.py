@@ -1,7 +1,9 @@
 """The prefix cache's eviction bookkeeping (`runtime/prefix_cache.py`) under a random mix of
 requests that share prefixes, releases and evictions: every victim is the least recently used
-unreferenced leaf (what a scan of the whole LRU order would pick), and the free-slot count the
-services report equals a count over every block."""
+unreferenced leaf (what a scan of the whole LRU order would pick), the free-slot count the
+services report equals a count over every block, and every page is in exactly one place after
+every step (`KVCache.check`): a bound smaller than one request evicts a releasing request's own
+blocks, whose pages its row listed until the release."""
 
 from __future__ import annotations
 
@@ -17,7 +19,9 @@ BLOCK = 4
 FAMILIES = [[random.Random(f).randrange(3, 50) for _ in range(5 * BLOCK)] for f in range(6)]
 
 
-@pytest.mark.parametrize("max_blocks", [24, 400], ids=["over-the-bound", "asked-to-free"])
+@pytest.mark.parametrize(
+    "max_blocks", [2, 24, 400], ids=["under-one-request", "over-the-bound", "asked-to-free"]
+)
 def test_victims_are_the_least_recently_used_leaves(
     monkeypatch: pytest.MonkeyPatch, max_blocks: int
 ) -> None:
@@ -41,8 +45,7 @@ def test_victims_are_the_least_recently_used_leaves(
     for step in range(600):
         if running and (len(running) >= 24 or rng.random() < 0.45):
             rid = running.pop(rng.randrange(len(running)))
-            prefixes.release(rid)
-            cache.release(rid)
+            cache.release(rid)  # the row, then its references (`on_release`)
         else:
             family = rng.choice(FAMILIES)
             ids = family[: rng.randrange(BLOCK, len(family))] + [rng.randrange(3, 50)] * 3
@@ -54,6 +57,7 @@ def test_victims_are_the_least_recently_used_leaves(
             running.append(rid)
         if rng.random() < 0.15:
             prefixes.evict(rng.randrange(1, 6))
+        cache.check()
         unreferenced = sum(len(b.pages) for b in prefixes.blocks.values() if not b.refs)
         assert prefixes.num_evictable_slots == unreferenced
         leaves = [b for b in prefixes.blocks.values() if not b.refs and not b.children]
