@@ -197,9 +197,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         action="append",
         default=[],
         metavar="ARG",
-        help="extra flag for target and draft (repeatable), e.g. --service-arg=--dtype=bf16 "
-        "(not --metrics-port: see up's own)",
+        help="extra flag for every model service that takes it (repeatable), e.g. "
+        "--service-arg=--dtype=bf16 (not --metrics-port: see up's own)",
     )
+    for kind in ("router", "target", "draft"):
+        p.add_argument(
+            f"--{kind}-arg",
+            action="append",
+            default=[],
+            metavar="ARG",
+            help=f"extra flag for the {kind} (repeatable), e.g. "
+            + {"router": "--router-arg=--speculation=always", "target": "--target-arg=--dtype=bf16",
+               "draft": "--draft-arg=--num-steps=3"}[kind],
+        )  # fmt: skip
     p.add_argument(
         "--metrics-port",
         type=int,

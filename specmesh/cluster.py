@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from specmesh.defaults import resolve_models
 from specmesh.rpc.security import API_KEY_ENV, TlsFiles, api_key_from_args, tls_from_args
+from specmesh.up_flags import route
 
 LOOPBACK = "127.0.0.1"
 SERVICES = {
@@ -57,10 +58,17 @@ def free_port(host: str = LOOPBACK) -> int:
 def run_cluster(args: argparse.Namespace) -> int:
     models = resolve_models(args.target_model, args.draft_model, args.draft_kind)
     refuse_metrics_service_arg(args.service_arg)
-    metrics = metrics_ports(args.metrics_port, args.num_targets, models.draft_kind is not None)
+    with_draft = models.draft_kind is not None
+    extra = route(args.router_arg, args.target_arg, args.draft_arg, args.service_arg, with_draft)
+    metrics = metrics_ports(args.metrics_port, args.num_targets, with_draft)
     taken = [p for p in metrics if not _port_free(LOOPBACK, p)]
     if taken:
         raise ValueError(f"--metrics-port {args.metrics_port}: port(s) {taken} are taken")
+    if args.port and not _port_free(args.host, args.port):
+        raise ValueError(
+            f"router port {args.host}:{args.port} is taken (another specmesh up or router?): "
+            "stop it, or pass --port 0 for a free port"
+        )
     tls = tls_from_args(args)
     api_key = api_key_from_args(args)
     children: list[Child] = []
@@ -73,7 +81,7 @@ def run_cluster(args: argparse.Namespace) -> int:
     try:
         metrics_flag = lambda i: ["--metrics-port", str(metrics[i])] if metrics else []
         targets = [
-            spawn("target", [*target_flags, *metrics_flag(i), *args.service_arg])
+            spawn("target", [*target_flags, *metrics_flag(i), *extra.by_kind["target"]])
             for i in range(args.num_targets)
         ]
         drafts = []
@@ -81,7 +89,7 @@ def run_cluster(args: argparse.Namespace) -> int:
             draft_model = ["--model", models.draft] if models.draft else []
             flags = ["--kind", models.draft_kind, "--target-model", models.target, *draft_model]
             flags += metrics_flag(args.num_targets)
-            drafts.append(spawn("draft", [*flags, *threads, *args.service_arg]))
+            drafts.append(spawn("draft", [*flags, *threads, *extra.by_kind["draft"]]))
         port = args.port or free_port(args.host)
         router = ["--target", ",".join(targets), "--draft", ",".join(drafts), "--threads", "1"]
         env = {**os.environ, API_KEY_ENV: api_key or ""}
@@ -89,6 +97,7 @@ def run_cluster(args: argparse.Namespace) -> int:
         if http_port is not None:
             router += ["--http-port", str(http_port)]
         router += ["--chat-template", args.chat_template] if args.chat_template else []
+        router += extra.by_kind["router"]
         spawn("router", router, host=args.host, port=port, env=env)
         wait_ready(children, args.ready_timeout, tls)
         print(f"specmesh router ready on {args.host}:{port}", flush=True)
@@ -142,8 +151,11 @@ def refuse_metrics_service_arg(service_args: list[str]) -> None:
 
 
 def _port_free(host: str, port: int) -> bool:
+    """Whether a server could bind ``port`` now, binding as the routers do (``SO_REUSEADDR``:
+    connections of a stopped run still in TIME_WAIT do not make it taken)."""
     try:
         with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind((host, port))
         return True
     except OSError:
@@ -207,15 +219,21 @@ def wait_ready(children: list[Child], timeout_s: float, tls: TlsFiles | None = N
     deadline = time.monotonic() + timeout_s
     for child in children:
         while not check_health(child.address, SERVICES[child.kind], 2.0, tls):
-            if child.proc.poll() is not None:
-                raise RuntimeError(
-                    f"{child.kind} exited with code {child.proc.returncode} before it was ready"
-                )
+            _check_alive(child)
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"{child.kind} at {child.address} not ready after {timeout_s:.0f} s"
                 )
             time.sleep(0.2)
+    for child in children:  # a health answer from another process on the port is not ours
+        _check_alive(child)
+
+
+def _check_alive(child: Child) -> None:
+    if child.proc.poll() is not None:
+        raise RuntimeError(
+            f"{child.kind} exited with code {child.proc.returncode} before it was ready"
+        )
 
 
 def _watch(children: list[Child]) -> int:

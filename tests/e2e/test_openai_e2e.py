@@ -30,6 +30,7 @@ def test_up_serves_openai_http(tmp_path: Path, tiny_dir: Path) -> None:
     template.write_text("{% for m in messages %}{{ m.content }}\n{% endfor %}")
     cmd = [*SPECMESH, "up", "--port", "0", "--http-port", "0", *models, "--draft-kind", "eagle3"]
     cmd += ["--api-key", KEY, "--chat-template", str(template)]
+    cmd += ["--router-arg=--max-stop-strings", "--router-arg=1"]  # reaches the router (below)
     log = tmp_path / "up.log"
     up = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True)  # noqa: SIM115
     try:
@@ -49,6 +50,8 @@ def test_up_serves_openai_http(tmp_path: Path, tiny_dir: Path) -> None:
             model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=4
         )
         assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens >= 1
+        with pytest.raises(openai.BadRequestError, match="stop"):  # --max-stop-strings 1
+            client.completions.create(**args, stop=["a", "b"])
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0).models.list()
     finally:

@@ -9,46 +9,9 @@ from __future__ import annotations
 import socket
 
 import pytest
+from up_harness import up
 
 from specmesh import cluster
-from specmesh.cli.main import main
-
-
-class _Proc:
-    """A child that is up at once and stops when told."""
-
-    returncode = None
-
-    def poll(self) -> int | None:
-        return self.returncode
-
-    def terminate(self) -> None:
-        self.returncode = 0
-
-    kill = terminate
-
-    def wait(self, timeout: float | None = None) -> int:
-        return 0
-
-
-@pytest.fixture
-def started(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[list[str]]]:
-    """The command line of every child `up` starts, by service kind."""
-    commands: dict[str, list[list[str]]] = {}
-
-    def popen(cmd: list[str], env: dict | None = None) -> _Proc:
-        commands.setdefault(cmd[cmd.index("specmesh") + 3], []).append(cmd)
-        return _Proc()
-
-    monkeypatch.setattr(cluster.subprocess, "Popen", popen)
-    monkeypatch.setattr(cluster, "wait_ready", lambda *args: None)
-    monkeypatch.setattr(cluster, "_watch", lambda children: 0)
-    return commands
-
-
-def _up(*flags: str) -> int:
-    models = ["--target-model", "t", "--draft-model", "d", "--port", "0", "--http-port", "0"]
-    return main(["up", *models, *flags])
 
 
 def _metrics_port(cmd: list[str]) -> int | None:
@@ -66,7 +29,7 @@ def _free_ports(n: int) -> int:
 
 def test_services_get_distinct_metrics_ports(started, capsys) -> None:
     first = _free_ports(3)
-    assert _up("--num-targets", "2", "--metrics-port", str(first)) == 0
+    assert up("--num-targets", "2", "--metrics-port", str(first)) == 0
     targets, (draft,), (router,) = started["target"], started["draft"], started["router"]
     assert [_metrics_port(c) for c in targets] == [first, first + 1]
     assert _metrics_port(draft) == first + 2 and _metrics_port(router) is None
@@ -81,7 +44,7 @@ def test_services_get_distinct_metrics_ports(started, capsys) -> None:
 
 
 def test_no_metrics_ports_by_default(started, capsys) -> None:
-    assert _up() == 0
+    assert up() == 0
     assert all(_metrics_port(c) is None for cmds in started.values() for c in cmds)
     assert "metrics:" not in capsys.readouterr().out
 
@@ -91,7 +54,7 @@ def test_no_metrics_ports_by_default(started, capsys) -> None:
     [["--service-arg=--metrics-port=9400"], ["--service-arg=--metrics-port", "--service-arg=9400"]],
 )
 def test_a_service_metrics_port_is_refused(started, capsys, flags: list[str]) -> None:
-    assert _up(*flags) == 2
+    assert up(*flags) == 2
     err = capsys.readouterr().err
     assert "gives target and draft the same port" in err and "up --metrics-port N" in err
     assert not started  # refused before any process started
@@ -101,7 +64,7 @@ def test_a_taken_metrics_port_is_refused(started, capsys) -> None:
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         port = held.getsockname()[1]
-        assert _up("--metrics-port", str(port)) == 2  # the target's port is taken
+        assert up("--metrics-port", str(port)) == 2  # the target's port is taken
     err = capsys.readouterr().err
     assert f"--metrics-port {port}: port(s) [{port}" in err and "are taken" in err
     assert not started
