@@ -97,6 +97,17 @@ def check_specmesh(args: list[str]) -> str | None:
     return None
 
 
+def _module_exists(name: str) -> bool:
+    """Whether module ``name`` exists, without importing it or its own package (finding
+    ``specmesh.demo.compare`` imports ``specmesh`` only: the demo and bench packages load torch)."""
+    parent, _, leaf = name.rpartition(".")
+    if "." not in parent:  # a top-level module, or a package right under one (imports that one)
+        return importlib.util.find_spec(name) is not None
+    spec = importlib.util.find_spec(parent)
+    dirs = [Path(d) for d in (spec.submodule_search_locations or [])] if spec else []
+    return any((d / f"{leaf}.py").is_file() or (d / leaf / "__init__.py").is_file() for d in dirs)
+
+
 def check_command(words: list[str]) -> str | None:
     """None when a shell command that calls specmesh (its CLI, a `python -m specmesh...`
     module, a script under scripts/) would start, else why not; other commands pass."""
@@ -106,8 +117,7 @@ def check_command(words: list[str]) -> str | None:
     if re.fullmatch(r"(.*/)?python3?", name) and words[1:2] == ["-m"] and len(words) > 2:
         module = words[2]
         if module.startswith("specmesh"):
-            found = importlib.util.find_spec(module) is not None
-            return None if found else f"no module {module}"
+            return None if _module_exists(module) else f"no module {module}"
     if name.endswith("python") or name == "bash":
         script = next((w for w in words[1:] if not w.startswith("-")), None)
         if script is not None and script.startswith("scripts/") and not (ROOT / script).is_file():
