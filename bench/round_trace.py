@@ -1,0 +1,112 @@
+"""The project functions and files one steady speculative round crosses, in process.
+
+    python -m specmesh.bench.round_trace [--rounds 3] [--list]
+
+Builds a tiny target and EAGLE-3 head (no download), runs one greedy request with
+``--speculation always`` and records, with `sys.setprofile` on the router's thread and the
+runtimes' worker threads, every project function called between the start of round k and the
+start of round k + 1, for ``--rounds`` steady rounds (after the prefill's and the first
+rounds). A round's count is the number of distinct functions (and their files) it called;
+printed per round, with the largest. ``--list`` prints the functions of the last round.
+Library code (torch, grpc, the standard library) and the tests are not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SKIP = (ROOT / ".venv", ROOT / "tests", ROOT / "bench")
+
+
+@dataclass
+class RoundTrace:
+    """Distinct project functions per traced round: (file relative to the root, name, line)."""
+
+    rounds: list[set[tuple[str, str, int]]] = field(default_factory=list)
+    recording: bool = False
+
+    def profile(self, frame, event: str, arg) -> None:  # noqa: ANN001
+        if not self.recording or event != "call":
+            return
+        code = frame.f_code
+        path = Path(code.co_filename)
+        if path.is_relative_to(ROOT) and not any(path.is_relative_to(s) for s in SKIP):
+            rel = str(path.relative_to(ROOT))
+            self.rounds[-1].add((rel, code.co_qualname, code.co_firstlineno))
+
+    def functions(self, k: int) -> int:
+        return len(self.rounds[k])
+
+    def files(self, k: int) -> int:
+        return len({f for f, _, _ in self.rounds[k]})
+
+
+def _patch_round(trace: RoundTrace, skip: int, num_rounds: int) -> Callable[[], None]:
+    """Start a new traced round at each `RoundRunner._round` after ``skip`` of them."""
+    from specmesh.router.round import RoundRunner
+
+    original = RoundRunner._round
+    seen = [0]
+
+    async def traced(self, batch) -> None:  # noqa: ANN001
+        seen[0] += 1
+        index = seen[0] - skip - 1
+        trace.recording = 0 <= index < num_rounds
+        if trace.recording:
+            trace.rounds.append(set())
+        await original(self, batch)
+
+    RoundRunner._round = traced
+    return lambda: setattr(RoundRunner, "_round", original)
+
+
+def trace_rounds(num_rounds: int = 3, skip: int = 2) -> RoundTrace:
+    from specmesh.protocol.config import SpecParams
+    from specmesh.protocol.sampling import SamplingParams
+    from specmesh.router.core import RouterConfig
+    from specmesh.router.engine import Engine
+    from specmesh.runtime.tiny import make_tiny_eagle3, make_tiny_target
+
+    trace = RoundTrace()
+    with tempfile.TemporaryDirectory(prefix="specmesh-trace-") as tmp:
+        target, draft = Path(tmp) / "target", Path(tmp) / "draft"
+        make_tiny_target(target)
+        make_tiny_eagle3(draft, target)
+        engine = Engine(target, draft_model=draft, draft_kind="eagle3",
+                        spec=SpecParams(3, 2, 4), router_config=RouterConfig(speculation="always"))  # fmt: skip
+        restore = _patch_round(trace, skip, num_rounds)
+        threading.setprofile(trace.profile)  # the runtimes' worker threads start later
+        sys.setprofile(trace.profile)
+        try:
+            params = SamplingParams(max_new_tokens=4 * (skip + num_rounds + 2), ignore_eos=True)
+            engine.generate([list(range(5, 37))], params)
+        finally:
+            sys.setprofile(None)
+            threading.setprofile(None)
+            restore()
+    return trace
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--list", action="store_true", help="print the last round's functions")
+    args = p.parse_args(argv)
+    trace = trace_rounds(args.rounds)
+    for k in range(len(trace.rounds)):
+        print(f"round {k}: {trace.functions(k)} functions in {trace.files(k)} files")
+    if args.list:
+        for f, name, line in sorted(trace.rounds[-1]):
+            print(f"  {f}:{line} {name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
