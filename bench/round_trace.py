@@ -32,7 +32,7 @@ class RoundTrace:
     rounds: list[set[tuple[str, str, int]]] = field(default_factory=list)
     recording: bool = False
 
-    def profile(self, frame, event: str, arg) -> None:  # noqa: ANN001
+    def profile(self, frame, event: str, arg) -> None:
         if not self.recording or event != "call":
             return
         code = frame.f_code
@@ -55,7 +55,7 @@ def _patch_round(trace: RoundTrace, skip: int, num_rounds: int) -> Callable[[], 
     original = RoundRunner._round
     seen = [0]
 
-    async def traced(self, batch) -> None:  # noqa: ANN001
+    async def traced(self, batch) -> None:
         seen[0] += 1
         index = seen[0] - skip - 1
         trace.recording = 0 <= index < num_rounds
