@@ -8,9 +8,15 @@ class SpecmeshError(Exception):
 
 
 class InvalidRequestError(SpecmeshError, ValueError):
-    """Bad user input: out-of-vocabulary ids, empty or too-long prompts, bad sampling values."""
+    """Bad user input: out-of-vocabulary ids, empty or too-long prompts, bad sampling values.
+    ``param``: the request field at fault where one is, as the HTTP API names it
+    (``tools[1].function.parameters``); that API answers it as the error's ``param``."""
 
     grpc_code = "INVALID_ARGUMENT"
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class UnknownRequestError(SpecmeshError, KeyError):

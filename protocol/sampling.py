@@ -12,6 +12,7 @@ from specmesh.protocol.constraints import Constraint
 from specmesh.protocol.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20  # most alternatives a request may ask for per token
+NUM_SEEDS = 2**63  # seeds are in [0, NUM_SEEDS): an int64 that is never negative
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ class SamplingParams:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.top_k < 2**31:
             raise InvalidRequestError(f"top_k must be in [0, 2**31), got {self.top_k}")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
+        if self.seed is not None and not 0 <= self.seed < NUM_SEEDS:
             raise InvalidRequestError(f"seed must be in [0, 2**63), got {self.seed}")
         self._check_controls()
 

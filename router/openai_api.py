@@ -32,7 +32,7 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response
 
 from specmesh.protocol.constraints import Constraint
-from specmesh.protocol.sampling import SamplingParams
+from specmesh.protocol.sampling import NUM_SEEDS, SamplingParams
 from specmesh.protocol.steps import Logprob
 from specmesh.router.chat import ChatRenderer, read_template
 from specmesh.router.openai_body import (
@@ -40,9 +40,11 @@ from specmesh.router.openai_body import (
     Prompt,
     chat_budget,
     completion_budget,
+    logit_bias_pairs,
     parse_chat,
     parse_completion,
     read_json,
+    stop_token_ids,
 )
 from specmesh.router.openai_schema import (
     ChatBody,
@@ -125,23 +127,13 @@ class OpenAIService:
             raise OpenAIError(
                 400, "only skip_special_tokens=true is supported", param="skip_special_tokens"
             )
-        try:
-            bias = tuple((int(t), float(b)) for t, b in (body.logit_bias or {}).items())
-        except ValueError:
-            raise OpenAIError(
-                400, "logit_bias keys must be token ids", param="logit_bias"
-            ) from None
         vocab = self.core.info.vocab_size
-        if any(not 0 <= t < vocab or not -100 <= b <= 100 for t, b in bias):
-            raise OpenAIError(
-                400, f"logit_bias needs token ids in [0, {vocab}) and biases in [-100, 100]",
-                param="logit_bias",
-            )  # fmt: skip
+        bias = logit_bias_pairs(body.logit_bias, vocab)
         return SamplingParams(
             max_new_tokens=self.settings.max_new_tokens if max_tokens is None else max_tokens,
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=body.top_p, top_k=max(body.top_k, 0), seed=seed, stop=tuple(body.stop_list),
-            stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
+            stop_token_ids=stop_token_ids(body.stop_token_ids, vocab), ignore_eos=body.ignore_eos,
             min_p=body.min_p, repetition_penalty=body.repetition_penalty,
             frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
             logit_bias=bias, min_tokens=body.min_tokens, logprobs=logprobs,
@@ -153,7 +145,7 @@ class OpenAIService:
         max_tokens: int | None, images: list[bytes] = (), echo: bool = False,
         score_only: bool = False,
     ) -> list[Choice]:  # fmt: skip
-        """One request per (prompt, n): seeds ``seed + j`` (or fresh ones), the limits checked
+        """One request per (prompt, n): seeds `choice_seed` (or fresh ones), the limits checked
         by `_make_request` on a `GenerateRequest` holding the sizes it reads. A text prompt is
         tokenized once: its other choices are built from its ids."""
         choices = []
@@ -161,7 +153,7 @@ class OpenAIService:
             shown = None
             for j in range(n):
                 index = i * n + j
-                seed = None if params.seed is None else params.seed + j
+                seed = None if params.seed is None else choice_seed(params.seed, j)
                 msg = _message(f"{rid}-{index}", prompt, params, max_tokens, images)
                 req = await self.servicer._make_request(self.core, msg, replace(params, seed=seed))
                 if j == 0:
@@ -214,7 +206,8 @@ class OpenAIService:
     # -- endpoints -----------------------------------------------------------------------------
     async def completions(self, http: HttpRequest) -> Response:
         obj = await self.read(http, "completions")
-        body, prompts = parse_completion(obj, self.limits, self.max_prompt_tokens)
+        vocab = self.core.info.vocab_size
+        body, prompts = parse_completion(obj, self.limits, self.max_prompt_tokens, vocab)
         async with self.work():
             self.check_model(body.model)
             if body.suffix:
@@ -225,6 +218,7 @@ class OpenAIService:
             max_tokens = 1 if score_only else body.max_tokens  # vLLM: one token, never shown
             lp = body.logprobs
             structured = constraint_of(body)
+            await self.check_schemas([structured] if structured else [])
             constraint = structured[1] if structured else None
             params = self.sampling(
                 body, max_tokens, lp, lp if body.echo else None, body.seed, constraint
@@ -249,7 +243,9 @@ class OpenAIService:
                 name = body.max_tokens_param
                 raise OpenAIError(400, f"{name} must be at least 1, got 0", param=name)
             tools = self.tool_plan(body)
-            constraint = _one_constraint(constraint_of(body), tools)
+            structured = constraint_of(body)
+            await self.check_schemas([*tools.schemas, *([structured] if structured else [])])
+            constraint = _one_constraint(structured, tools)
             messages, images = self.chat.flatten(body.messages)
             prompt = await asyncio.to_thread(self.chat.render, messages, tools.tools)
             lp = (body.top_logprobs or 0) if body.logprobs else None
@@ -267,6 +263,13 @@ class OpenAIService:
         if choice is not None and not isinstance(choice, str):
             choice = choice.model_dump()
         return plan_tools(tools, choice, body.parallel_tool_calls, self.chat.tool_parser)
+
+    async def check_schemas(self, fields: list[tuple[str, Constraint]]) -> None:
+        """Each (field, constraint) compiled as `_make_request` compiles a request's own (the
+        same checker and cache), before any work; a refusal's ``param`` names the field."""
+        info, checker = self.core.info, self.servicer.constraints
+        tokenizer = self.servicer.tokenizer
+        await checker.check_fields(fields, tokenizer, info.vocab_size, info.eos_token_ids)
 
     async def answer(
         self, http: HttpRequest, choices: list[Choice], view, body: SamplingBody
@@ -317,6 +320,12 @@ class OpenAIService:
             "owned_by": "specmesh", "max_model_len": core.targets[0].info_pb.max_context_len,
         }  # fmt: skip
         return JSONResponse({"object": "list", "data": [card]})
+
+
+def choice_seed(seed: int, j: int) -> int:
+    """The seed of choice ``j`` of a request with ``seed``: ``seed + j``, wrapped into the
+    seed range (``(2**63 - 1) + 1`` is 0), so every seed is valid whatever ``n``."""
+    return (seed + j) % NUM_SEEDS
 
 
 def _one_constraint(

@@ -10,7 +10,7 @@ from the router's limits), and a JSON value costs the parser far more memory tha
     parse              the stdlib's C parser on what passed (never pydantic on raw bytes)
     counts             prompts x n, messages, content parts, images: 400 naming the limit
     models             pydantic on the scalar fields and the counted messages only; the
-                       prompts' shapes are checked here, by type, in one pass
+                       prompts' shapes and ids (in the vocabulary) are checked here, in one pass
 
 Separators bound the number of JSON values (every value but the first follows one): the parse
 builds at most ~64 bytes of objects per separator (``[[]],`` or ``{"a":{}},`` repeated, measured),
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +46,7 @@ PER_CHAT_ITEM = 128  # framing bytes of one message or content part ({"role": ..
 SEPARATORS_PER_CHAT_ITEM = 16
 
 Prompt = str | list[int]
+_CANONICAL_ID = re.compile(r"0|[1-9][0-9]*")  # ASCII only: [0-9], not \d
 
 
 @dataclass(frozen=True)
@@ -141,10 +143,10 @@ def _too_large(budget: BodyBudget, size: str, limit: str, derivation: str) -> Op
 
 # -- counts and models ---------------------------------------------------------------------------
 def parse_completion(
-    obj: dict, limits: RouterLimits, max_prompt_tokens: int
+    obj: dict, limits: RouterLimits, max_prompt_tokens: int, vocab_size: int
 ) -> tuple[CompletionBody, list[Prompt]]:
     """The body's fields, and its prompts once counted (prompts x n, token ids) and checked
-    for shape."""
+    for shape and for ids in the vocabulary (before anything reads them)."""
     if "prompt" not in obj:
         raise OpenAIError(400, "invalid request body: prompt: Field required", param="prompt")
     raw = obj.pop("prompt")
@@ -157,12 +159,32 @@ def parse_completion(
                 400, f"prompt {i} of {len(p)} tokens exceeds the limit of {max_prompt_tokens} "
                 "(the target's max_context_len - 1)", param="prompt",
             )  # fmt: skip
-        if not isinstance(p, str) and not _is_token_ids(p):
-            raise OpenAIError(
-                400, f"prompt {i} must be text or a list of token ids (integers >= 0), "
-                f"not {_kind(p)}", param="prompt",
-            )  # fmt: skip
+        if not isinstance(p, str):
+            _check_token_ids(i, p, vocab_size)
     return body, prompts
+
+
+def logit_bias_pairs(
+    bias: dict[str, float] | None, vocab_size: int
+) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as (token id, bias) pairs: each key the canonical decimal ASCII form of
+    an id in the vocabulary (``"5"``; not ``" 5 "``, ``"05"``, ``"+5"`` or other scripts'
+    digits, which ``int`` would take), each bias in [-100, 100]."""
+    pairs = []
+    for key, value in (bias or {}).items():
+        if not _CANONICAL_ID.fullmatch(key):
+            raise OpenAIError(
+                400, f"logit_bias keys must be token ids in decimal ASCII digits, without sign, "
+                f"space or leading zeros (such as \"5\"); got {key[:40]!r}", param="logit_bias",
+            )  # fmt: skip
+        token_id = int(key) if len(key) < 19 else vocab_size  # past any vocabulary
+        if token_id >= vocab_size or not -100 <= value <= 100:
+            raise OpenAIError(
+                400, f"logit_bias needs token ids in [0, {vocab_size}) and biases in "
+                f"[-100, 100], got {key[:40]}: {value}", param="logit_bias",
+            )  # fmt: skip
+        pairs.append((token_id, float(value)))
+    return tuple(pairs)
 
 
 def parse_chat(obj: dict, limits: RouterLimits) -> ChatBody:
@@ -201,8 +223,32 @@ def _as_prompt_list(raw: Any) -> list:
     return [raw] if type(raw[0]) is int else raw  # one prompt of ids, or a batch
 
 
-def _is_token_ids(p: Any) -> bool:
-    return isinstance(p, list) and all(type(t) is int for t in p) and (not p or min(p) >= 0)
+def stop_token_ids(ids: list[int] | None, vocab_size: int) -> tuple[int, ...]:
+    """``stop_token_ids`` once each is an id of the vocabulary (checked before an id reaches a
+    message field it does not fit: 400 naming the field and the range)."""
+    bad = [t for t in ids or () if t >= vocab_size]
+    if bad:
+        raise OpenAIError(
+            400, f"stop_token_ids must be token ids in [0, {vocab_size}), got {bad[0]}",
+            param="stop_token_ids",
+        )  # fmt: skip
+    return tuple(ids or ())
+
+
+def _check_token_ids(i: int, prompt: Any, vocab_size: int) -> None:
+    """Prompt ``i`` is a list of ids in [0, ``vocab_size``): anything else is a 400 naming
+    ``prompt`` and the range, before an id reaches a message field it does not fit."""
+    if not isinstance(prompt, list) or not all(type(t) is int for t in prompt):
+        raise OpenAIError(
+            400, f"prompt {i} must be text or a list of token ids (integers in "
+            f"[0, {vocab_size})), not {_kind(prompt)}", param="prompt",
+        )  # fmt: skip
+    bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise OpenAIError(
+            400, f"prompt {i} holds token id {bad}, outside the vocabulary's ids "
+            f"[0, {vocab_size})", param="prompt",
+        )  # fmt: skip
 
 
 def _check_choices(num_prompts: int, n: int, limits: RouterLimits) -> None:

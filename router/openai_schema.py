@@ -18,6 +18,7 @@ from typing import ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
 
 from specmesh.protocol.errors import SpecmeshError
+from specmesh.protocol.sampling import NUM_SEEDS
 from specmesh.router.structured import ResponseFormat, StructuredOutputs
 from specmesh.router.tools import NamedToolChoice, Tool
 
@@ -88,7 +89,8 @@ def as_openai_error(exc: BaseException) -> OpenAIError:
         code = "INVALID_ARGUMENT"
     else:
         return OpenAIError(500, f"internal error: {type(exc).__name__}", code="internal_error")
-    return OpenAIError(HTTP_STATUS.get(code, 500), str(exc), code=code.lower())
+    param = getattr(exc, "param", None)  # `InvalidRequestError`'s field at fault
+    return OpenAIError(HTTP_STATUS.get(code, 500), str(exc), param=param, code=code.lower())
 
 
 def reported(exc: Exception, where: str) -> OpenAIError:
@@ -148,7 +150,7 @@ class SamplingBody(BaseModel):
     temperature: float | None = None  # None: OpenAI's default, 1.0
     top_p: float = 1.0
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, lt=NUM_SEEDS)  # choice j: `openai_api.choice_seed`
     user: str | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import OrderedDict
+from collections.abc import Iterable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -134,3 +135,15 @@ class ConstraintChecker:
         self._ok[constraint] = None
         if len(self._ok) > MAX_CHECKED:
             self._ok.popitem(last=False)
+
+    async def check_fields(
+        self, fields: Iterable[tuple[str, Constraint]], hf_tokenizer: Any, vocab_size: int,
+        eos_ids: tuple[int, ...],
+    ) -> None:  # fmt: skip
+        """`check` on each (field, constraint) in turn; a refusal names its field (``param``:
+        ``tools[1].function.parameters``)."""
+        for field, constraint in fields:
+            try:
+                await self.check(constraint, hf_tokenizer, vocab_size, eos_ids)
+            except InvalidRequestError as e:
+                raise InvalidRequestError(f"{field}: {e}", param=field) from None

@@ -12,6 +12,10 @@ how its output is read back.
   when ``parallel_tool_calls`` is false).
 - a named function: the grammar forces that function's ``arguments`` object alone.
 
+Whatever the mode, every tool's ``parameters`` is compiled as a JSON schema before any work
+(`ToolPlan.schemas`, by the API's constraint checker) and two tools may not share a name: each
+is a 400 naming the field (``tools[1].function.parameters``, ``tools[2].function.name``).
+
 Calls come back as OpenAI's ``tool_calls`` (ids ``call_<24 hex>``, ``arguments`` a JSON string)
 with ``finish_reason: "tool_calls"``.
 """
@@ -68,6 +72,9 @@ class ToolPlan:
     parser: str  # how "auto" output is read (PARSERS)
     named: str | None = None  # the function "named" forces
     constraint: Constraint | None = None  # the grammar "required" / "named" force
+    # Every tool's ``parameters`` as a JSON-schema constraint, beside the field that holds it
+    # (``tools[i].function.parameters``): the API compiles each, whatever the mode.
+    schemas: tuple[tuple[str, Constraint], ...] = ()
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         """The assistant message for ``text``, and the finish reason (``tool_calls`` when the
@@ -94,34 +101,62 @@ def plan_tools(
     tools: list[dict] | None, tool_choice: Any, parallel_tool_calls: bool, parser: str
 ) -> ToolPlan:
     """``tools`` (OpenAI's tool objects, already shape-checked) and ``tool_choice`` (a mode or
-    ``{"type": "function", "function": {"name": ...}}``) -> what to render and enforce."""
+    ``{"type": "function", "function": {"name": ...}}``) -> what to render and enforce. Two
+    tools with one name are refused in every mode; each schema is left for the caller to
+    compile (`ToolPlan.schemas`)."""
     tools = tools or []
+    params = _parameters_by_name(tools)
+    schemas = tuple((field, _schema(schema, field)) for field, schema in params.values())
     choice = tool_choice if tool_choice is not None else ("auto" if tools else "none")
     if choice == "none" or (not tools and choice == "auto"):
-        return ToolPlan("none", None, parser)
+        return ToolPlan("none", None, parser, schemas=schemas)
     if not tools:
-        raise InvalidRequestError(f"tool_choice {choice!r} needs tools")
-    params = {t["function"]["name"]: _parameters(t["function"]) for t in tools}
+        raise InvalidRequestError(f"tool_choice {choice!r} needs tools", param="tool_choice")
     if choice == "auto":
-        return ToolPlan("auto", tools, parser)
+        return ToolPlan("auto", tools, parser, schemas=schemas)
     if choice == "required":
         one = [
             {"type": "object", "properties": {"name": {"const": name}, "arguments": schema},
              "required": ["name", "arguments"], "additionalProperties": False}
-            for name, schema in params.items()
+            for name, (_, schema) in params.items()
         ]  # fmt: skip
         array = {"type": "array", "items": {"anyOf": one}, "minItems": 1}
         if not parallel_tool_calls:
             array["maxItems"] = 1
-        return ToolPlan("required", tools, parser, constraint=Constraint.json_schema(array))
+        return ToolPlan("required", tools, parser, None, _schema(array, "tools"), schemas)
     name = choice["function"]["name"]
     if name not in params:
-        raise InvalidRequestError(f"tool_choice names {name!r}, which is not among the tools")
-    return ToolPlan("named", tools, parser, name, Constraint.json_schema(params[name]))
+        raise InvalidRequestError(
+            f"tool_choice names {name!r}, which is not among the tools", param="tool_choice"
+        )
+    forced = _schema(params[name][1], params[name][0])
+    return ToolPlan("named", tools, parser, name, forced, schemas)
 
 
-def _parameters(function: dict) -> dict:
-    return function.get("parameters") or {"type": "object", "properties": {}}
+def _parameters_by_name(tools: list[dict]) -> dict[str, tuple[str, dict]]:
+    """Each function's name -> (the field of its parameters, its schema); a name that comes
+    twice is refused, naming both tools (the second would otherwise replace the first)."""
+    found: dict[str, tuple[str, dict]] = {}
+    for i, tool in enumerate(tools):
+        function = tool["function"]
+        name = function["name"]
+        if name in found:
+            first = found[name][0].removesuffix(".function.parameters")
+            raise InvalidRequestError(
+                f"tools[{i}].function.name: {name!r} is already the name of {first}; "
+                "tool names must be unique", param=f"tools[{i}].function.name",
+            )  # fmt: skip
+        schema = function.get("parameters") or {"type": "object", "properties": {}}
+        found[name] = (f"tools[{i}].function.parameters", schema)
+    return found
+
+
+def _schema(schema: dict, field: str) -> Constraint:
+    """``schema`` as a constraint, a refusal (its size) naming ``field``."""
+    try:
+        return Constraint.json_schema(schema)
+    except InvalidRequestError as e:
+        raise InvalidRequestError(f"{field}: {e}", param=field) from None
 
 
 def tool_calls(calls: list[Call]) -> list[dict]:
