@@ -93,3 +93,14 @@ def test_a_step_stream_answers_what_parsed_then_refuses_the_garbage(stack, caplo
         assert target_pb2.TargetStepResponse.FromString(again[0]).batch_id == 1
     _no_traceback(caplog)
     assert not stack.target.runtime.requests
+
+
+def test_a_wrapped_coroutine_stream_still_streams(stack) -> None:
+    """Health/Watch writes with ``context.write`` (a coroutine, not a generator): wrapped, a
+    good request still gets its statuses as they come."""
+    request = health_pb2.HealthCheckRequest(service="specmesh.v1.Draft").SerializeToString()
+    with grpc.insecure_channel(f"127.0.0.1:{stack.draft.host.port}") as channel:
+        call = channel.unary_stream(f"{HEALTH}/Watch", **IDENTITY)(request, timeout=10)
+        first = health_pb2.HealthCheckResponse.FromString(next(call))
+        call.cancel()
+    assert first.status == health_pb2.HealthCheckResponse.SERVING
