@@ -43,14 +43,15 @@ def paged_attention_ref(
     """Plain torch, one request at a time. V may be narrower than K (multi-head latent
     attention, whose Triton kernel is `kernels.mla_attention`)."""
     group = q.shape[1] // k_pool.shape[1]
+    acc = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 for an fp64 check
     out = q.new_empty(*q.shape[:2], v_pool.shape[-1])
     qo, kv = meta.qo_indptr.tolist(), meta.kv_indptr.tolist()
     for b in range(meta.batch_size):
         q_len, kv_len = qo[b + 1] - qo[b], kv[b + 1] - kv[b]
         slots = meta.kv_indices[kv[b] : kv[b + 1]]
-        keys = k_pool[slots].float().repeat_interleave(group, dim=1)  # [kv_len, heads, head_dim]
-        values = v_pool[slots].float().repeat_interleave(group, dim=1)
-        queries = q[qo[b] : qo[b + 1]].float()  # [q_len, heads, head_dim]
+        keys = k_pool[slots].to(acc).repeat_interleave(group, dim=1)  # [kv_len, heads, head_dim]
+        values = v_pool[slots].to(acc).repeat_interleave(group, dim=1)
+        queries = q[qo[b] : qo[b + 1]].to(acc)  # [q_len, heads, head_dim]
         if meta.custom_mask is None:
             rows = torch.arange(q_len, device=q.device)[:, None]
             cols = torch.arange(kv_len, device=q.device)[None, :]

@@ -49,3 +49,32 @@ def paged_batch(
         mask_indptr=mask_indptr,
     )
     return q.to(device), k_pool.to(device), v_pool.to(device), meta
+
+
+def assert_close_to_fp64(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    multiple: float = 4.0,
+    floor_ulps: float = 8.0,
+) -> None:
+    """An fp32 kernel's output against the same attention in float64: its error may be at most
+    ``multiple`` times the fp32 torch reference's own error (the rounding that summing in another
+    order costs on this machine and device), plus ``floor_ulps`` units in the last place at the
+    output's scale. A tolerance set by one machine's run fails on another's rounding; a masking
+    or indexing bug is off by orders of magnitude more than either term."""
+    from specmesh.kernels.attention import paged_attention_ref
+
+    exact = paged_attention_ref(q.double(), k_pool.double(), v_pool.double(), meta, scale)
+    ref = paged_attention_ref(q, k_pool, v_pool, meta, scale)
+    ref_err = (ref.double() - exact).abs().max().item()
+    err = (out.double() - exact).abs().max().item()
+    floor = floor_ulps * torch.finfo(out.dtype).eps * exact.abs().max().item()
+    bound = multiple * ref_err + floor
+    assert err <= bound, (
+        f"kernel off the fp64 attention by {err:.3g}, above {bound:.3g} "
+        f"({multiple} x the fp32 reference's own {ref_err:.3g} + {floor:.3g})"
+    )
