@@ -7,8 +7,11 @@ Tests live in three folders, each marked by it: ``unit`` (code in one process), 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
+import time
+from collections.abc import Awaitable, Callable
 from functools import cache
 from pathlib import Path
 
@@ -58,6 +61,27 @@ def rss_mb() -> float:
     with open("/proc/self/status") as f:
         line = next(line for line in f if line.startswith("VmRSS:"))
     return int(line.split()[1]) / 1024
+
+
+WAIT_S = 60.0  # the longest a test waits on the system under test before it fails
+
+
+async def within(awaitable: Awaitable, what: str, timeout_s: float = WAIT_S):
+    """``await awaitable``, or fail naming ``what`` after ``timeout_s``: a test that waits on
+    the system under test fails when the system stops answering, it never hangs."""
+    try:
+        return await asyncio.wait_for(awaitable, timeout_s)
+    except TimeoutError:
+        raise AssertionError(f"{what}: nothing after {timeout_s:.0f} s") from None
+
+
+async def until(ready: Callable[[], bool], what: str, timeout_s: float = WAIT_S) -> None:
+    """Poll ``ready`` every millisecond; fail naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not after {timeout_s:.0f} s")
+        await asyncio.sleep(0.001)
 
 
 def tiny_engine(tiny_dir: Path, speculate: bool):

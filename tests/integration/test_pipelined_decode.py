@@ -16,6 +16,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from conftest import until, within
 from grpc_harness import LoopThread, serve_target
 from procs import is_empty
 
@@ -92,7 +93,7 @@ def _run(target, scenario, drafts=(), **cfg):
         core = RouterCore([client], drafts, RouterConfig(**cfg))
         await core.start()
         try:
-            result = await scenario(core)
+            result = await within(scenario(core), "the scenario")
             held = await _still_held(target.servicer)
         finally:
             await core.stop()
@@ -257,12 +258,15 @@ def test_speculation_resumes_with_a_step_in_flight(target) -> None:
     async def scenario(core):
         a = Request("a", [5, 6, 7], SamplingParams(max_new_tokens=150, ignore_eos=True))
         first = asyncio.ensure_future(_collect(core, a))
-        while draft.calls < 2 or core.slots["a"].placement.draft is not None:
-            await asyncio.sleep(0.001)  # until the outage took its draft
+        await until(
+            lambda: draft.calls >= 2 and core.slots["a"].placement.draft is None,
+            "the outage taking request a's draft",
+        )  # fmt: skip
         steps_before = draft.steps_for_a
         # A new request gets the draft (no cooldown); its successful step closes the breaker.
-        await _generate(core, "b", [9, 9], SamplingParams(max_new_tokens=2))
-        return await first, a.accept_lens, draft.steps_for_a - steps_before
+        await within(_generate(core, "b", [9, 9], SamplingParams(max_new_tokens=2)), "request b")
+        tokens = await within(first, "request a")
+        return tokens, a.accept_lens, draft.steps_for_a - steps_before
 
     (tokens, accept_lens, resumed_steps), client, held = _run(
         target, scenario, drafts=[draft], draft_cooldown_s=0.0, resume_min_remaining=8,

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+from conftest import until, within
+
 from specmesh.protocol.config import SpecParams
 from specmesh.protocol.errors import ServiceDownError
 from specmesh.protocol.sampling import SamplingParams
@@ -39,13 +41,16 @@ def test_speculation_resumes_after_the_draft_recovers(tiny_dir: Path, oracle) ->
         await core.start()
         req = engine.make_request([5, 6, 7], SamplingParams(max_new_tokens=150, ignore_eos=True))
         main = asyncio.create_task(_collect(core, req))
-        while draft.calls < 2:  # until the outage
-            await asyncio.sleep(0.001)
-        await asyncio.sleep(0.06)  # the breaker's cooldown passes
-        # A new request gets the draft; its successful step closes the breaker.
-        await _collect(core, engine.make_request([9, 9], SamplingParams(max_new_tokens=2)))
-        tokens = await main
-        await core.stop()
+        try:
+            await until(lambda: draft.calls >= 2, "the draft's second step (the outage)")
+            await asyncio.sleep(0.06)  # the breaker's cooldown passes
+            # A new request gets the draft; its successful step closes the breaker.
+            probe = engine.make_request([9, 9], SamplingParams(max_new_tokens=2))
+            await within(_collect(core, probe), "a request after the outage")
+            tokens = await within(main, "the request that lost its draft")
+        finally:
+            main.cancel()
+            await within(core.stop(), "the router's stop")
         return tokens, req.accept_lens, draft.calls
 
     tokens, accept_lens, calls = asyncio.run(scenario())
