@@ -5,9 +5,10 @@ A `Constraint` travels with the `SamplingParams` (wire: ``SamplingParams.constra
 target, which owns sampling: it masks every token it samples (and every tree node it verifies,
 `target_service.grammar`) to the tokens the grammar allows after that token's path; the draft
 gets it with a request's starting extend and proposes only such tokens (`draft_service.grammar`).
-The router compiles it once at its public API to refuse what the engine cannot compile (400
-naming the problem) before any work. The engine is llguidance (torch-free, so the router may
-load it; bench/README.md "Grammar masks" has the measurements that chose it over xgrammar).
+The router compiles it once at its public API, with its first masks, to refuse what the engine
+cannot compile or mask (400 naming the problem) before any work. The engine is llguidance
+(torch-free, so the router may load it; bench/README.md "Grammar masks" has the measurements that
+chose it over xgrammar).
 
 JSON is generated without free whitespace (``whitespace_flexible: false``, separators ``,`` and
 ``:``), as xgrammar's ``any_whitespace=False`` / vLLM's ``disable-any-whitespace``: a small
@@ -33,6 +34,7 @@ KINDS = {
 }
 MAX_CONSTRAINT_BYTES = 64 << 10  # a schema / grammar / choice list, as text
 MAX_CHOICES = 256
+MAX_PROBED_TOKENS = 16  # forced tokens whose masks the compile check computes
 _REGEX_META = set("\\.+*?()|[]{}^$#&-~")
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 
@@ -87,7 +89,7 @@ def escape_regex(text: str) -> str:
 @lru_cache(maxsize=256)
 def grammar_of(constraint: Constraint) -> str:
     """The llguidance grammar (its JSON form) for ``constraint``. Nothing is compiled yet: an
-    invalid schema or regex is found by `compile_error` / the matcher."""
+    invalid schema or regex is found by `compile_matcher`."""
     import llguidance
 
     kind, text = constraint.kind, constraint.text
@@ -120,24 +122,58 @@ def parser_limits() -> Any:
     return llguidance.LLParserLimits(max_grammar_size=50_000)
 
 
-def compile_error(constraint: Constraint, tokenizer: Any) -> str:
-    """'' when ``constraint`` compiles for ``tokenizer`` (an ``llguidance.LLTokenizer``), else
-    the engine's message naming the problem."""
+def compile_matcher(constraint: Constraint, tokenizer: Any) -> Any:
+    """A matcher of ``constraint`` at its start, for ``tokenizer`` (an ``llguidance.LLTokenizer``);
+    `InvalidRequestError` naming the problem when the engine cannot compile it or cannot compute
+    its first masks (`first_masks_error`). The router checks with it; the services compile with
+    it."""
     import llguidance
 
     try:
         grammar = grammar_of(constraint)
-    except Exception as e:  # not JSON, or the engine's translation refused it
-        return str(e)
-    message = llguidance.LLMatcher.validate_grammar(grammar, tokenizer, limits=parser_limits())
-    return "" if message.startswith("WARNING") else message
+    except InvalidRequestError:
+        raise
+    except Exception as e:  # the engine's translation refused it
+        raise InvalidRequestError(
+            f"the {constraint.kind} constraint does not compile: {e}"
+        ) from None
+    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=parser_limits())
+    if matcher.is_error():
+        raise InvalidRequestError(
+            f"the {constraint.kind} constraint does not compile: {_headline(matcher.get_error())}"
+        )
+    message = first_masks_error(matcher.deep_copy(), tokenizer)
+    if message:
+        raise InvalidRequestError(
+            f"the {constraint.kind} constraint is past the grammar engine's limits at its first "
+            f"tokens: {message}"
+        )
+    return matcher
 
 
 def check_compiles(constraint: Constraint, tokenizer: Any) -> None:
-    """`compile_error` as an `InvalidRequestError` (INVALID_ARGUMENT, HTTP 400)."""
-    message = compile_error(constraint, tokenizer)
-    if message:
-        raise InvalidRequestError(f"the {constraint.kind} constraint does not compile: {message}")
+    """`compile_matcher`, the matcher dropped: the router's check (INVALID_ARGUMENT, HTTP 400)."""
+    compile_matcher(constraint, tokenizer)
+
+
+def first_masks_error(matcher: Any, tokenizer: Any) -> str:
+    """'' when the engine computes ``matcher``'s mask at its start and after each token of the
+    text its grammar forces there (at most `MAX_PROBED_TOKENS`), else its message. Compiling
+    checks the grammar's size, not the parser's work per token: a JSON object of 500 optional
+    properties compiles, then its mask after the forced ``{`` has 2,007 Earley items, past the
+    engine's 2,000 (issue 54). Advances ``matcher``: pass a copy."""
+    matcher.compute_bitmask()
+    forced = tokenizer.tokenize_bytes(matcher.compute_ff_bytes())[:MAX_PROBED_TOKENS]
+    for token in forced:
+        if matcher.is_error() or matcher.try_consume_tokens([token]) != 1:
+            break
+        matcher.compute_bitmask()
+    return _headline(matcher.get_error()) if matcher.is_error() else ""
+
+
+def _headline(message: str) -> str:
+    """The engine's message without the parser state it appends (``<state>`` ...)."""
+    return message.split("\n<state>", 1)[0].removeprefix("Parser Error: ").strip()
 
 
 def llg_tokenizer(hf_tokenizer: Any, vocab_size: int, eos_ids: tuple[int, ...]) -> Any:

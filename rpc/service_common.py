@@ -26,6 +26,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from specmesh.protocol.codec import GRPC_MAX_MESSAGE_BYTES, grpc_message_options
 from specmesh.protocol.errors import SpecmeshError
+from specmesh.rpc.held_batches import Hold, StepAnswers, batch_rids
 from specmesh.rpc.malformed import add_servicer
 from specmesh.rpc.metrics import ServiceMetrics
 from specmesh.rpc.ownership import Ownership, StreamOwner
@@ -257,6 +258,11 @@ class ModelServicer:
     def before_step(self, runtime) -> None:
         """Called as a batch arrives, before it waits for the worker; nothing by default."""
 
+    def hold(self, runtime, chunks: list) -> Hold | None:
+        """What a batch waits for before it runs, off the step thread (the target's grammar
+        compiles); None (run it in turn) by default."""
+        return None
+
     def after_answer(self, runtime, stream: StreamOwner) -> None:
         """Called once a batch of ``stream``'s is answered (the draft's pre-drafting, the
         target's run-ahead); nothing by default."""
@@ -280,29 +286,48 @@ class ModelServicer:
         target's run-ahead, the draft's pre-drafting) takes the loop, and awaited only before
         the next is written: a write costs about 0.1 ms of gRPC round trips through the event
         loop (timed in both processes on the hop benchmark), which would otherwise delay that
-        work on every round."""
+        work on every round. A batch held back (`hold`) is answered once it ran, the batches
+        behind it meanwhile (`specmesh.rpc.held_batches`)."""
         runtime = await self._ready(context)
         stream = self.owners.open(context.peer())
-        writing: asyncio.Task | None = None
+        answers = StepAnswers(lambda messages: _write(context, messages))
         try:
             async for chunks in step_batches(request_iterator, context):
+                if self._held(runtime, stream, chunks, answers, context):
+                    continue
                 async with self.host.work(context):
                     answer = await self._step(runtime, stream, chunks)
-                if writing is not None:
-                    await writing
+                await answers.written()
                 if isinstance(answer, StreamRefusedError):
                     await abort_with(context, answer)
-                writing = asyncio.ensure_future(_write(context, frame(answer, chunks[0].batch_id)))
+                answers.write(frame(answer, chunks[0].batch_id))
                 await asyncio.sleep(0)  # the write's first step: its message is handed to gRPC
                 self.after_answer(runtime, stream)
-            if writing is not None:
-                await writing
+            await answers.finish()
         finally:
-            if writing is not None:  # the stream ended under it: nothing reads its outcome
-                writing.cancel()
-                writing.add_done_callback(_retrieved)
+            answers.cancel()  # the stream ended under a write: nothing reads its outcome
             stream.closed = True
             self._submit(self._close, runtime, stream).add_done_callback(log_failure)
+
+    def _held(
+        self, runtime, stream: StreamOwner, chunks: list, answers: StepAnswers, context
+    ) -> bool:
+        """Whether the batch is held back: the service holds it (`hold`), or it names a request
+        of a held batch. A held batch runs as a task of its own, which writes its answer (a
+        handshake, the one answer that can end the stream, is never held)."""
+        hold = self.hold(runtime, chunks)
+        behind = answers.behind(batch_rids(chunks[0])) if answers.held else []
+        if hold is None and not behind:
+            return False
+
+        async def run() -> list | None:
+            async with self.host.work(context):
+                if stream.closed:  # its cleanup is queued: this batch creates nothing
+                    return None
+                return await self._step(runtime, stream, chunks)
+
+        answers.hold(hold or Hold(batch_rids(chunks[0])), behind, run, chunks[0].batch_id)
+        return True
 
     # -- worker thread ---------------------------------------------------------------------------
     def _answer(self, runtime, stream: StreamOwner, chunks: list):
@@ -344,11 +369,6 @@ class ModelServicer:
 async def _write(context: grpc.aio.ServicerContext, messages: list) -> None:
     for msg in messages:
         await context.write(msg)
-
-
-def _retrieved(task: asyncio.Task) -> None:
-    if not task.cancelled():
-        task.exception()
 
 
 def log_failure(future: asyncio.Future) -> None:

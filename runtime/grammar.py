@@ -4,66 +4,112 @@ per service, a matcher per constrained request, and the allowed-token mask of a 
 The target masks what it samples and verifies (`target_service.grammar`); the draft masks what it
 proposes (`draft_service.grammar`). Both build their matchers here from the target's tokenizer,
 its vocabulary size and EOS ids, so a mask means the same token set on either side.
+
+Compiling can take a second (a large schema), so a service compiles off its step thread:
+`Grammars.submit` starts a compile on a small pool as a batch arrives; the step thread then finds
+it finished (`Grammars.compiled`), or refuses the request once `COMPILE_TIMEOUT_S` passed. A
+constraint nobody submitted is compiled where it is asked for (the in-process engine, the draft).
 """
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import torch
 
-from specmesh.protocol.constraints import Constraint, grammar_of, llg_tokenizer, parser_limits
+from specmesh.protocol.constraints import Constraint, compile_matcher, llg_tokenizer
 from specmesh.protocol.errors import InvalidRequestError
 
 MAX_COMPILED = 64  # compiled grammars kept per service (LRU), keyed by the constraint's text
+COMPILE_TIMEOUT_S = 10.0  # the most a batch waits for its constraints to compile
+NUM_COMPILE_THREADS = 2  # compiles at once, beside the step thread
 
 
 class Grammars:
     """One service's compiled constraints: a template matcher per constraint, copied per request
-    (a copy costs ~1 µs; compiling, up to the engine's limits, much more)."""
+    (a copy costs ~1 µs; compiling, up to the engine's limits, much more). Each constraint has
+    one future, running or done (a refusal is remembered like a matcher); the event loop submits,
+    the step thread reads, under one lock."""
 
     def __init__(self, model_dir: str, vocab_size: int, eos_ids: tuple[int, ...]) -> None:
         self.model_dir, self.vocab_size, self.eos_ids = model_dir, vocab_size, eos_ids
         self._tokenizer: Any = None
-        self._compiled: OrderedDict[Constraint, Any] = OrderedDict()
+        self._compiled: OrderedDict[Constraint, Future] = OrderedDict()
+        self._lock = threading.Lock()  # the cache (held for dictionary operations only)
+        self._tokenizer_lock = threading.Lock()  # its first load
+        self._pool: ThreadPoolExecutor | None = None  # started by the first `submit`
 
     def tokenizer(self) -> Any:
-        if self._tokenizer is None:
-            from transformers import AutoTokenizer
+        with self._tokenizer_lock:
+            if self._tokenizer is None:
+                self._tokenizer = self._load_tokenizer()
+            return self._tokenizer
 
-            try:
-                hf = AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
-            except (OSError, ValueError) as e:
-                raise InvalidRequestError(
-                    f"grammar constraints need the target's tokenizer; {self.model_dir} has none "
-                    f"usable: {e}"
-                ) from None
-            self._tokenizer = llg_tokenizer(hf, self.vocab_size, self.eos_ids)
-        return self._tokenizer
+    def _load_tokenizer(self) -> Any:
+        from transformers import AutoTokenizer
+
+        try:
+            hf = AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
+        except (OSError, ValueError) as e:
+            raise InvalidRequestError(
+                f"grammar constraints need the target's tokenizer; {self.model_dir} has none "
+                f"usable: {e}"
+            ) from None
+        return llg_tokenizer(hf, self.vocab_size, self.eos_ids)
+
+    def submit(self, constraint: Constraint) -> Future:
+        """The compile of ``constraint``: started now on the pool unless it ran or runs already
+        (cheap: call it on an event loop). Its result is the template matcher, or the
+        `InvalidRequestError` that refuses the constraint."""
+        with self._lock:
+            future = self._get(constraint)
+            if future is not None:
+                return future
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(NUM_COMPILE_THREADS, "grammar-compile")
+            future = self._pool.submit(self._compile, constraint)
+            self._put(constraint, future)
+            return future
 
     def compiled(self, constraint: Constraint) -> Any:
-        """The template matcher (compiled once, then from the cache); InvalidRequestError
-        naming the problem when the engine cannot compile it."""
-        import llguidance
-
-        hit = self._compiled.get(constraint)
-        if hit is not None:
-            self._compiled.move_to_end(constraint)
-            return hit
-        grammar = grammar_of(constraint)
-        matcher = llguidance.LLMatcher(
-            self.tokenizer(), grammar, log_level=0, limits=parser_limits()
-        )
-        if matcher.is_error():
+        """The template matcher (step thread): a submitted compile's result, else compiled here
+        (and kept). InvalidRequestError naming the problem when the engine refuses it, or when
+        its submitted compile still runs (past the bound its batch waited)."""
+        with self._lock:
+            future = self._get(constraint)
+        if future is None:
+            future = Future()
+            try:
+                future.set_result(self._compile(constraint))
+            except InvalidRequestError as e:
+                future.set_exception(e)
+            with self._lock:
+                self._put(constraint, future)
+        if not future.done():
             raise InvalidRequestError(
-                f"the {constraint.kind} constraint does not compile: {matcher.get_error()}"
+                f"the {constraint.kind} constraint did not compile within {COMPILE_TIMEOUT_S} s"
             )
-        self._compiled[constraint] = matcher
+        if isinstance(error := future.exception(), InvalidRequestError):
+            raise InvalidRequestError(str(error))  # a fresh one: raised again, it would grow
+        return future.result()
+
+    def _compile(self, constraint: Constraint) -> Any:
+        return compile_matcher(constraint, self.tokenizer())
+
+    def _get(self, constraint: Constraint) -> Future | None:
+        future = self._compiled.get(constraint)
+        if future is not None:
+            self._compiled.move_to_end(constraint)
+        return future
+
+    def _put(self, constraint: Constraint, future: Future) -> None:
+        self._compiled[constraint] = future
         if len(self._compiled) > MAX_COMPILED:
             self._compiled.popitem(last=False)
-        return matcher
 
     def start(self, constraint: Constraint, emitted: list[int]) -> Any:
         """A request's matcher after the tokens it already emitted (a replay's)."""
