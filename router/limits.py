@@ -12,11 +12,16 @@ The order in ``GenerationServicer._make_request`` is the point:
 Every violation is an `InvalidRequestError` (INVALID_ARGUMENT) naming the limit's flag and the
 numbers, except a full tokenizer queue: `TokenizerBusyError` (RESOURCE_EXHAUSTED). Image pixels
 are the target's to check (it decodes; the router never does): `specmesh.target_service.multimodal`.
+
+The process's own: `raise_fd_limit` at start, and `http_connection_cap`, the HTTP connections
+that fit under the fd limit with room left for everything else (`specmesh.router.http_gate`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import resource
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +34,8 @@ from specmesh.protocol.images import (
 )
 from specmesh.protocol.sampling import SamplingParams
 from specmesh.v1 import generation_pb2
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -48,6 +55,7 @@ class RouterLimits:
     max_messages: int = 2048  # chat messages in one request
     max_content_parts: int = 2048  # chat content parts, all messages together
     http_header_timeout_s: float = 30.0  # connection (or previous response) to end of headers
+    http_first_byte_timeout_s: float = 10.0  # the same, for a connection that sent nothing yet
     http_body_timeout_s: float = 60.0  # end of headers to end of body: 408 past it
 
 
@@ -138,3 +146,30 @@ class PromptEncoder:
 
 def _encode(tokenizer: Any, prompt: str) -> list[int]:
     return tokenizer.encode(prompt, add_special_tokens=True)
+
+
+def raise_fd_limit() -> int:
+    """Raise this process's soft limit of open files (RLIMIT_NOFILE) to its hard limit, once at
+    start, and log the result; returns the soft limit now. Each HTTP or gRPC connection holds
+    a descriptor, and many systems start processes at a soft limit of 1024."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == hard:
+        log.info("open files: at the hard limit of %d", soft)
+        return soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError) as e:
+        log.warning("open files: soft limit %d, not raised to the hard limit %d: %s", soft, hard, e)
+        return soft
+    log.info("open files: soft limit raised from %d to the hard limit of %d", soft, hard)
+    return hard
+
+
+def http_connection_cap(max_open_files: int) -> int:
+    """How many HTTP sockets (connections, and those being shut) fit under ``max_open_files``:
+    the rest stays for the gRPC port, the clients to targets and drafts, and files; a quarter
+    of it, or 64 where that is more (but never more than half)."""
+    if max_open_files == resource.RLIM_INFINITY:
+        max_open_files = 1 << 20
+    reserved = max(min(64, max_open_files // 2), max_open_files // 4)
+    return max(1, max_open_files - reserved)

@@ -8,9 +8,11 @@ body or before its answer is one INFO line, 503s one WARNING line, and only an i
 (a bug) carries a traceback (`openai_schema.reported`). uvicorn logs through the process's own
 logging setup (``log_config=None``), without access lines.
 
-Slow clients are cut: a request head must arrive within ``http_header_timeout_s``
-(`_TimedH11Protocol`), its body within ``http_body_timeout_s`` (408, `openai_body`); an idle
-connection between requests is closed after ``KEEP_ALIVE_S`` (uvicorn's own timer).
+Connections (`http_protocol`, `http_gate`): at most as many as the fd limit leaves room for; a
+first byte within ``http_first_byte_timeout_s``, a request head within ``http_header_timeout_s``,
+a body within ``http_body_timeout_s`` (408, `openai_body`); an idle connection between requests
+is closed after ``KEEP_ALIVE_S`` (uvicorn's own timer); a refusal sent while a body is still
+coming ends in a staged close, so the client reads it.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
-import socket
+import resource
 from collections.abc import Awaitable, Callable
 
 import uvicorn
@@ -29,8 +31,10 @@ from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from specmesh.router.http_gate import ConnectionGate, listening_socket, quiet_accept_errors
+from specmesh.router.http_protocol import ServerConfig
+from specmesh.router.limits import http_connection_cap
 from specmesh.router.openai_api import OpenAIService, reported
 from specmesh.router.openai_schema import OpenAIError
 
@@ -124,62 +128,6 @@ class _Server(uvicorn.Server):
         yield
 
 
-class _Config(uvicorn.Config):
-    def __init__(self, app: ASGIApp, *, header_timeout_s: float, **kwargs) -> None:
-        super().__init__(app, **kwargs)
-        self.header_timeout_s = header_timeout_s
-
-
-class _TimedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with a deadline on each request head: a connection that has not
-    sent a whole request line and headers ``header_timeout_s`` after it opened (or after its
-    previous response) is closed. uvicorn's own keep-alive timer starts only after a response
-    and any byte resets it, so without this a connection trickling a header byte now and then,
-    or sending nothing, would stay open forever."""
-
-    _head_timer: asyncio.TimerHandle | None = None
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self._await_head()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._head_arrived()
-        super().connection_lost(exc)
-
-    def handle_events(self) -> None:
-        super().handle_events()
-        if self._serving():  # a head arrived: its request runs
-            self._head_arrived()
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()  # may start a pipelined request
-        if not self.transport.is_closing() and not self._serving():
-            self._await_head()  # the rest of an unread body counts against it too
-
-    def _serving(self) -> bool:
-        return self.cycle is not None and not self.cycle.response_complete
-
-    def _await_head(self) -> None:
-        self._head_arrived()
-        timeout_s = self.config.header_timeout_s  # type: ignore[attr-defined]
-        self._head_timer = self.loop.call_later(timeout_s, self._head_timed_out)
-
-    def _head_arrived(self) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
-
-    def _head_timed_out(self) -> None:
-        self._head_timer = None
-        if not self.transport.is_closing():
-            log.info(
-                "HTTP client %s sent no request head within %g s: closed",
-                self.client, self.config.header_timeout_s,  # type: ignore[attr-defined]
-            )  # fmt: skip
-            self.transport.close()
-
-
 class HttpFront:
     """uvicorn serving the app as a task on the router's loop, on a socket bound here (so a
     port in use is a clear error, and port 0 picks a free one)."""
@@ -190,6 +138,7 @@ class HttpFront:
         self.port = 0
         self.server: _Server | None = None
         self.task: asyncio.Task | None = None
+        self._undo_quiet: Callable[[], None] | None = None
 
     @property
     def scheme(self) -> str:
@@ -198,23 +147,29 @@ class HttpFront:
     async def start(self) -> None:
         host, _, port = self.settings.http_address.rpartition(":")
         host = host.strip("[]") or "127.0.0.1"
-        sock = listening_socket(host, int(port), self.settings.http_address)
+        max_open_files = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        gate = ConnectionGate(http_connection_cap(max_open_files))
+        sock = listening_socket(host, int(port), self.settings.http_address, gate)
         self.port = sock.getsockname()[1]
         tls, limits = self.settings.tls, self.settings.limits
-        config = _Config(
-            self.app, log_level="warning", log_config=None, access_log=False, lifespan="off",
-            timeout_graceful_shutdown=1, timeout_keep_alive=KEEP_ALIVE_S,
-            http=_TimedH11Protocol, header_timeout_s=limits.http_header_timeout_s,
+        config = ServerConfig(
+            self.app, limits=limits, gate=gate, log_level="warning", log_config=None,
+            access_log=False, lifespan="off", timeout_graceful_shutdown=1,
+            timeout_keep_alive=KEEP_ALIVE_S,
             ssl_certfile=tls.cert_file if tls else None, ssl_keyfile=tls.key_file if tls else None,
         )  # fmt: skip
         self.server = _Server(config)
+        self._undo_quiet = quiet_accept_errors(asyncio.get_running_loop(), gate)
         self.task = asyncio.create_task(self.server.serve(sockets=[sock]))
         while not self.server.started:
             if self.task.done():
                 self.task.result()
                 raise RuntimeError("the HTTP server stopped while starting")
             await asyncio.sleep(0.01)
-        log.info("HTTP API on %s://%s:%d", self.scheme, host, self.port)
+        log.info(
+            "HTTP API on %s://%s:%d, at most %d connections (open files limit %d)",
+            self.scheme, host, self.port, gate.max_connections, max_open_files,
+        )  # fmt: skip
 
     async def stop(self) -> None:
         if self.task is None:
@@ -223,17 +178,6 @@ class HttpFront:
         with contextlib.suppress(Exception, asyncio.CancelledError):
             await asyncio.wait_for(self.task, 5.0)
         self.task = None
-
-
-def listening_socket(host: str, port: int, address: str) -> socket.socket:
-    """Bound with ``SO_REUSEADDR``: a router restarted after a crash binds its port at once,
-    whatever its dead connections left in TIME_WAIT (Linux still refuses a port another socket
-    listens on, so the port stays exclusive; ``SO_REUSEPORT`` stays off)."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise ValueError(f"cannot listen on {address} (HTTP): {e.strerror}") from None
-    return sock
+        if self._undo_quiet is not None:
+            self._undo_quiet()
+            self._undo_quiet = None

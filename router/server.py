@@ -34,6 +34,7 @@ from specmesh.router.limits import (
     check_prompt_tokens,
     check_request,
     check_stop_rules,
+    raise_fd_limit,
 )
 from specmesh.router.request import Chunk, Request
 from specmesh.router.structured import ConstraintChecker
@@ -312,6 +313,7 @@ def _check_compatible(targets: list[GrpcTargetClient], drafts: list[GrpcDraftCli
 
 async def serve(settings: RouterSettings, grace_s: float = 30.0) -> None:
     """Process entry: start (a SIGTERM while connecting stops it too), serve until SIGTERM."""
+    raise_fd_limit()  # before any socket: the HTTP port's connection cap derives from it
     service = RouterService(settings)
     start = asyncio.ensure_future(service.start())
     signalled = asyncio.ensure_future(service.host.run_until_signal(grace_s))
