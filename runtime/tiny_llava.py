@@ -30,11 +30,12 @@ def make_tiny_llava(
     select_strategy: str = "default",
     feature_layer: int | list[int] = -2,
     text: str = "llama",
+    **text_overrides: object,
 ) -> Path:
     """Write a random ``LlavaForConditionalGeneration`` plus processor files. With the defaults an
     image becomes (16 / 4)² = 16 placeholder tokens (CLS dropped by the "default" strategy).
     ``text``: the language model, ``"llama"`` or ``"deepseek"`` (DeepSeek-V3: MLA + MoE, the
-    tiny dims of `runtime.tiny.make_tiny_deepseek`)."""
+    tiny dims of `runtime.tiny.make_tiny_deepseek`); ``text_overrides`` replace its dims."""
     import transformers
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
@@ -50,7 +51,7 @@ def make_tiny_llava(
         "deepseek": (transformers.DeepseekV3Config, TINY_DEEPSEEK_DIMS),
     }[text]
     text_config = text_cls(
-        **{**dims, "vocab_size": len(tokenizer)},
+        **{**dims, **text_overrides, "vocab_size": len(tokenizer)},
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

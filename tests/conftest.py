@@ -112,6 +112,16 @@ def assert_speculated(results, min_mean_accept: float = 1.0) -> None:
     assert mean >= min_mean_accept, f"{mean:.2f} tokens per round, want >= {min_mean_accept}"
 
 
+def assert_accepted(results, min_tokens: int = 1) -> None:
+    """The target accepted at least ``min_tokens`` draft tokens over all ``results`` (engine
+    results or `RequestStats`: each ``accept_lens`` entry counts a round's bonus token too).
+    Output equal to transformers' says nothing of accepted paths (the KV kept, the bonus after
+    them, a stop inside them) while every draft token is rejected, as a random draft's are."""
+    accepted = sum(n - 1 for r in results for n in r.accept_lens)
+    rounds = sum(len(r.accept_lens) for r in results)
+    assert accepted >= min_tokens, f"{accepted} draft tokens accepted in {rounds} rounds"
+
+
 def record_step_logits(drafter, rid: str) -> list[torch.Tensor]:
     """``rid``'s root logits (the extend's), then the logits of every step forward from now
     on, as the drafter's search sees them (its ``step_forward`` wrapped on the instance)."""
@@ -162,6 +172,15 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     make_tiny_target(root / "target")
     make_tiny_eagle3(root / "draft", root / "target", draft_vocab_size=200)
     return root
+
+
+@pytest.fixture(scope="session")
+def copy_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A one-layer tiny target and a draft of each kind built to predict it
+    (`copy_drafts.make_copy_pair`): ``target``, ``eagle3``, ``eagle``, ``mtp``, ``standalone``."""
+    from copy_drafts import make_copy_pair
+
+    return make_copy_pair(tmp_path_factory.mktemp("copy"))
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import assert_accepted
 
 from specmesh.kernels.testing import cpu_triton
 from specmesh.protocol.config import SpecParams
@@ -30,13 +31,14 @@ class CpuMetadataFreeTorch(TorchBackend):
 
 @pytest.mark.parametrize("backend", ["torch-no-cpu-metadata", cpu_triton()])
 def test_backend_greedy_speculative_equals_transformers(
-    tiny_dir: Path, oracle, backend: str, monkeypatch: pytest.MonkeyPatch
+    copy_dir: Path, oracle, backend: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With the triton backend the speculative kernels (tree build, greedy tree verify,
-    compaction) are the Triton ones too."""
+    compaction) are the Triton ones too. The EAGLE-3 draft predicts its target (`copy_drafts`):
+    rounds accept draft tokens, so the kept paths' KV is read back through the backend."""
     called = _spy_triton_kernels(monkeypatch)
     engine = Engine(
-        tiny_dir / "target", draft_model=tiny_dir / "draft", draft_kind="eagle3",
+        copy_dir / "target", draft_model=copy_dir / "eagle3", draft_kind="eagle3",
         spec=SpecParams(2, 2, 4), target_config={"attention_backend": "torch" if "torch" in backend else backend},
         draft_config={"attention_backend": "torch" if "torch" in backend else backend},
     )  # fmt: skip
@@ -52,7 +54,8 @@ def test_backend_greedy_speculative_equals_transformers(
     draft_calls = _count_forwards(engine.draft.drafter.backend)
     results = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, ignore_eos=True))
     for prompt, res in zip(PROMPTS, results, strict=True):
-        assert res.token_ids == oracle(tiny_dir / "target", prompt, 6)
+        assert res.token_ids == oracle(copy_dir / "target", prompt, 6)
+    assert_accepted(results, min_tokens=3)
     # The backend under test computed the attention, in both services.
     assert target_calls["forward"] > 0 and draft_calls["forward"] > 0
     want = (

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import reorder_tolerance
+from conftest import assert_accepted, reorder_tolerance
 
 from specmesh.draft_service.runtime import load_draft
 from specmesh.kernels.testing import cpu_triton
@@ -191,14 +191,15 @@ def test_draft_step_through_static_buffers(tiny_dir: Path, topk: int) -> None:
         assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
 
 
-def test_engine_through_static_paths_equals_transformers(tiny_dir: Path, oracle) -> None:
+def test_engine_through_static_paths_equals_transformers(copy_dir: Path, oracle) -> None:
     """Target decode / verify and draft steps routed through eager-static runners (the runtime
-    wiring a GPU uses with mode="cuda-graph") still generate the transformers greedy tokens."""
+    wiring a GPU uses with mode="cuda-graph") still generate the transformers greedy tokens,
+    with draft tokens accepted (the EAGLE-3 draft predicts its target: `copy_drafts`)."""
     from specmesh.protocol.sampling import SamplingParams
     from specmesh.router.engine import Engine
     from specmesh.target_service.graphs import TargetGraphs
 
-    engine = Engine(tiny_dir / "target", draft_model=tiny_dir / "draft", draft_kind="eagle3",
+    engine = Engine(copy_dir / "target", draft_model=copy_dir / "eagle3", draft_kind="eagle3",
                     spec=SpecParams(2, 2, 4))  # fmt: skip
     t = engine.target
     assert t.graphs is None and t.cfg.cuda_graph  # enabled, but never on CPU
@@ -219,7 +220,9 @@ def test_engine_through_static_paths_equals_transformers(tiny_dir: Path, oracle)
     for plain in (False, True):
         results = engine.generate(prompts, params, disable_speculation=plain)
         for prompt, res in zip(prompts, results, strict=True):
-            assert res.token_ids == oracle(tiny_dir / "target", prompt, 5)
+            assert res.token_ids == oracle(copy_dir / "target", prompt, 5)
+        if not plain:
+            assert_accepted(results, min_tokens=2)
     assert used == set(runners)  # every runner served batches
     # Graph padding owns no KV: with every request done, both caches hold nothing.
     assert t.cache.num_used_slots == 0 and drafter.cache.num_used_slots == 0

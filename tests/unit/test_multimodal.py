@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_speculated, llava_greedy
+from conftest import assert_accepted, assert_speculated, llava_greedy
+from copy_drafts import make_copy_llava
 
 from specmesh.draft_service.runtime import load_draft
 from specmesh.protocol.config import DraftConfig, SpecParams, TargetConfig
@@ -17,7 +18,7 @@ from specmesh.protocol.sampling import SamplingParams
 from specmesh.protocol.steps import ExtendInput, PrefillInput
 from specmesh.router.core import RouterConfig
 from specmesh.router.engine import Engine
-from specmesh.runtime.tiny_llava import make_tiny_llava, make_tiny_llava_eagle3, tiny_image
+from specmesh.runtime.tiny_llava import tiny_image
 from specmesh.target_service.runtime import TargetRuntime
 
 SPEC = SpecParams(num_steps=3, topk=2, num_draft_tokens=5)
@@ -27,10 +28,9 @@ TOKENS_PER_IMAGE = 16  # (16 px / 4 px patches)², CLS dropped
 
 @pytest.fixture(scope="module")
 def llava(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("llava")
-    make_tiny_llava(root / "target")
-    make_tiny_llava_eagle3(root / "draft", root / "target", seed=1)
-    return root
+    """A tiny LLaVA with a one-layer language model and an EAGLE-3 draft built to predict it
+    (`copy_drafts.make_copy_llava`): rounds accept draft tokens, image rows included."""
+    return make_copy_llava(tmp_path_factory.mktemp("llava"))
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +51,7 @@ def test_image_request_matches_transformers(llava: Path, engine: Engine) -> None
     res = engine.generate([prompt], _params(10), images=[[IMAGES[0]]])[0]
     assert res.token_ids == llava_greedy(llava / "target", prompt, [IMAGES[0]], 10)
     assert_speculated([res])
+    assert_accepted([res], min_tokens=2)
 
 
 def test_mixed_batch_matches_transformers(llava: Path, engine: Engine) -> None:
@@ -61,6 +62,7 @@ def test_mixed_batch_matches_transformers(llava: Path, engine: Engine) -> None:
     for prompt, imgs, res in zip(prompts, images, results, strict=True):
         assert res.token_ids == llava_greedy(llava / "target", prompt, imgs, 8), prompt
     assert_speculated(results)
+    assert_accepted(results, min_tokens=3)
 
 
 # -- target: expansion, merged embeddings, replay ------------------------------------------------

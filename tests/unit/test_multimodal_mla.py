@@ -5,19 +5,17 @@ target's merged ``mm_input_embeds`` and never embeds an image placeholder id its
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import llava_greedy
+from conftest import assert_accepted, llava_greedy
+from copy_drafts import make_copy_mla_llava
 
 from specmesh.protocol.config import SpecParams
 from specmesh.protocol.sampling import SamplingParams
 from specmesh.router.engine import Engine
-from specmesh.runtime.tiny import make_tiny_deepseek
-from specmesh.runtime.tiny_llava import make_tiny_llava, tiny_image
-from specmesh.runtime.tiny_nextn import export_nextn
+from specmesh.runtime.tiny_llava import tiny_image
 
 IMAGES = [tiny_image(0), tiny_image(1, (30, 17), "JPEG")]
 PROMPTS = ["def <image> add(a, b):", "print(<image>, <image>)"]
@@ -25,13 +23,11 @@ PROMPTS = ["def <image> add(a, b):", "print(<image>, <image>)"]
 
 @pytest.fixture(scope="module")
 def mla_llava(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The LLaVA-DeepSeek target, and a NextN layer for its text model in SGLang's export
-    layout (random: transformers' LLaVA writes no NextN layer; exactness never depends on it)."""
-    root = tmp_path_factory.mktemp("mla_llava")
-    target = make_tiny_llava(root / "target", text="deepseek")
-    vocab = json.loads((target / "config.json").read_text())["text_config"]["vocab_size"]
-    plain = make_tiny_deepseek(root / "plain", vocab_size=vocab, nextn=True)
-    return {"target": target, "nextn": export_nextn(plain, root / "nextn")}
+    """The LLaVA-DeepSeek target (a one-layer language model), and a NextN layer for it in
+    SGLang's export layout that copies that layer, so its drafts are accepted
+    (`copy_drafts.make_copy_mla_llava`; transformers' LLaVA writes no NextN layer)."""
+    root = make_copy_mla_llava(tmp_path_factory.mktemp("mla_llava"))
+    return {"target": root / "target", "nextn": root / "nextn"}
 
 
 def test_plain_and_mtp_image_requests_match_transformers(
@@ -54,6 +50,7 @@ def test_plain_and_mtp_image_requests_match_transformers(
     results = mtp.generate(PROMPTS, params, images=images)
     assert [r.token_ids for r in results] == expected
     assert all(r.accept_lens for r in results)  # the draft's trees were verified each round
+    assert_accepted(results, min_tokens=2)  # over image rows too: accepted paths' latent KV
     p_id = mtp.target.mm.image_token_id
     assert looked_up and p_id not in looked_up  # image rows came from the target's embeds
     assert mtp.target.num_requests == 0 and mtp.draft.kv_slots()[0] == 0
