@@ -13,14 +13,17 @@ children first), so the first ``k`` nodes form a valid tree: `DraftTree.cut`. Th
 whatever tree it is given and samples along it, so output is lossless for every ``k``.
 
 Estimates, all deterministic given the measurements (tests inject them):
-- costs: an exponential moving average per (target, batch-size bucket, k) for verify and per
-  (draft, bucket) for a steady draft step (extend over one round's tokens + propose: a step
-  that also extends over a prompt or over rounds held back is not typical and not counted).
-  Each is the replica's own time for the call (`service_time`: with two micro-batches in
-  flight, a call that queued behind the other's is not charged the wait); a ``k`` between two
-  measured sizes is
-  interpolated; a cost never measured counts as free, so it is tried (full trees first, then
-  plain) before the estimates decide;
+- costs: the median of the latest `COST_WINDOW` measurements (`Cost`) per (target,
+  batch-size bucket, k) for verify and per (draft, bucket) for a steady draft step (extend over
+  one round's tokens + propose: a step that also extends over a prompt or over rounds held back
+  is not typical and not counted). Each is the replica's own time for the call
+  (`service_time`: with two micro-batches in flight, a call that queued behind the other's is
+  not charged the wait); a ``k`` between two measured sizes is interpolated; a cost never
+  measured counts as free, so it is tried (full trees first, then plain) before the estimates
+  decide. A median of a few, not a moving average: the side not chosen is measured only when
+  a probe runs it, and an average kept a slow first call (a draft process's first steady step
+  on CPU took 117 ms, the next ones 7 - 10) for hundreds of rounds, planning plain decoding
+  all along;
 - acceptance: per request and per draft replica, a decayed record of what each cut would have
   yielded (`Acceptance`); a request leans on its draft's record until it has its own, and the
   draft's record starts optimistic (every draft token accepted). A plain round ages the
@@ -29,19 +32,25 @@ Estimates, all deterministic given the measurements (tests inject them):
 - exploring: a bucket's plan now and then tries the other side (plain when speculating, the
   full tree when not), so neither estimate goes stale: after ``probe_every`` plans, then twice
   as many after each probe, up to ``MAX_PROBE_INTERVAL`` (a short run explores little, a long
-  one keeps checking).
+  one keeps checking). A probe runs `PROBE_ROUNDS` rounds, so that most of the window it
+  leaves is its own: a probe of speculation's first draft step extends over the rounds held
+  back (not counted), its next two are steady and measured. With one-round probes the draft's
+  cost was never measured again once plain decoding won, and with a probe's single measurement
+  the window kept a burst of slow calls (another process on the core) as the estimate.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from specmesh.protocol.trees import DraftTree
 
 MODES = ("adaptive", "always", "never")
-COST_SMOOTHING = 0.2  # weight of a new cost measurement in its moving average
+COST_WINDOW = 3  # latest measurements a cost estimate is the median of
+PROBE_ROUNDS = 3  # rounds a probe runs the side not chosen (2 measured draft steps)
 MAX_PROBE_INTERVAL = 256  # plans between two probes of a bucket whose best choice holds
 REQUEST_PRIOR_WEIGHT = 2.0  # rounds of the draft's record a request's own record starts from
 DRAFT_PRIOR_WEIGHT = 1.0  # rounds of "every draft token accepted" the draft's record starts from
@@ -86,6 +95,23 @@ class Acceptance:
         """Tokens per round with trees cut to ``k``, the record shrunk toward ``prior``."""
         s, n = (self.sums[k - 1], self.counts[k - 1]) if k <= len(self.sums) else (0.0, 0.0)
         return (s + prior_weight * prior) / (n + prior_weight)
+
+
+@dataclass
+class Cost:
+    """One call's cost: the median of its latest `COST_WINDOW` measurements (of two, the
+    lower). Noise on a shared machine only ever slows a call, so one slow call (a cold first
+    one, one that shared its core) moves nothing, and a lasting change wins in two calls."""
+
+    samples: deque[float] = field(default_factory=lambda: deque(maxlen=COST_WINDOW))
+
+    def add(self, seconds: float) -> None:
+        self.samples.append(seconds)
+
+    @property
+    def seconds(self) -> float:
+        ordered = sorted(self.samples)
+        return ordered[(len(ordered) - 1) // 2]
 
 
 def interpolate_costs(measured: dict[int, float], max_nodes: int) -> list[float | None]:
@@ -137,8 +163,8 @@ class SpeculationPolicy:
         if mode not in MODES:
             raise ValueError(f"speculation mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.mode, self.probe_every = mode, probe_every
-        self.verify_costs: dict[tuple[str, int], dict[int, float]] = {}
-        self.draft_costs: dict[tuple[str, int], float] = {}
+        self.verify_costs: dict[tuple[str, int], dict[int, Cost]] = {}
+        self.draft_costs: dict[tuple[str, int], Cost] = {}
         self.drafts: dict[str, Acceptance] = {}  # per draft replica: the requests' prior
         self.probes: dict[tuple[str, int], _Probe] = {}  # per (target, bucket)
         self.busy_until: dict[str, float] = {}  # per replica: when its last call ended
@@ -154,11 +180,10 @@ class SpeculationPolicy:
     # -- measurements --------------------------------------------------------------------------
     def observe_verify(self, target: str, batch_size: int, tree_size: int, seconds: float) -> None:
         costs = self.verify_costs.setdefault((target, bucket(batch_size)), {})
-        costs[tree_size] = _smooth(costs.get(tree_size), seconds)
+        costs.setdefault(tree_size, Cost()).add(seconds)
 
     def observe_draft(self, draft: str, batch_size: int, seconds: float) -> None:
-        key = (draft, bucket(batch_size))
-        self.draft_costs[key] = _smooth(self.draft_costs.get(key), seconds)
+        self.draft_costs.setdefault((draft, bucket(batch_size)), Cost()).add(seconds)
 
     def observe_round(
         self, draft: str, request: Acceptance, tree: DraftTree, tokens: list[int]
@@ -184,11 +209,16 @@ class SpeculationPolicy:
             return Plan(max_nodes)
         key = (target, bucket(batch_size))
         gains = self.expected_tokens(draft, requests, max_nodes, batch_size)
-        verify = interpolate_costs(self.verify_costs.get(key, {}), max_nodes)
-        best = best_tree_size(gains, verify, self.draft_costs.get((draft, key[1])))
+        measured = {k: c.seconds for k, c in self.verify_costs.get(key, {}).items()}
+        verify = interpolate_costs(measured, max_nodes)
+        draft_cost = self.draft_costs.get((draft, key[1]))
+        best = best_tree_size(gains, verify, None if draft_cost is None else draft_cost.seconds)
         probe = self.probes.setdefault(key, _Probe(self.probe_every, self.probe_every))
-        if probe.due() and None not in verify:
-            best = 1 if best > 1 else max_nodes
+        if not probe.rounds_left and probe.due() and None not in verify:
+            probe.rounds_left, probe.speculate = PROBE_ROUNDS, best == 1
+        if probe.rounds_left:
+            probe.rounds_left -= 1
+            best = max_nodes if probe.speculate else 1
         return Plan(best)
 
     def expected_tokens(
@@ -212,6 +242,8 @@ class _Probe:
 
     interval: int
     countdown: int
+    rounds_left: int = 0  # of the probe running now
+    speculate: bool = False  # the side it runs
 
     def due(self) -> bool:
         self.countdown -= 1
@@ -220,7 +252,3 @@ class _Probe:
         self.interval = min(2 * self.interval, MAX_PROBE_INTERVAL)
         self.countdown = self.interval
         return True
-
-
-def _smooth(old: float | None, new: float) -> float:
-    return new if old is None else old + COST_SMOOTHING * (new - old)

@@ -16,6 +16,7 @@ from specmesh.router.core import RouterConfig
 from specmesh.router.engine import Engine
 from specmesh.router.policy import (
     Acceptance,
+    Cost,
     Plan,
     SpeculationPolicy,
     best_tree_size,
@@ -142,9 +143,61 @@ def test_probes_the_other_side_periodically_and_deterministically() -> None:
             policy.observe_verify("t", 1, k, seconds)
         policy.observe_draft("d", 1, 0.008)
         records = _records(policy, accepted=5)
-        return [policy.plan("t", "d", 1, records, N).tree_size for _ in range(13)]
+        return [policy.plan("t", "d", 1, records, N).tree_size for _ in range(17)]
 
-    assert plans() == [6, 6, 6, 1, *[6] * 7, 1, 6] == plans()  # then every 8, 16, ...
+    assert plans() == [6] * 3 + [1] * 3 + [6] * 7 + [1] * 3 + [6] == plans()  # then every 16, ...
+
+
+def test_a_cost_is_the_median_of_its_latest_measurements() -> None:
+    cost = Cost()
+    cost.add(0.117)  # a cold first call
+    assert cost.seconds == 0.117
+    cost.add(0.009)  # of two, the lower: a probe's fresh measurement counts at once
+    assert cost.seconds == 0.009
+    cost.add(0.010)
+    assert cost.seconds == 0.010
+    cost.add(0.030)  # one call that shared its core moves nothing
+    assert cost.seconds == 0.010
+    for seconds in (0.020, 0.021):  # a lasting change wins in two calls
+        cost.add(seconds)
+    assert cost.seconds == 0.021
+
+
+def _slow_draft_policy(draft: list[float]) -> tuple[SpeculationPolicy, list[Acceptance]]:
+    """Speculation pays at the draft's real cost (9 ms), but its window holds slow steps."""
+    policy = SpeculationPolicy("adaptive", probe_every=4)
+    policy.observe_verify("t", 1, 1, 0.009)
+    policy.observe_verify("t", 1, N, 0.014)
+    for seconds in draft:
+        policy.observe_draft("d", 1, seconds)
+    return policy, _records(policy, accepted=3)
+
+
+@pytest.mark.parametrize("slow", [[0.117], [0.080, 0.062, 0.056]], ids=["cold", "burst"])
+def test_a_probe_measures_a_slow_draft_again(slow: list[float]) -> None:
+    """A cold first draft step, or a burst of slow ones (another process on the core), makes
+    plain decoding look better. The probe of speculation runs three rounds: the first draft
+    step extends over the rounds held back (the replica does not count it), the next two are
+    measured, and they outvote what the window held."""
+    policy, records = _slow_draft_policy(slow)
+    sizes = [policy.plan("t", "d", 1, records, N).tree_size for _ in range(6)]
+    assert sizes == [1, 1, 1, N, N, N]  # plain, then the probe
+    for _ in range(2):
+        policy.observe_draft("d", 1, 0.009)  # its two steady draft steps
+    sizes = [policy.plan("t", "d", 1, records, N).tree_size for _ in range(12)]
+    assert sizes == [4] * 7 + [1] * 3 + [4] * 2  # root + the 3 accepted; a probe of plain
+
+
+def test_one_measurement_of_a_probe_would_not_outvote_a_burst() -> None:
+    policy, records = _slow_draft_policy([0.080, 0.062, 0.056])
+    policy.observe_draft("d", 1, 0.009)
+    assert not policy.plan("t", "d", 1, records, N).speculate
+
+
+def test_a_probe_of_speculation_ends_where_plain_pays() -> None:
+    policy, records = _slow_draft_policy([0.117])
+    sizes = [policy.plan("t", "d", 1, records, N).tree_size for _ in range(20)]
+    assert sizes == [1] * 3 + [N] * 3 + [1] * 7 + [N] * 3 + [1] * 4  # probes after 4, then 8
 
 
 def test_modes_always_and_never_ignore_the_measurements() -> None:
@@ -236,6 +289,20 @@ def test_plain_rounds_age_the_requests_records(tiny_dir: Path, oracle, monkeypat
     for prompt, n, res in zip(PROMPTS, MAX_NEW, engine.generate(PROMPTS, params), strict=True):
         assert res.token_ids == oracle(tiny_dir / "target", prompt, n)
     assert sizes.count(1) > 0 and len(fades) == sizes.count(1)
+
+
+def test_the_engine_measures_the_draft_again_after_a_slow_first_step(tiny_dir: Path) -> None:
+    """Through the engine's real rounds: a draft step estimate far above the real one (a
+    cold first step) sends the request to plain decoding; a probe measures the draft again.
+    With one-round probes it never was: their draft steps extend over the rounds held back,
+    which the replica does not count."""
+    engine = _engine(tiny_dir / "target", tiny_dir / "draft", "adaptive", batch=1)
+    engine.policy.observe_verify("target-0", 1, 1, 0.001)
+    engine.policy.observe_verify("target-0", 1, N, 0.001)
+    engine.policy.observe_draft("draft-0", 1, 10.0)
+    res = engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=24, ignore_eos=True))[0]
+    assert engine.policy.draft_costs["draft-0", 1].seconds < 1.0
+    assert res.accept_lens[:3] == [1, 1, 1]  # plain, as the estimates said
 
 
 def test_never_runs_no_draft_step(tiny_dir: Path, oracle) -> None:
