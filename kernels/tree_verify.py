@@ -9,7 +9,7 @@ Greedy: at node n move to the first child whose token equals ``target_ids[n]``; 
 ``target_ids[last node]``.
 
 Sampled requests use the same walk: the target draws each node's token by the sampling contract
-(a keyed inverse-CDF draw per output position, `specmesh.runtime.sampling`) and passes the draws
+(a keyed Gumbel-max draw per output position, `specmesh.runtime.sampling`) and passes the draws
 as ``target_ids``; why that is lossless is in `specmesh.target_service.acceptance`.
 
 Bit-exactness: both implementations compare token ids only, so there is nothing to round.

@@ -1,41 +1,26 @@
 """The math that turns logits into tokens under a request's `SamplingParams`.
 
-The sampling contract (DESIGN.md §6). The token at output position ``p`` of a request is an
-inverse-CDF draw from the processed distribution there with ONE uniform, ``keyed_uniforms(seed,
-p)``: a hash of the request's seed and the position, not a stream that earlier draws advance.
-So a seeded request samples the same tokens whatever batch it shares, on whichever replica it is
-replayed, and whatever trees a draft proposed: verification (`target_service.acceptance`) draws
-each tree node's token the same way and accepts a child exactly when it is that token, so the
-accepted path plus the bonus token is what plain decoding would have drawn (lossless by
-construction, and identical for a seed).
+The sampling contract (DESIGN.md §6). The token at output position ``p`` of a request is the
+argmax of ``log p_processed(t) + G(seed, p, t)`` over token ids ``t``: Gumbel-max with noise
+from a counter-based hash of (seed, position, token), not a stream that earlier draws advance
+(`specmesh.kernels.gumbel`). So a seeded request samples the same tokens whatever batch it
+shares, on whichever replica it is replayed, and whatever trees a draft proposed: verification
+(`target_service.acceptance`) draws each tree node's token the same way and accepts a child
+exactly when it is that token, so the accepted path plus the bonus token is what plain decoding
+would have drawn (lossless by construction, and identical for a seed). Two code paths whose
+logits differ by rounding draw different tokens only where the top two of ``log p + G`` are
+that close: a near tie of the race, not a boundary between neighbouring ids in a CDF.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
+from specmesh.kernels.gumbel import gumbel_argmax, row_keys
 from specmesh.protocol.sampling import SamplingParams
-
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
-
-
-def keyed_uniforms(seeds: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
-    """One uniform in [0, 1) per (seed, output position), float64: splitmix64 of the pair, a
-    counter-based generator, so a draw depends on nothing but its key (no state, no order)."""
-    s = np.asarray(seeds, dtype=np.uint64)
-    p = np.asarray(positions, dtype=np.uint64)
-    with np.errstate(over="ignore"):  # uint64 arithmetic wraps by design
-        x = (s * _GOLDEN + p) * _GOLDEN + _GOLDEN
-        x = (x ^ (x >> np.uint64(30))) * _MIX1
-        x = (x ^ (x >> np.uint64(27))) * _MIX2
-        x = x ^ (x >> np.uint64(31))
-    return torch.from_numpy((x >> np.uint64(11)).astype(np.float64) * 2.0**-53)
 
 
 @dataclass
@@ -130,7 +115,7 @@ def processed_probs(
     vocab = logits.shape[-1]
     dev = logits.device
     col = lambda values, dtype=torch.float32: torch.tensor(values, dtype=dtype, device=dev)[:, None]
-    x = logits / col([1.0 if p.greedy else p.temperature for p in params])
+    x = _tempered(logits, params)
     probs = torch.softmax(x, -1)
     if any(0 < p.top_k < vocab for p in params):  # decided on the host: no device sync
         top_k = col([p.top_k if 0 < p.top_k < vocab else vocab for p in params], torch.int64)
@@ -170,12 +155,26 @@ def processed_logprobs(
     return out
 
 
-def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Smallest index whose cumulative mass exceeds ``u * total``, per row: ``[rows] int64``."""
-    cdf = probs.cumsum(-1)
-    idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1)
-    last_nonzero = probs.shape[-1] - 1 - (probs.flip(-1) > 0).int().argmax(-1)
-    return torch.minimum(idx, last_nonzero)
+def _tempered(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """fp32 logits divided by each row's temperature (1 for a greedy row): ``[rows, vocab]``."""
+    temps = [1.0 if p.greedy else p.temperature for p in params]
+    return logits.float() / torch.tensor(temps, device=logits.device)[:, None]
+
+
+def _truncates(p: SamplingParams, vocab: int) -> bool:
+    return 0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0.0
+
+
+def sampling_scores(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """What a sampled row's draw races over: ``log p`` of its processed distribution up to a
+    per-row constant, i.e. the tempered logits with -inf where top-k / top-p / min_p removed a
+    token (where `processed_probs` is 0, which in a truncated row also drops tokens below
+    float32's smallest probability, ~e**-103). fp32 ``[rows, vocab]``; ``logits``
+    history-processed."""
+    x = _tempered(logits, params)
+    if not any(_truncates(p, x.shape[-1]) for p in params):
+        return x
+    return x.masked_fill(processed_probs(logits, params) == 0, float("-inf"))
 
 
 def sample_tokens(
@@ -183,23 +182,26 @@ def sample_tokens(
     params: list[SamplingParams],
     offsets: list[int],
     histories: list[TokenHistory | None] | None = None,
+    impl: str = "torch",
 ) -> torch.Tensor:
     """One token per row of ``logits`` ``[rows, vocab]``: greedy rows by argmax of the processed
-    logits, others by inverse CDF with the request's own uniform. ``offsets`` (tokens generated
-    so far) seed the draws and drive min_tokens."""
-    return draw_tokens(apply_history(logits, params, histories, offsets), params, offsets)
+    logits, others by the keyed Gumbel-max draw (``impl``: its kernel). ``offsets`` (tokens
+    generated so far) key the draws and drive min_tokens."""
+    logits = apply_history(logits, params, histories, offsets)
+    return draw_tokens(logits, params, offsets, impl)
 
 
 def draw_tokens(
-    logits: torch.Tensor, params: list[SamplingParams], positions: list[int]
+    logits: torch.Tensor, params: list[SamplingParams], positions: list[int], impl: str = "torch"
 ) -> torch.Tensor:
     """One token per row of history-processed ``logits`` ``[rows, vocab]``: the argmax for a
-    greedy row, else the inverse-CDF draw with the row's keyed uniform (``positions``: the output
-    position each row's token takes)."""
+    greedy row, else the Gumbel-max draw keyed by (seed, ``positions[row]``: the output position
+    the row's token takes). ``impl`` picks the draw's kernel (`specmesh.kernels.gumbel`); both
+    give the same tokens bit for bit."""
     tokens = logits.argmax(-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
-        probs = processed_probs(logits[rows], [params[i] for i in rows])
-        u = keyed_uniforms([params[i].seed or 0 for i in rows], [positions[i] for i in rows])
-        tokens[rows] = inverse_cdf(probs, u.to(probs.device, probs.dtype))
+        scores = sampling_scores(logits[rows], [params[i] for i in rows])
+        keys = row_keys([params[i].seed or 0 for i in rows], [positions[i] for i in rows])
+        tokens[rows] = gumbel_argmax(scores, keys.to(scores.device), impl)
     return tokens

@@ -130,12 +130,30 @@ MUTANTS = (
         "tree-draws-keyed-by-request",
         "verify draws every tree node's token with the key of the request's next position, not the node's own",
         "target_service/acceptance.py",
-        "target_ids = draw_tokens(padded, params, generated).view(bs, n_max)",
-        "target_ids = draw_tokens(padded, params, [i.sample_offset for i in inputs for _ in range(n_max)]).view(bs, n_max)",
+        "target_ids = draw_tokens(padded, params, generated, impl).view(bs, n_max)",
+        "target_ids = draw_tokens(padded, params, [i.sample_offset for i in inputs for _ in range(n_max)], impl).view(bs, n_max)",
         (
             "tests/unit/test_seeded_sampling.py",
             "tests/integration/test_grpc_services.py::test_a_seed_fixes_the_output_through_the_cluster",
         ),
+    ),
+    Mutant(
+        "gumbel-noise-per-row",
+        "the draw's noise ignores the token id, so every token of a row gets the same noise (the draw is greedy)",
+        "kernels/gumbel.py",
+        "h = _mix32_ref(tokens ^ lo)",
+        "h = _mix32_ref(tokens * 0 ^ lo)",
+        (
+            "tests/unit/test_seeded_sampling.py::test_draws_over_seeds_follow_the_processed_distribution",
+        ),
+    ),
+    Mutant(
+        "gumbel-race-tie-to-the-last",
+        "the Triton race gives a tie between two blocks to the later token, not the first as torch's argmax",
+        "kernels/gumbel.py",
+        "take = value > best",
+        "take = value >= best",
+        ("tests/unit/test_kernels_gumbel.py",),
     ),
 )
 

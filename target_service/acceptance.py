@@ -1,7 +1,7 @@
 """Which draft tokens the target accepts: pad every request's tree to one shape, process each
 node's logits (the tokens before a node count: per-node history for penalties, per-node grammar
 masks for constrained requests, `target_service.grammar`), draw each node's
-token as plain decoding would at that output position (the argmax, or the keyed inverse-CDF
+token as plain decoding would at that output position (the argmax, or the keyed Gumbel-max
 draw: `runtime.sampling`), then follow the draws down the tree (`kernels.tree_verify`'s greedy
 verifier): a child is accepted exactly when it is its parent's draw, and the last accepted
 node's draw is the bonus token. Lossless by construction, and a seed fixes the output whatever
@@ -40,7 +40,8 @@ def accept_trees(
     inputs: list[VerifyRow], logits: torch.Tensor, n_max: int, impl: str = "torch"
 ) -> Acceptance:
     """Accept a path of every request's tree by following each node's draw (the module
-    docstring). ``impl`` picks the verifier kernel (`specmesh.kernels.common.kernel_impl`).
+    docstring). ``impl`` picks the draw's and the verifier's kernels
+    (`specmesh.kernels.common.kernel_impl`).
 
     Node i's logits predict the token after it, so its processors read the request's history
     plus the path root..i (the root, the pending token, is already in the history) and count
@@ -72,8 +73,8 @@ def accept_trees(
     if any(i.params.logprobs is not None for i in inputs):
         lp = processed_logprobs(padded, params).view(bs, n_max, -1)
     # Every node's token drawn as plain decoding would draw it at that position (the argmax,
-    # or the keyed inverse-CDF draw); a child is accepted exactly when it is its parent's draw.
-    target_ids = draw_tokens(padded, params, generated).view(bs, n_max)
+    # or the keyed Gumbel-max draw); a child is accepted exactly when it is its parent's draw.
+    target_ids = draw_tokens(padded, params, generated, impl).view(bs, n_max)
     return Acceptance(verify_tree_greedy(*tree, target_ids, impl=impl), lp)
 
 

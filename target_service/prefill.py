@@ -134,7 +134,7 @@ def _sample_first(
     logits = rt.model.compute_logits(hidden)
     logits = mask_logits(logits, row_masks(grammars, logits.shape[-1]))
     params, offsets = [i.params for i in final], [i.sample_offset for i in final]
-    first = sample_tokens(logits, params, offsets, histories).tolist()
+    first = sample_tokens(logits, params, offsets, histories, rt.kernel_impl).tolist()
     asked = [b for b, p in enumerate(params) if p.logprobs is not None]
     if asked:
         lp = processed_logprobs(logits[asked], [params[b] for b in asked],

@@ -297,15 +297,20 @@ def llava_greedy(model_dir: str, prompt: str, image: bytes, n: int) -> list[int]
 
 def test_a_seed_fixes_the_output_through_the_cluster(stack) -> None:
     """Four identical sampled requests with a seed give one output, the same as with
-    speculation off (the sampling contract: keyed draws, `test_seeded_sampling`)."""
+    speculation off (the sampling contract: keyed draws, `test_seeded_sampling`); so does issue
+    54's shape, a 450-token prompt at temperature 0.9 with seed 708."""
     from specmesh.protocol.sampling import SamplingParams
 
-    params = SamplingParams(max_new_tokens=16, temperature=0.8, seed=42, ignore_eos=True)
-    run = lambda **kw: tuple(
-        collect(stack.client.generate(prompt_token_ids=PROMPTS[0], sampling=params, **kw))[0]
-    )
-    outputs = {run() for _ in range(4)}
-    assert outputs == {run(disable_speculation=True)}
+    long = [(37 * i + 11) % 300 + 4 for i in range(450)]
+    for prompt, temperature, seed in [(PROMPTS[0], 0.8, 42), (long, 0.9, 708)]:
+        params = SamplingParams(
+            max_new_tokens=16, temperature=temperature, seed=seed, ignore_eos=True
+        )
+        run = lambda p=prompt, s=params, **kw: tuple(
+            collect(stack.client.generate(prompt_token_ids=p, sampling=s, **kw))[0]
+        )
+        outputs = {run() for _ in range(4)}
+        assert outputs == {run(disable_speculation=True)}, prompt[:8]
 
 
 def test_a_shared_prefix_comes_from_the_prefix_cache(stack) -> None:
