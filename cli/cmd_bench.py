@@ -148,6 +148,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "(API key: SPECMESH_API_KEY)",
     )
     p.add_argument(
+        "--faults", nargs="?", const="all", metavar="SCENARIOS",
+        help="run the fault report instead (bench/faults.py): every scenario, or those named; "
+        "writes OUT/faults/table.md and results.json",
+    )  # fmt: skip
+    p.add_argument(
         "--out", default="bench_results", metavar="DIR", help="output folder (or a .json file path)"
     )
     p.set_defaults(run=run)
@@ -285,6 +290,13 @@ def run(args: argparse.Namespace) -> int:
 
     if args.http:
         return run_http_mode(args)
+    if args.faults:
+        from specmesh.bench.faults import main as run_faults
+
+        picked = [] if args.faults == "all" else ["--scenarios", args.faults]
+        models = ["--target-model", args.target_model] if args.target_model else []
+        models += ["--draft-model", args.draft_model] if args.draft_model else []
+        return run_faults(["--out", str(Path(args.out) / "faults"), *picked, *models])
     results = run_bench(settings_from_args(args))
     out = Path(args.out)
     json_path = out if out.suffix == ".json" else out / "results.json"
