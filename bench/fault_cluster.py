@@ -254,9 +254,10 @@ def http_post(
     """One request on a fresh connection: its status, 0 when the connection broke before an
     answer. ``declared``: the Content-Length sent (default ``len(body)``). The body goes out in
     pieces, and an answer that arrives before the last is read (a refusal mid-body)."""
+    length = len(body) if declared is None else declared
     head = (
         f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body) if declared is None else declared}\r\nConnection: close\r\n\r\n"
+        f"Content-Length: {length}\r\nConnection: close\r\n\r\n"
     )
     data = b""
     with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:

@@ -169,13 +169,11 @@ def hostile_bodies(ctx: FaultContext) -> Effect:
 def idle_connections(ctx: FaultContext) -> Effect:
     """NUM_IDLE sockets that send nothing, held while requests run: /health and greedy HTTP
     completions must still answer (exact); then count the sockets the router closes."""
-    port = ctx.cluster.http_port
+    port, effect = ctx.cluster.http_port, Effect("")
+    health_ms = [_timed_health(port, effect)]
     socks = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(NUM_IDLE)]
     try:
-        start = time.perf_counter()
-        effect = Effect("")
-        _check_health(port, effect)
-        health_ms = (time.perf_counter() - start) * 1e3
+        health_ms.append(_timed_health(port, effect))
         probes = [Req((5 + k, 6, 7, 8), 8) for k in range(4)]
         exact = sum(
             _http_completion(port, ctx.cluster.model_name, r) == ctx.expected_text(r)
@@ -188,7 +186,8 @@ def idle_connections(ctx: FaultContext) -> Effect:
         for s in socks:
             s.close()
     effect.note = (
-        f"{NUM_IDLE} idle sockets: /health in {health_ms:.0f} ms, HTTP completions "
+        f"{NUM_IDLE} idle sockets: /health in {health_ms[0]:.0f} ms before them, "
+        f"{health_ms[1]:.0f} ms with them open; HTTP completions "
         f"{exact}/{len(probes)} exact; router closed {closed}/{NUM_IDLE} within {IDLE_WAIT_S:.0f} s"
     )
     return effect
@@ -205,6 +204,12 @@ def _check_health(port: int, effect: Effect) -> None:
     status = http_post(port, "/health", b"", method="GET")
     if status != 200:
         effect.failures[f"/health {status or 'reset'}"] += 1
+
+
+def _timed_health(port: int, effect: Effect) -> float:
+    start = time.perf_counter()
+    _check_health(port, effect)
+    return (time.perf_counter() - start) * 1e3
 
 
 def _closed_within(socks: list[socket.socket], timeout_s: float) -> int:
@@ -274,7 +279,7 @@ SCENARIOS: dict[str, Scenario] = {
         ),
         Scenario(
             "prefix-evict",
-            "shared prefixes through prefix caches smaller than one prompt, every 4th cancelled",
+            "shared prefixes through prefix caches smaller than most prompts, every 4th cancelled",
             prefix_eviction,
             cluster=ClusterSpec(model_flags=PREFIX_CACHE),
             during=shared_prefixes,

@@ -6,11 +6,11 @@
 Each scenario (`specmesh.bench.fault_scenarios`) runs three phases of greedy gRPC streams
 against a cluster of real processes (`specmesh.bench.fault_cluster`): *before* the fault,
 *during* it (the fault lands once every request has its first tokens) and *after* it (once what
-it killed is restarted and speculative requests reach every replica again: `Cluster.wait_serving`). Every request is checked
-against an in-process `Engine` decoding the same prompts plainly (no draft, one process): a
-finished one must equal it, a cancelled one must be a prefix of it. Afterwards every service
-must hold nothing: GetInfo occupancy of the targets and the draft, the router's requests
-running / waiting. Consecutive scenarios on the same cluster shape share one cluster.
+it killed is restarted and speculative requests reach every replica again, `wait_serving`).
+Every request is checked against an in-process `Engine` decoding the same prompts plainly (no
+draft, one process): a finished one must equal it, a cancelled one must be a prefix of it.
+Afterwards every service must hold nothing: GetInfo occupancy of the targets and the draft, the
+router's requests running / waiting. Consecutive scenarios on one cluster shape share a cluster.
 
 Writes OUT/results.json and OUT/table.md; exits 1 if any output was wrong, any request failed,
 the fault's own traffic got a wrong answer, or anything was held afterwards.
@@ -32,7 +32,15 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from specmesh.bench.fault_cluster import COUNTERS, Cluster, Load, Outcome, Req
+from specmesh.bench.fault_cluster import (
+    COUNTERS,
+    DRAFT_SHAPE,
+    ROUTER_FLAGS,
+    Cluster,
+    Load,
+    Outcome,
+    Req,
+)
 from specmesh.bench.fault_scenarios import (
     SCENARIOS,
     FaultContext,
@@ -147,7 +155,7 @@ def run_scenario(s: Scenario, cluster: Cluster, oracle: Oracle) -> ScenarioResul
     outcomes["after"] = Load(cluster.router, reqs["after"]).join()
     held = cluster.wait_empty()
     grown = {k: v - counters.get(k, 0.0) for k, v in cluster.metrics().items() if k in COUNTERS}
-    notes += [f"{v:.0f} {COUNTERS[k]}" for k, v in sorted(grown.items()) if v]
+    notes += [f"{COUNTERS[k]}: {v:.0f}" for k, v in sorted(grown.items()) if v]
     phases = {p: summarize(reqs[p], outcomes[p], oracle) for p in PHASES}
     return ScenarioResult(
         name=s.name,
@@ -237,20 +245,25 @@ def tiny_pair() -> ModelChoice:
     return ModelChoice(str(root / "target"), str(root / "draft"), "eagle3")
 
 
-def write_report(results: Sequence[ScenarioResult], out: Path, command: str, wall_s: float) -> None:
+def write_report(
+    results: Sequence[ScenarioResult], out: Path, command: str, models: str, wall_s: float
+) -> None:
     header = (
         f"# Fault report\n\n    {command}\n\n"
         f"{len(results)} scenarios in {wall_s:.0f} s on {os.cpu_count()} CPU cores "
-        f"({time.strftime('%Y-%m-%d')}). Phases b / d / a: before, during, after the fault; "
-        "exact: a finished request equals the in-process engine's greedy output, a cancelled "
-        "one is a prefix of it; drafted: requests the target verified draft tokens for; "
-        "latency: whole request, finished ones; held after: GetInfo occupancy of every target "
-        "and draft, the router's requests running and waiting.\n\n"
+        f"({time.strftime('%Y-%m-%d')}), {models}: target(s), an EAGLE-3 draft "
+        f"({' '.join(DRAFT_SHAPE)}) and a router ({' '.join(ROUTER_FLAGS)}, HTTP on), each "
+        "`python -m specmesh <service>` with one torch thread. Phases b / d / a: before, "
+        "during, after the fault; exact: a finished request equals the in-process engine's "
+        "greedy output, a cancelled one is a prefix of it; drafted: requests the target "
+        "verified draft tokens for; latency: whole request, finished ones; held after: GetInfo "
+        "occupancy of every target and draft, the router's requests running and waiting.\n\n"
     )
     legend = "".join(f"- `{r.name}`: {SCENARIOS[r.name].what}\n" for r in results)
     out.mkdir(parents=True, exist_ok=True)
     (out / "table.md").write_text(f"{header}{markdown_table(results)}\n\n{legend}")
-    data = {"command": command, "wall_s": wall_s, "scenarios": [asdict(r) for r in results]}
+    data = {"command": command, "models": models, "wall_s": wall_s,
+            "scenarios": [asdict(r) for r in results]}  # fmt: skip
     (out / "results.json").write_text(json.dumps(data, indent=1) + "\n")
 
 
@@ -259,10 +272,11 @@ def run_cli(
 ) -> int:
     start = time.monotonic()
     log_dir = Path(tempfile.mkdtemp(prefix="specmesh-faults-"))
+    label = f"on {models.target}" if models else "on a tiny random Llama pair (runtime.tiny)"
     results = run_report(names, models or tiny_pair(), log_dir)
     wall_s = time.monotonic() - start
     if out is not None:
-        write_report(results, out, command, wall_s)
+        write_report(results, out, command, label, wall_s)
     print(markdown_table(results))
     print(f"\n{len(results)} scenarios in {wall_s:.0f} s; service logs in {log_dir}"
           + (f"; wrote {out}/table.md, results.json" if out else ""))  # fmt: skip
