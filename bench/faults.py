@@ -168,9 +168,8 @@ def run_scenario(s: Scenario, cluster: Cluster, oracle: Oracle) -> ScenarioResul
 
 
 def run_report(names: Sequence[str], models: ModelChoice, log_dir: Path) -> list[ScenarioResult]:
-    unknown = [n for n in names if n not in SCENARIOS]
-    if unknown:
-        raise ValueError(f"unknown scenario(s) {unknown}; choose from {', '.join(SCENARIOS)}")
+    """The scenarios ``names`` (keys of `SCENARIOS`) in order; each cluster's service logs in
+    ``log_dir/<its first scenario>``."""
     start = time.monotonic()
     oracle, cluster, results = Oracle(models.target), None, []
     log(f"oracle engine loaded in {_since(start)}")
@@ -300,6 +299,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.target_model is not None:
         models = ModelChoice(args.target_model, args.draft_model, "eagle3")
     names = [n.strip() for n in args.scenarios.split(",") if n.strip()]
+    if unknown := [n for n in names if n not in SCENARIOS]:
+        p.error(f"unknown scenario(s) {unknown}; choose from {', '.join(SCENARIOS)}")
     command = "python -m specmesh.bench.faults " + shlex.join(
         sys.argv[1:] if argv is None else argv
     )
