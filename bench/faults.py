@@ -24,6 +24,7 @@ import math
 import os
 import random
 import shlex
+import subprocess
 import sys
 import tempfile
 import time
@@ -250,7 +251,7 @@ def write_report(
     header = (
         f"# Fault report\n\n    {command}\n\n"
         f"{len(results)} scenarios in {wall_s:.0f} s on {os.cpu_count()} CPU cores "
-        f"({time.strftime('%Y-%m-%d')}), {models}: target(s), an EAGLE-3 draft "
+        f"({time.strftime('%Y-%m-%d')}, {_revision()}), {models}: target(s), an EAGLE-3 draft "
         f"({' '.join(DRAFT_SHAPE)}) and a router ({' '.join(ROUTER_FLAGS)}, HTTP on), each "
         "`python -m specmesh <service>` with one torch thread. Phases b / d / a: before, "
         "during, after the fault; exact: a finished request equals the in-process engine's "
@@ -264,6 +265,14 @@ def write_report(
     data = {"command": command, "models": models, "wall_s": wall_s,
             "scenarios": [asdict(r) for r in results]}  # fmt: skip
     (out / "results.json").write_text(json.dumps(data, indent=1) + "\n")
+
+
+def _revision() -> str:
+    """The commit this ran at, and whether the working tree had other changes."""
+    here = Path(__file__).parent
+    git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True, cwd=here).stdout
+    commit = git("rev-parse", "--short", "HEAD").strip() or "no git commit"
+    return commit + (" plus uncommitted changes" if git("status", "--porcelain", "-uno") else "")
 
 
 def run_cli(
