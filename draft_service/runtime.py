@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Protocol
 
@@ -25,8 +24,7 @@ import torch
 
 from specmesh.draft_service.drafter import TreeDrafter
 from specmesh.draft_service.grammar import BatchGrammar, DraftGrammars
-from specmesh.draft_service.predraft import Outcome, PreDrafter
-from specmesh.draft_service.predraft_budget import PredraftBudget
+from specmesh.draft_service.predraft import PreDrafter
 from specmesh.protocol.config import DRAFT_KINDS, DraftConfig, SpecParams
 from specmesh.protocol.errors import (
     DuplicateRequestError,
@@ -67,15 +65,6 @@ class DraftRuntime:
     def __init__(self, cfg: DraftConfig, drafter: Drafter, target: ModelConfig) -> None:
         self.cfg, self.drafter, self.target = cfg, drafter, target
         self.live: dict[str, int] = {}  # the requests held -> pending token (next tree's root)
-        # Pre-drafting (`specmesh.draft_service.predraft`): on with --predraft N for the drafters
-        # whose steps share one network (not MTP: a step's layer is its depth).
-        self.ahead = (
-            PreDrafter(drafter, cfg.predraft, cfg.predraft_steps)
-            if cfg.predraft and isinstance(drafter, TreeDrafter) and drafter.supports_predraft
-            else None
-        )
-        self.pending: _AfterStep | None = None  # the work `after_step` does once answered
-        self.budget = PredraftBudget()  # whether a pre-draft pays, per batch size
         # Constrained requests' matchers, compiled with the target's tokenizer (never pre-drafted)
         self.grammars = DraftGrammars(
             Grammars(cfg.target_dir, target.vocab_size, target.eos_token_ids)
@@ -100,67 +89,27 @@ class DraftRuntime:
         return cache.num_used_slots - spare, cache.num_free_slots + spare
 
     # -- step ----------------------------------------------------------------------------------
+    ahead: PreDrafter | None = None  # pre-drafting (`PredraftRuntime`); absent here
+    pending = None  # work left for after the answer (`PredraftRuntime.after_step`); none here
+
     def step(self, extends: list[ExtendInput], propose: bool = True) -> DraftStepResult:
         """Extend every request over its newly committed tokens, then (optionally) propose the
-        next tree for each. A request that fails is dropped; the others are served.
-
-        With pre-drafting, a request whose extend matches an outcome drafted ahead gets that
-        tree; when every request of the batch does, the answer goes out before the extend,
-        which `after_step` then runs (with the next pre-draft) while the target verifies."""
-        started = time.perf_counter()
+        next tree for each. A request that fails is dropped; the others are served."""
         result = DraftStepResult()
-        ok = [e for e in extends if self._admit(e, result.errors)]
-        hits = {e.rid: o for e in ok if self.ahead and (o := self.ahead.take(e)) is not None}
-        for inp in ok:
-            self.live[inp.rid] = inp.next_token
-        if propose and ok and len(hits) == len(ok):
-            self._answer_hits(hits, result)
-            self.budget.observe(len(ok), True, time.perf_counter() - started)
-            self._after(ok, hits, [e.rid for e in ok])
-            return result
+        ok = self._admit_all(extends, result.errors)
         ok = self._extend(ok, result.errors)
-        hits = {e.rid: hits[e.rid] for e in ok if e.rid in hits}
-        for rid, outcome in hits.items():
-            self.ahead.adopt(rid, outcome)
         if propose:
-            self._answer_hits(hits, result)
-            self._propose([e for e in ok if e.rid not in hits], result)
-            if self.ahead is not None:
-                self.budget.observe(len(ok), False, time.perf_counter() - started)
-                self._after([], {}, [e.rid for e in ok if e.rid in self.live])
+            self._propose(ok, result)
         return result
 
-    def _after(self, extends: list[ExtendInput], hits: dict, rids: list[str]) -> None:
-        """Leave for `after_step` the extends answered ahead and, when the budget says it
-        pays, the next pre-draft."""
-        if not self.budget.allows(len(rids)):
-            rids = []
-        self.pending = _AfterStep(extends, hits, rids) if extends or rids else None
-
-    def _answer_hits(self, hits: dict, result: DraftStepResult) -> None:
-        result.trees.update({rid: _wire(o.tree) for rid, o in hits.items()})
-        result.predrafted.update(hits)
-
-    def after_step(self) -> None:
-        """What the last step left for after its answer: the extends of a batch answered from
-        pre-drafts, then the next pre-draft. A failure here fails no request's answer already
-        sent: an extend that fails drops the request (its next step finds it gone); a pre-draft
-        that fails only leaves nothing drafted."""
-        work, self.pending = self.pending, None
-        if work is None:
-            return
-        errors: dict[str, SpecmeshError] = {}
-        for inp in self._extend(work.extends, errors):
-            self.ahead.adopt(inp.rid, work.hits[inp.rid])
-        if not work.rids:
-            return
-        try:
-            self.ahead.predraft(
-                [r for r in work.rids if r in self.live and not self.grammars.holds(r)]
-            )
-        except Exception:
-            log.exception("pre-draft failed for %s", work.rids)
-        self.budget.pre_drafted()
+    def _admit_all(
+        self, extends: list[ExtendInput], errors: dict[str, SpecmeshError]
+    ) -> list[ExtendInput]:
+        """The extends that pass `_admit`, now held with their pending tokens."""
+        ok = [e for e in extends if self._admit(e, errors)]
+        for inp in ok:
+            self.live[inp.rid] = inp.next_token
+        return ok
 
     def propose(self, roots: list[ExtendInput]) -> DraftStepResult:
         """Trees for requests already extended; ``roots[i].next_token`` must be the request's
@@ -183,14 +132,18 @@ class DraftRuntime:
     def _propose(self, ok: list[ExtendInput], result: DraftStepResult) -> None:
         if not ok:
             return
-        propose = self.ahead.propose if self.ahead is not None else self.drafter.propose
         rids, roots = [i.rid for i in ok], [i.next_token for i in ok]
-        grammar = self.grammars.batch(rids)  # None unless one of them is constrained
+        # None unless one of them is constrained
+        grammar = self.grammars.batch(rids) if self.grammars.tracks else None
         try:
-            trees = propose(rids, roots) if grammar is None else propose(rids, roots, grammar)
+            trees = self._trees(rids, roots, grammar)
             result.trees.update({i.rid: _wire(t) for i, t in zip(ok, trees, strict=True)})
         except Exception as e:
             self._fail(ok, e, result.errors)
+
+    def _trees(self, rids: list[str], roots: list[int], grammar: BatchGrammar | None) -> list[Tree]:
+        propose = self.drafter.propose
+        return propose(rids, roots) if grammar is None else propose(rids, roots, grammar)
 
     def _admit(self, inp: ExtendInput, errors: dict[str, SpecmeshError]) -> bool:
         """Checks that need no forward, then the request's grammar (if any) takes the ids; a
@@ -208,7 +161,8 @@ class DraftRuntime:
                     f"got {len(inp.committed_ids)} ids, max {max(ids)}"
                 )
             self.drafter.check_context(inp.rid, len(inp.committed_ids))
-            self.grammars.advance(inp)
+            if inp.constraint is not None or self.grammars.tracks:
+                self.grammars.advance(inp)
         except SpecmeshError as e:
             errors[inp.rid] = e
             if not isinstance(e, DuplicateRequestError):
@@ -247,26 +201,20 @@ class DraftRuntime:
             with contextlib.suppress(KeyError):
                 self.drafter.release(inp.rid)
             self.live.pop(inp.rid, None)
-            self.grammars.release(inp.rid)
-            if self.ahead is not None:
-                self.ahead.release(inp.rid)
+            self._forget(inp.rid)
 
     def release(self, rid: str) -> bool:
         """Free ``rid``'s draft state; False (a no-op) when it holds none."""
-        self.grammars.release(rid)
         if self.live.pop(rid, None) is None:
+            self.grammars.release(rid)
             return False
         self.drafter.release(rid)
-        if self.ahead is not None:
-            self.ahead.release(rid)
+        self._forget(rid)
         return True
 
-
-@dataclass
-class _AfterStep:
-    extends: list[ExtendInput]  # answered from pre-drafts, not run yet
-    hits: dict[str, Outcome]  # their outcomes
-    rids: list[str]  # the requests to pre-draft for next
+    def _forget(self, rid: str) -> None:
+        """Drop what the runtime keeps of ``rid`` beside the drafter's state."""
+        self.grammars.release(rid)
 
 
 def _wire(tree: Tree) -> DraftTree:
@@ -295,4 +243,8 @@ def load_draft(cfg: DraftConfig, target_model: torch.nn.Module | None = None) ->
         cfg.cuda_graph, cfg.device, cfg.attention_backend
     ):
         drafter.enable_step_graphs("cuda-graph", cfg.cuda_graph_max_bs)
+    if cfg.predraft and isinstance(drafter, TreeDrafter) and drafter.supports_predraft:
+        from specmesh.draft_service.predraft_runtime import PredraftRuntime
+
+        return PredraftRuntime(cfg, drafter, target)
     return DraftRuntime(cfg, drafter, target)

@@ -114,7 +114,8 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServicer):
 
     def before_step(self, runtime: DraftRuntime) -> None:
         """A batch arrived: the pre-draft budget measures how long it waits behind one."""
-        runtime.budget.arrived()
+        if runtime.ahead is not None:
+            runtime.budget.arrived()
 
     def after_answer(self, runtime: DraftRuntime, stream: StreamOwner) -> None:
         """What the step left for after its answer (pre-drafting) runs on the worker now, while

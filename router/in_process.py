@@ -80,6 +80,8 @@ class InProcessDraft(_Worker):
     async def step(self, extends: list[ExtendInput], propose: bool = True) -> DraftStepResult:
         """The runtime's step, then what it left for after the answer (a pre-draft): in process
         the draft shares the target's device, so the two run one after the other."""
+        if self.runtime.ahead is None:  # no pre-drafting: nothing is left for after
+            return await self._call(self.runtime.step, extends, propose)
 
         def run() -> DraftStepResult:
             result = self.runtime.step(extends, propose)

@@ -62,10 +62,10 @@ class Batch:
     slots: list[Slot]
 
     def take_trees(self, slots: list[Slot]) -> list[VerifyInput]:
-        """Each of ``slots``' proposal, or a bare root (plain decoding); a proposal is verified
-        once."""
-        trees = [VerifyInput(s.rid, s.tree or DraftTree.chain([s.request.output_ids[-1]]))
-                 for s in slots]  # fmt: skip
+        """Each of ``slots``' proposal, cut to the room its target's context has left
+        (`_fitted`), or a bare root (plain decoding); a proposal is verified once."""
+        max_context = self.target.client.info.max_context
+        trees = [VerifyInput(s.rid, _fitted(s, max_context)) for s in slots]
         for s in slots:
             s.tree = None
         return trees
@@ -75,10 +75,22 @@ class Batch:
         return {s.rid: prefill_piece(s, sizes[s.rid]) for s in self.slots}
 
 
+def _fitted(s: Slot, max_context: int) -> DraftTree:
+    """The slot's proposal, its first nodes only where the whole tree would pass
+    ``max_context``: the target holds the context but the pending token (the root), and a tree
+    of n nodes needs n more KV slots. Near the end of the context the tree shrinks to a bare
+    root, so a request whose prompt + max_new_tokens fits is served to its end."""
+    if s.tree is None:
+        return DraftTree.chain([s.request.output_ids[-1]])
+    held = len(s.request.prompt_ids) + s.request.num_generated - 1
+    return s.tree.cut(max(1, max_context - held))
+
+
 class RoundRunner:
     def __init__(self, core: RouterCore) -> None:
         self.core, self.policy = core, core.policy
         self.proposer = Proposer(core)
+        self.pipeline = core.cfg.pipeline_decode  # pipelined plain decoding, over gRPC only
         self.in_flight: set[asyncio.Task] = set()  # steps sent ahead (`Ahead`), until answered
 
     async def prefill(self, slots: list[Slot]) -> None:
@@ -96,7 +108,8 @@ class RoundRunner:
         trees, out = await self._verify(batch)
         if out is None:  # the target failed: its requests were replayed or failed
             return
-        await self._send_ahead(batch, out)
+        if self.pipeline and batch.target.client.remote:
+            await self._send_ahead(batch, out)
         self._observe(batch, trees, out)
         going = [s for s in batch.slots if _goes_on(s, out)]
         drafting = None  # plain decoding: nothing to overlap
@@ -160,8 +173,6 @@ class RoundRunner:
         step's tokens are emitted. The target computes it (`target_service.run_ahead`) while the
         router emits; the next round only awaits it. A request that stops meanwhile leaves, and
         its release follows the step on the same stream; its answer is dropped."""
-        if not (self.core.cfg.pipeline_decode and batch.target.client.remote):
-            return
         trees = {s.rid: VerifyInput(s.rid, DraftTree.chain([out.tokens[s.rid][-1]]))
                  for s in batch.slots if _decodes_on(s, out)}  # fmt: skip
         if not trees:

@@ -50,7 +50,7 @@ def verify_trees(
     A request that is invalid or whose tree does not fit in the KV cache fails alone and
     is dropped. Requests whose step already ran ahead (`run_ahead`) are only kept; the rest of
     the batch runs, and the rows come back in the batch's order."""
-    hits = rt.ahead.take(rt, inputs, feature)
+    hits = rt.ahead.take(rt, inputs, feature) if rt.ahead.ready else {}
     rest = [i for i in inputs if i.rid not in hits]
     rows, errors = verify_rows(rt, rest, rt.release)
     out = run_isolated(rows, lambda b: keep(rt, feature, *decide(rt, b, feature)), rt.release)

@@ -147,6 +147,7 @@ class Attention(nn.Module):
         s = shape
         in_size = s.input_size or s.hidden_size
         self.tp, self.head_dim = tp, s.head_dim
+        self.reduce = tp.all_reduce if tp.enabled else None  # absent at world size 1
         self.num_heads = s.num_heads // tp.world_size
         self.num_kv_heads = kv_head_range(s.num_kv_heads, tp)[1]
         self.q_proj = nn.Linear(in_size, self.num_heads * s.head_dim, bias=s.qkv_bias)
@@ -188,7 +189,8 @@ class Attention(nn.Module):
         q, k = rotary(q, k, positions)
         store_kv(k, v, kv.k, kv.v, backend.meta.out_slots)
         out = backend.forward(q, k, v, kv.k, kv.v, self.scale)  # [num_tokens, heads, head_dim]
-        return self.tp.all_reduce(self.o_proj(out.reshape(n, self.num_heads * self.head_dim)))
+        out = self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+        return out if self.reduce is None else self.reduce(out)
 
     def _fused_forward(
         self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, kv: KVPair,
@@ -206,7 +208,8 @@ class Attention(nn.Module):
         cos, signed_sin = rotary.cos_sin(positions, q.dtype)
         q, k = rope_store(q, k, v, cos, signed_sin, kv.k, kv.v, backend.meta.out_slots)
         out = backend.forward(q, k, v, kv.k, kv.v, self.scale)
-        return self.tp.all_reduce(self.o_proj(out.reshape(n, self.num_heads * d)))
+        out = self.o_proj(out.reshape(n, self.num_heads * d))
+        return out if self.reduce is None else self.reduce(out)
 
 
 def _merge(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -227,6 +230,7 @@ class MLP(nn.Module):
     ) -> None:
         super().__init__()
         self.tp = tp
+        self.reduce = tp.all_reduce if tp.enabled else None  # absent at world size 1
         local = intermediate_size // tp.world_size
         self.gate_proj = nn.Linear(hidden_size, local, bias=False)
         self.up_proj = nn.Linear(hidden_size, local, bias=False)
@@ -241,8 +245,10 @@ class MLP(nn.Module):
         if self.gate_up is not None:
             from specmesh.kernels.fused import silu_mul
 
-            return self.tp.all_reduce(self.down_proj(silu_mul(F.linear(x, self.gate_up))))
-        return self.tp.all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+            out = self.down_proj(silu_mul(F.linear(x, self.gate_up)))
+        else:
+            out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return out if self.reduce is None else self.reduce(out)
 
 
 class VocabParallelEmbedding(nn.Module):
