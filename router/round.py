@@ -90,6 +90,7 @@ class RoundRunner:
     def __init__(self, core: RouterCore) -> None:
         self.core, self.policy = core, core.policy
         self.proposer = Proposer(core)
+        self.pipeline = core.cfg.pipeline_decode  # pipelined plain decoding, over gRPC only
         self.in_flight: set[asyncio.Task] = set()  # steps sent ahead (`Ahead`), until answered
 
     async def prefill(self, slots: list[Slot]) -> None:
@@ -107,7 +108,8 @@ class RoundRunner:
         trees, out = await self._verify(batch)
         if out is None:  # the target failed: its requests were replayed or failed
             return
-        await self._send_ahead(batch, out)
+        if self.pipeline and batch.target.client.remote:
+            await self._send_ahead(batch, out)
         self._observe(batch, trees, out)
         going = [s for s in batch.slots if _goes_on(s, out)]
         drafting = None  # plain decoding: nothing to overlap
@@ -171,8 +173,6 @@ class RoundRunner:
         step's tokens are emitted. The target computes it (`target_service.run_ahead`) while the
         router emits; the next round only awaits it. A request that stops meanwhile leaves, and
         its release follows the step on the same stream; its answer is dropped."""
-        if not (self.core.cfg.pipeline_decode and batch.target.client.remote):
-            return
         trees = {s.rid: VerifyInput(s.rid, DraftTree.chain([out.tokens[s.rid][-1]]))
                  for s in batch.slots if _decodes_on(s, out)}  # fmt: skip
         if not trees:
