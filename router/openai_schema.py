@@ -109,9 +109,14 @@ def reported(exc: Exception, where: str) -> OpenAIError:
 
 # -- request bodies ----------------------------------------------------------------------------
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Every field OpenAI documents, and vLLM's; others are ignored, as at the top level."""
+
+    model_config = ConfigDict(extra="ignore")
 
     include_usage: bool = False
+    # OpenAI pads its chunks with an ``obfuscation`` field against length side channels;
+    # specmesh sends none, whatever this says.
+    include_obfuscation: bool = True
     continuous_usage_stats: bool = False  # vLLM: usage on every chunk (implies include_usage)
 
 

@@ -1,0 +1,70 @@
+"""OpenAI details of the HTTP API (issue 50), through the real server with the `openai` client:
+``stream_options`` fields OpenAI documents, a request that fills ``max_model_len`` under
+speculation, strict JSON schemas, and refusals that name the field the client sent.
+
+The stack is the copy pair (a one-layer target and an EAGLE-3 draft built to predict it, so
+rounds accept draft tokens) with the target's context cut to `MAX_CONTEXT`."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import openai
+import pytest
+from grpc_harness import (
+    SPEC,
+    LoopThread,
+    serve_draft,
+    serve_http_router,
+    serve_target,
+)
+
+from specmesh.draft_service.runtime import load_draft
+from specmesh.protocol.config import DraftConfig, TargetConfig
+from specmesh.router.tokenizer import load_tokenizer
+from specmesh.target_service.runtime import TargetRuntime
+
+MAX_CONTEXT = 64
+TEMPLATE = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}<|assistant|>"
+GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
+
+
+@pytest.fixture(scope="module")
+def http(copy_dir, oracle, tmp_path_factory):
+    loop = LoopThread()
+    target_dir = str(copy_dir / "target")
+    target_cfg = TargetConfig(target_dir, max_context=MAX_CONTEXT)
+    target = loop.run(serve_target(TargetRuntime(target_cfg)))
+    draft_cfg = DraftConfig("eagle3", str(copy_dir / "eagle3"), target_dir, SPEC)
+    draft = loop.run(serve_draft(load_draft(draft_cfg)))
+    stack = SimpleNamespace(loop=loop, target=target, draft=draft)
+    router = serve_http_router(stack, tmp_path_factory.mktemp("chat"), TEMPLATE)
+    stack.oa = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{router.http_port}/v1", api_key="-", max_retries=0
+    )
+    stack.tok = load_tokenizer(target_dir)
+    stack.expected = lambda prompt, n: oracle(target_dir, prompt, n)
+    yield stack
+    stack.oa.close()
+    loop.run(router.stop(0.5))
+    for servicer in (target, draft):
+        loop.run(servicer.host.shutdown(0.5))
+    loop.close()
+
+
+def _error(e: pytest.ExceptionInfo, status: int) -> dict:
+    assert e.value.status_code == status, e.value
+    return e.value.response.json()["error"]
+
+
+# -- stream_options ------------------------------------------------------------------------------
+def test_stream_options_fields_openai_documents_are_accepted(http) -> None:
+    options = {"include_usage": True, "include_obfuscation": False}
+    args = dict(model="target", prompt=[5, 6], max_tokens=4, stream=True, **GREEDY)
+    chunks = list(http.oa.completions.create(**args, stream_options=options))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
+    chat = http.oa.chat.completions.create(
+        model="target", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+        stream=True, stream_options=options, **GREEDY,
+    )  # fmt: skip
+    assert list(chat)[-1].usage.completion_tokens == 3
