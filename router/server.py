@@ -166,14 +166,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         else:
             ids = await self.prompts.encode(self.tokenizer, rid, msg.prompt)
             check_prompt_tokens(rid, len(ids), max_prompt_tokens)
-        tree = core.drafts[0].info.num_draft_tokens if core.drafts else 1
-        room = target.max_context_len - len(ids) - tree  # the last tree must fit too
+        # prompt + max_new_tokens fill at most the context: the last draft trees are cut to the
+        # room left (`round._fitted`), so speculation needs none reserved here
+        room = target.max_context_len - len(ids)
         if not msg.sampling.max_new_tokens:  # the router's default, cut to the room left
             params = replace(params, max_new_tokens=max(1, min(self.settings.max_new_tokens, room)))
         if ids and params.max_new_tokens > room:
             raise InvalidRequestError(
-                f"prompt of {len(ids)} tokens + max_new_tokens {params.max_new_tokens} + a draft "
-                f"tree of {tree} exceed max_context_len {target.max_context_len}"
+                f"prompt of {len(ids)} tokens + max_new_tokens {params.max_new_tokens} exceed "
+                f"max_context_len {target.max_context_len}"
             )
         return Request(
             rid,

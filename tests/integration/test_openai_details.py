@@ -14,6 +14,7 @@ import pytest
 from grpc_harness import (
     SPEC,
     LoopThread,
+    num_accepted,
     serve_draft,
     serve_http_router,
     serve_target,
@@ -27,6 +28,7 @@ from specmesh.target_service.runtime import TargetRuntime
 MAX_CONTEXT = 64
 TEMPLATE = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}<|assistant|>"
 GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
+COMMA = 14  # the tiny tokenizer's ","
 
 
 @pytest.fixture(scope="module")
@@ -68,3 +70,21 @@ def test_stream_options_fields_openai_documents_are_accepted(http) -> None:
         stream=True, stream_options=options, **GREEDY,
     )  # fmt: skip
     assert list(chat)[-1].usage.completion_tokens == 3
+
+
+# -- max_model_len -------------------------------------------------------------------------------
+def test_a_request_that_fills_max_model_len_is_served_to_its_end(http) -> None:
+    """prompt + max_tokens == max_model_len with speculation on: served to the end (the last
+    trees cut to the context left), its text the plain greedy run's."""
+    max_model_len = http.oa.models.list().data[0].max_model_len
+    assert max_model_len == MAX_CONTEXT
+    prompt = [5, 6]
+    n = max_model_len - len(prompt)
+    accepted = num_accepted()
+    r = http.oa.completions.create(model="target", prompt=prompt, max_tokens=n, **GREEDY)
+    assert num_accepted() > accepted  # it speculated
+    assert r.usage.completion_tokens == n and r.choices[0].finish_reason == "length"
+    expected = http.tok.decode(http.expected(prompt, n), skip_special_tokens=True)
+    assert r.choices[0].text == expected
+    with pytest.raises(openai.BadRequestError):  # one token more does not fit
+        http.oa.completions.create(model="target", prompt=prompt, max_tokens=n + 1, **GREEDY)
