@@ -12,46 +12,35 @@ draft, one process): a finished one must equal it, a cancelled one must be a pre
 Afterwards every service must hold nothing: GetInfo occupancy of the targets and the draft, the
 router's requests running / waiting. Consecutive scenarios on one cluster shape share a cluster.
 
-Writes OUT/results.json and OUT/table.md; exits 1 if any output was wrong, any request failed,
-the fault's own traffic got a wrong answer, or anything was held afterwards.
+Writes OUT/results.json and OUT/table.md (`specmesh.bench.fault_report`); a scenario that
+raises is a row saying so, and the next one starts a fresh cluster. Exits 1 if any output was
+wrong, any request failed, the fault's own traffic got a wrong answer, anything was held
+afterwards or a scenario did not run to its end.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import math
-import os
 import random
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter
+import traceback
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from specmesh.bench.fault_cluster import (
-    COUNTERS,
-    DRAFT_SHAPE,
-    ROUTER_FLAGS,
-    Cluster,
-    Load,
-    Outcome,
-    Req,
+from specmesh.bench.fault_cluster import COUNTERS, Cluster, Load, Req
+from specmesh.bench.fault_report import (
+    PHASES,
+    ScenarioResult,
+    markdown_table,
+    summarize,
+    write_report,
 )
-from specmesh.bench.fault_scenarios import (
-    SCENARIOS,
-    FaultContext,
-    Scenario,
-    standard,
-)
+from specmesh.bench.fault_scenarios import SCENARIOS, FaultContext, Scenario, standard
 from specmesh.defaults import ModelChoice, cache_dir
 from specmesh.protocol.sampling import SamplingParams
-
-PHASES = ("before", "during", "after")
 
 
 class Oracle:
@@ -75,63 +64,6 @@ class Oracle:
 
     def text(self, req: Req) -> str:
         return self.engine.tokenizer.decode(self.tokens(req), skip_special_tokens=True)
-
-
-@dataclass
-class PhaseSummary:
-    num_requests: int
-    failures: dict[str, int]  # gRPC status -> requests (the client's own cancels excluded)
-    num_cancelled: int  # by the client, as the workload asked
-    num_exact: int  # finished: equal to the oracle's; ended early: a prefix of it
-    num_drafted: int  # requests the target verified draft tokens for
-    p50_ms: float  # over the requests that finished
-    p99_ms: float
-
-
-@dataclass
-class ScenarioResult:
-    name: str
-    note: str
-    phases: dict[str, PhaseSummary]
-    failures: dict[str, int]  # of the fault's own traffic (HTTP), beside the phases'
-    held_after: dict[str, str]  # service -> what it still held; {} = nothing
-    wall_s: float
-
-    def problems(self) -> list[str]:
-        """What went wrong: [] when every request was exact and nothing failed or was held."""
-        wrong = [f"{n}: {p.num_requests - p.num_exact} not exact" for n, p in self.phases.items()
-                 if p.num_exact < p.num_requests]  # fmt: skip
-        wrong += [f"{n}: failed {p.failures}" for n, p in self.phases.items() if p.failures]
-        wrong += [f"fault traffic: {self.failures}"] if self.failures else []
-        return wrong + ([f"held after: {self.held_after}"] if self.held_after else [])
-
-
-def summarize(reqs: Sequence[Req], outcomes: Sequence[Outcome], oracle: Oracle) -> PhaseSummary:
-    def exact(req: Req, out: Outcome) -> bool:
-        want = oracle.tokens(req)
-        return out.tokens == (want if out.status == "OK" else want[: len(out.tokens)])
-
-    own_cancel = lambda r, o: o.status == "CANCELLED" and r.cancel_after is not None
-    failed = [
-        o.status
-        for r, o in zip(reqs, outcomes, strict=True)
-        if o.status != "OK" and not own_cancel(r, o)
-    ]
-    done = sorted(o.latency_ms for o in outcomes if o.status == "OK")
-    return PhaseSummary(
-        num_requests=len(reqs),
-        failures=dict(Counter(failed)),
-        num_cancelled=sum(own_cancel(r, o) for r, o in zip(reqs, outcomes, strict=True)),
-        num_exact=sum(exact(r, o) for r, o in zip(reqs, outcomes, strict=True)),
-        num_drafted=sum(o.drafted for o in outcomes),
-        p50_ms=percentile(done, 0.50),
-        p99_ms=percentile(done, 0.99),
-    )
-
-
-def percentile(ordered: Sequence[float], q: float) -> float:
-    """Nearest rank; 0 for no values."""
-    return ordered[max(0, math.ceil(q * len(ordered)) - 1)] if ordered else 0.0
 
 
 def run_scenario(s: Scenario, cluster: Cluster, oracle: Oracle) -> ScenarioResult:
@@ -176,16 +108,21 @@ def run_report(names: Sequence[str], models: ModelChoice, log_dir: Path) -> list
     log(f"oracle engine loaded in {_since(start)}")
     try:
         for name in names:
-            s = SCENARIOS[name]
+            s, start = SCENARIOS[name], time.monotonic()
             if cluster is not None and cluster.spec != s.cluster:
                 cluster.stop()
                 cluster = None
-            if cluster is None:
-                (log_dir / name).mkdir(parents=True, exist_ok=True)
-                start = time.monotonic()
-                cluster = Cluster(s.cluster, models, log_dir / name)
-                log(f"cluster of {s.cluster.num_targets} target(s) ready in {_since(start)}")
-            results.append(run_scenario(s, cluster, oracle))
+            try:
+                if cluster is None:
+                    (log_dir / name).mkdir(parents=True, exist_ok=True)
+                    cluster = Cluster(s.cluster, models, log_dir / name)
+                    log(f"cluster of {s.cluster.num_targets} target(s) ready in {_since(start)}")
+                results.append(run_scenario(s, cluster, oracle))
+            except Exception as e:  # a broken scenario is a row of the report, not its end
+                results.append(not_run_to_its_end(name, start, e))
+                if cluster is not None:
+                    cluster.stop()
+                cluster = None  # the next scenario starts a fresh one
             verdict = "; ".join(results[-1].problems()) or "ok"
             log(f"{name}: {verdict} ({results[-1].wall_s:.0f} s)")
     finally:
@@ -194,44 +131,25 @@ def run_report(names: Sequence[str], models: ModelChoice, log_dir: Path) -> list
     return results
 
 
+def not_run_to_its_end(name: str, start: float, e: Exception) -> ScenarioResult:
+    """The row of a scenario that raised (a service that did not start again, ...): the error's
+    first line and, from a service's log tail, its last."""
+    traceback.print_exc()
+    lines = [line for line in str(e).splitlines() if line.strip()] or [""]
+    error = f"{type(e).__name__}: {lines[0]}" + (f" … {lines[-1]}" if lines[1:] else "")
+    return ScenarioResult(name, "", {}, {}, {}, _seconds(start), error)
+
+
 def log(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
 def _since(start: float) -> str:
-    return f"{time.monotonic() - start:.1f} s"
+    return f"{_seconds(start):.1f} s"
 
 
-# -- the table -----------------------------------------------------------------------------------
-COLUMNS = ("scenario", "fault, recovery, router counters", "requests b / d / a",
-           "failures by status", "exact / checked", "drafted b / d / a", "p50 ms b / d / a",
-           "p99 ms b / d / a", "held after")  # fmt: skip
-
-
-def table_row(r: ScenarioResult) -> list[str]:
-    ph = [r.phases[p] for p in PHASES]
-    each = lambda f: " / ".join(f(p) for p in ph)
-    counts = lambda p: (
-        f"{p.num_requests}" + (f" ({p.num_cancelled} cancelled)" if p.num_cancelled else "")
-    )
-    failures = [
-        f"{k}×{n} ({name})"
-        for name, p in zip(PHASES, ph, strict=True)
-        for k, n in p.failures.items()
-    ]
-    failures += [f"{k}×{n}" for k, n in r.failures.items()]
-    held = "; ".join(f"{k}: {v}" for k, v in r.held_after.items()) or "nothing"
-    return [
-        r.name, r.note, each(counts), ", ".join(failures) or "none",
-        f"{sum(p.num_exact for p in ph)} / {sum(p.num_requests for p in ph)}",
-        each(lambda p: str(p.num_drafted)), each(lambda p: f"{p.p50_ms:.0f}"),
-        each(lambda p: f"{p.p99_ms:.0f}"), held,
-    ]  # fmt: skip
-
-
-def markdown_table(results: Sequence[ScenarioResult]) -> str:
-    rows = [COLUMNS, ["---"] * len(COLUMNS), *map(table_row, results)]
-    return "\n".join("| " + " | ".join(row) + " |" for row in rows)
+def _seconds(start: float) -> float:
+    return time.monotonic() - start
 
 
 def tiny_pair() -> ModelChoice:
@@ -243,36 +161,6 @@ def tiny_pair() -> ModelChoice:
         make_tiny_target(root / "target")
         make_tiny_eagle3(root / "draft", root / "target", draft_vocab_size=200)
     return ModelChoice(str(root / "target"), str(root / "draft"), "eagle3")
-
-
-def write_report(
-    results: Sequence[ScenarioResult], out: Path, command: str, models: str, wall_s: float
-) -> None:
-    header = (
-        f"# Fault report\n\n    {command}\n\n"
-        f"{len(results)} scenarios in {wall_s:.0f} s on {os.cpu_count()} CPU cores "
-        f"({time.strftime('%Y-%m-%d')}, {_revision()}), {models}: target(s), an EAGLE-3 draft "
-        f"({' '.join(DRAFT_SHAPE)}) and a router ({' '.join(ROUTER_FLAGS)}, HTTP on), each "
-        "`python -m specmesh <service>` with one torch thread. Phases b / d / a: before, "
-        "during, after the fault; exact: a finished request equals the in-process engine's "
-        "greedy output, a cancelled one is a prefix of it; drafted: requests the target "
-        "verified draft tokens for; latency: whole request, finished ones; held after: GetInfo "
-        "occupancy of every target and draft, the router's requests running and waiting.\n\n"
-    )
-    legend = "".join(f"- `{r.name}`: {SCENARIOS[r.name].what}\n" for r in results)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "table.md").write_text(f"{header}{markdown_table(results)}\n\n{legend}")
-    data = {"command": command, "models": models, "wall_s": wall_s,
-            "scenarios": [asdict(r) for r in results]}  # fmt: skip
-    (out / "results.json").write_text(json.dumps(data, indent=1) + "\n")
-
-
-def _revision() -> str:
-    """The commit this ran at, and whether the working tree had other changes."""
-    here = Path(__file__).parent
-    git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True, cwd=here).stdout
-    commit = git("rev-parse", "--short", "HEAD").strip() or "no git commit"
-    return commit + (" plus uncommitted changes" if git("status", "--porcelain", "-uno") else "")
 
 
 def run_cli(

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from specmesh.bench.faults import COLUMNS
+from specmesh.bench.fault_report import COLUMNS
 from specmesh.cli.main import main as specmesh
 
 pytestmark = pytest.mark.slow

@@ -1,11 +1,11 @@
-"""The fault report's accounting (`specmesh.bench.faults.summarize`): what counts as exact, as a
+"""The fault report's accounting (`specmesh.bench.fault_report.summarize`): what counts as exact, as a
 failure and as the client's own cancel, and the verdict a scenario gets from them. The report
 itself runs end to end in tests/e2e/test_faults_bench.py."""
 
 from __future__ import annotations
 
 from specmesh.bench.fault_cluster import Outcome, Req
-from specmesh.bench.faults import ScenarioResult, percentile, summarize
+from specmesh.bench.fault_report import ScenarioResult, percentile, summarize
 
 WANT = [7, 8, 9, 10]
 
