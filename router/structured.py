@@ -25,6 +25,11 @@ from specmesh.protocol.errors import InvalidRequestError
 
 COMPILE_TIMEOUT_S = 10.0  # the most one constraint may take to compile on the router
 MAX_CHECKED = 256  # constraints remembered as compiling
+# Schema keywords whose value is one subschema, a list of them, or a map of names to them.
+_ONE = ("items", "additionalItems", "additionalProperties", "contains", "not", "if", "then",
+        "else", "propertyNames", "unevaluatedItems")  # fmt: skip
+_MANY = ("anyOf", "oneOf", "prefixItems", "items")  # "items" as a list: draft 4's tuples
+_BY_NAME = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
 # -- the request fields (pydantic, part of `openai_schema`'s bodies) -----------------------------
@@ -62,9 +67,11 @@ def constraint_of(body: Any) -> tuple[str, Constraint] | None:
     if rf is not None and rf.type == "json_object":
         found.append(("response_format", Constraint("json_object")))
     elif rf is not None and rf.type == "json_schema":
-        if rf.json_schema is None or rf.json_schema.schema_ is None:
+        js = rf.json_schema
+        if js is None or js.schema_ is None:
             raise InvalidRequestError("response_format json_schema needs json_schema.schema")
-        found.append(("response_format", Constraint.json_schema(rf.json_schema.schema_)))
+        schema = js.schema_ if js.strict is False else strict_schema(js.schema_)
+        found.append(("response_format", Constraint.json_schema(schema)))
     if body.guided_json is not None:
         found.append(("guided_json", _schema(body.guided_json, "guided_json")))
     if body.guided_regex is not None:
@@ -97,7 +104,49 @@ def _schema(value: Any, field: str) -> Constraint:
             raise InvalidRequestError(f"{field} is not valid JSON: {e}") from None
     if not isinstance(value, dict | bool):
         raise InvalidRequestError(f"{field} must be a JSON schema (an object)")
-    return Constraint.json_schema(value)
+    return Constraint.json_schema(strict_schema(value))
+
+
+def strict_schema(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` on every object schema, at any depth,
+    that does not say what other properties may be (``additionalProperties`` as ``true`` or a
+    schema, or ``unevaluatedProperties``): the grammar then allows only the properties the
+    schema names, as OpenAI's strict structured outputs do. Without it the grammar lets a model
+    open property after property, and a small one runs to ``max_tokens`` inside the object.
+    The members of an ``allOf`` stay open at their own level (each closed would refuse the
+    others' properties), and so does the schema that holds it. Returns a new object."""
+    return _strict(schema, close=True)
+
+
+def _strict(schema: Any, close: bool) -> Any:
+    if not isinstance(schema, dict):
+        return schema  # a boolean schema
+    out = dict(schema)
+    for key in _ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = _strict(out[key], True)
+    for key in _MANY:
+        if isinstance(out.get(key), list):
+            out[key] = [_strict(s, True) for s in out[key]]
+    for key in _BY_NAME:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: _strict(s, True) for name, s in out[key].items()}
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [_strict(s, False) for s in out["allOf"]]
+        close = False
+    says = "additionalProperties" in out or "unevaluatedProperties" in out
+    if close and not says and _is_object(out):
+        out["additionalProperties"] = False
+    return out
+
+
+def _is_object(schema: dict) -> bool:
+    """Whether ``schema`` describes objects: its type says so, or it has none and names
+    properties."""
+    kind = schema.get("type")
+    if kind is None:
+        return any(k in schema for k in ("properties", "required", "patternProperties"))
+    return kind == "object" or (isinstance(kind, list) and "object" in kind)
 
 
 class ConstraintChecker:

@@ -32,6 +32,7 @@ from pydantic import BaseModel, Field
 
 from specmesh.protocol.constraints import Constraint
 from specmesh.protocol.errors import InvalidRequestError
+from specmesh.router.structured import strict_schema
 
 PARSERS = ("hermes", "llama3_json")
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
@@ -147,6 +148,8 @@ def _parameters_by_name(tools: list[dict]) -> dict[str, tuple[str, dict]]:
                 "tool names must be unique", param=f"tools[{i}].function.name",
             )  # fmt: skip
         schema = function.get("parameters") or {"type": "object", "properties": {}}
+        if function.get("strict") is not False:  # OpenAI's opt-out
+            schema = strict_schema(schema)
         found[name] = (f"tools[{i}].function.parameters", schema)
     return found
 

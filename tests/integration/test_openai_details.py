@@ -7,6 +7,7 @@ rounds accept draft tokens) with the target's context cut to `MAX_CONTEXT`."""
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import openai
@@ -88,3 +89,60 @@ def test_a_request_that_fills_max_model_len_is_served_to_its_end(http) -> None:
     assert r.choices[0].text == expected
     with pytest.raises(openai.BadRequestError):  # one token more does not fit
         http.oa.completions.create(model="target", prompt=prompt, max_tokens=n + 1, **GREEDY)
+
+
+# -- strict JSON schemas -------------------------------------------------------------------------
+LOOSE = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}
+COMMA_FIRST = {"logit_bias": {str(COMMA): 100}, "max_tokens": 40, "temperature": 0.0}
+
+
+def _keys(text: str) -> set[str] | None:
+    """The keys of ``text`` as a whole JSON object; None when it is none (e.g. cut short)."""
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return None
+    return set(obj) if isinstance(obj, dict) else None
+
+
+def test_a_json_schema_names_every_property_unless_it_opts_out(http) -> None:
+    """A schema without ``additionalProperties`` allows only the properties it names: with
+    ``,`` pushed up wherever the grammar allows it, the object still closes after ``a``.
+    ``strict: false`` (OpenAI's field) or ``additionalProperties: true`` opt out."""
+    messages = [{"role": "user", "content": "hi"}]
+    strict = lambda **kw: {"type": "json_schema", "json_schema": {"name": "x", **kw}}
+    for fmt in (strict(schema=LOOSE), strict(schema=LOOSE, strict=True)):
+        r = http.oa.chat.completions.create(
+            model="target", messages=messages, response_format=fmt, **COMMA_FIRST
+        )
+        assert _keys(r.choices[0].message.content) == {"a"}, r.choices[0].message.content
+    opened = {**LOOSE, "additionalProperties": True}
+    for fmt in (strict(schema=LOOSE, strict=False), strict(schema=opened)):
+        r = http.oa.chat.completions.create(
+            model="target", messages=messages, response_format=fmt, **COMMA_FIRST
+        )
+        text = r.choices[0].message.content
+        assert text.startswith('{"a":') and "," in text, text  # another property follows
+    r = http.oa.completions.create(
+        model="target", prompt=[5, 6], extra_body={"guided_json": LOOSE}, **COMMA_FIRST
+    )
+    assert _keys(r.choices[0].text) == {"a"}, r.choices[0].text
+
+
+def test_forced_tool_calls_name_only_the_parameters_unless_the_function_opts_out(http) -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    tool = lambda **kw: {"type": "function", "function": {"name": "f", "parameters": LOOSE, **kw}}
+    named = {"type": "function", "function": {"name": "f"}}
+    for choice in (named, "required"):
+        r = http.oa.chat.completions.create(
+            model="target", messages=messages, tools=[tool()], tool_choice=choice,
+            parallel_tool_calls=False, **COMMA_FIRST,
+        )  # fmt: skip
+        calls = r.choices[0].message.tool_calls
+        assert calls and _keys(calls[0].function.arguments) == {"a"}, r.choices[0].message
+    r = http.oa.chat.completions.create(
+        model="target", messages=messages, tools=[tool(strict=False)], tool_choice=named,
+        **COMMA_FIRST,
+    )  # fmt: skip
+    assert r.choices[0].finish_reason == "length"  # an open object, cut by max_tokens
+    assert r.choices[0].message.content.startswith('{"a":')

@@ -15,6 +15,7 @@ from specmesh.router.structured import constraint_of
 from specmesh.router.tools import parse_hermes, parse_llama3_json, parser_for, plan_tools
 
 PARAMS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+CLOSED = {**PARAMS, "additionalProperties": False}  # strict by default (`strict_schema`)
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": PARAMS}},
     {"type": "function", "function": {"name": "now"}},
@@ -76,7 +77,7 @@ def test_required_and_named_force_valid_calls() -> None:
     named = plan_tools(
         TOOLS, {"type": "function", "function": {"name": "get_weather"}}, True, "hermes"
     )
-    assert json.loads(named.constraint.text) == PARAMS
+    assert json.loads(named.constraint.text) == CLOSED
     message, _ = named.message('{"city":"Oslo"}', "stop")
     assert message["tool_calls"][0]["function"] == {
         "name": "get_weather",
@@ -94,7 +95,7 @@ def test_structured_output_fields_map_to_one_constraint() -> None:
     body = ChatBody.model_validate({**base, "response_format": {"type": "json_object"}})
     assert constraint_of(body)[1].kind == "json_object"
     body = ChatBody.model_validate({**base, "guided_json": json.dumps(PARAMS)})
-    assert json.loads(constraint_of(body)[1].text) == PARAMS
+    assert json.loads(constraint_of(body)[1].text) == CLOSED
     body = ChatBody.model_validate({**base, "structured_outputs": {"choice": ["a", "b"]}})
     assert constraint_of(body)[1].kind == "choice"
     assert (
