@@ -26,7 +26,8 @@ STOP_S = 3.0  # a frozen draft stays frozen this long: past the router's --draft
 NUM_IDLE = 300  # idle sockets held open against the router's HTTP port
 IDLE_WAIT_S = 15.0  # how long the idle sockets wait for the router to close them
 KV_SLOTS = 1024  # the kv-pressure cluster's KV cache (target and draft), in tokens
-PREFIX_CACHE = ("--prefix-cache-tokens", "48", "--prefix-block-size", "8")
+PREFIX_CACHE_TOKENS = 48  # the prefix-evict cluster's prefix caches (target and draft)
+PREFIX_CACHE = ("--prefix-cache-tokens", str(PREFIX_CACHE_TOKENS), "--prefix-block-size", "8")
 
 
 @dataclass
@@ -108,12 +109,18 @@ def workload_only(note: str) -> Callable[[FaultContext], Effect]:
 
 
 def prefix_eviction(ctx: FaultContext) -> Effect:
+    """Once every request ended and was released, the target's cache must be within its bound."""
     hits = sum(o.cached_tokens > 0 for o in ctx.wait_load())
+    ctx.cluster.wait_empty()
     cached = ctx.cluster.occupancy("target0").prefix_cached_tokens
-    return Effect(
-        "24 requests over 6 shared prefixes (24-88 tokens) through prefix caches of 48 tokens, "
-        f"every 4th cancelled: {hits} prefix hits; the target's cache holds {cached} tokens after"
+    effect = Effect(
+        f"24 requests over 6 shared prefixes (24-88 tokens) through prefix caches of "
+        f"{PREFIX_CACHE_TOKENS} tokens, every 4th cancelled: {hits} prefix hits; the target's "
+        f"cache holds {cached} tokens after"
     )
+    if cached > PREFIX_CACHE_TOKENS:
+        effect.failures[f"prefix cache over its bound ({cached} tokens)"] += 1
+    return effect
 
 
 @dataclass(frozen=True)
