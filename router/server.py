@@ -37,6 +37,7 @@ from specmesh.router.limits import (
     raise_fd_limit,
 )
 from specmesh.router.request import Chunk, Request
+from specmesh.router.smg_worker import add_smg_worker
 from specmesh.router.structured import ConstraintChecker
 from specmesh.router.tokenizer import fetch_tokenizer, load_tokenizer, resolve_seed
 from specmesh.rpc.malformed import add_servicer
@@ -233,6 +234,7 @@ class RouterService:
         add_servicer(
             generation_pb2_grpc.add_GenerationServicer_to_server, self.servicer, self.host.server
         )
+        add_smg_worker(self.servicer)  # SMG's smg.worker.v1 on the same port (docs/smg.md)
         tls = settings.tls.channel_credentials() if settings.tls else None
         # This router's namespace for request ids at the services: another router on the same
         # target and draft (a rolling update) may be given the same client ids.
