@@ -3,6 +3,7 @@
     .venv/bin/python scripts/mutants.py            # every mutant, with a baseline run first
     .venv/bin/python scripts/mutants.py --list     # names, what each breaks, the tests it runs
     .venv/bin/python scripts/mutants.py kv-tree-order bonus-dropped --no-baseline --first
+    .venv/bin/python scripts/mutants.py predraft-bonus-only --tests tests/unit/test_predraft.py
 
 Each mutant replaces one exact snippet of one file in a scratch copy of the working tree (tracked
 and untracked, not ignored files) and runs the tests named for it there; it is *killed* when they
@@ -23,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import tomllib
@@ -62,8 +63,8 @@ MUTANTS = (
         "bonus-dropped",
         "a round that accepts draft tokens does not emit the bonus token after them",
         "target_service/verify.py",
-        "tokens = [*row.tree.tokens[path[1:]].tolist(), bonus]",
-        "tokens = [*row.tree.tokens[path[1:]].tolist()] or [bonus]",
+        "tokens = [*path_ids[1:], bonus]",
+        "tokens = [*path_ids[1:]] or [bonus]",
         ORACLE_TESTS,
     ),
     Mutant(
@@ -76,10 +77,11 @@ MUTANTS = (
     ),
     Mutant(
         "draft-always-fails",
-        "every draft step raises: the router silently falls back to plain decoding",
+        "every draft step but the warm-up raises: the router silently falls back to plain decoding",
         "draft_service/runtime.py",
-        "trees = propose(rids, roots) if grammar is None else propose(rids, roots, grammar)",
-        'raise RuntimeError("mutant: the draft fails")',
+        "return propose(rids, roots) if grammar is None else propose(rids, roots, grammar)",
+        'return propose(rids, roots) if "__warmup__" in rids else (_ for _ in ()).throw('
+        'RuntimeError("mutant: the draft fails"))',
         (
             "tests/unit/test_oracle_paths.py",
             "tests/unit/test_engine.py::test_requests_join_and_finish_at_different_steps",
@@ -89,6 +91,8 @@ MUTANTS = (
             "tests/unit/test_cli.py::test_make_tiny_then_generate",
             "tests/unit/test_kv_pressure.py::test_small_kv_cache_preempts_and_replays",
             "tests/integration/test_chunked_prefill_grpc.py::test_concurrent_requests_equal_transformers_greedy",
+            "tests/integration/test_grpc_services.py::test_32_concurrent_streams_are_all_correct",
+            "tests/integration/test_structured_outputs.py::test_json_schema_validates_and_equals_no_speculation",
         ),
     ),
     Mutant(
@@ -154,6 +158,27 @@ MUTANTS = (
         "take = value > best",
         "take = value >= best",
         ("tests/unit/test_kernels_gumbel.py",),
+    ),
+    Mutant(
+        "predraft-bonus-only",
+        "a pre-drafted tree is taken for any extend with its bonus token, whatever path was accepted",
+        "draft_service/predraft.py",
+        "hit = outcomes.get((tuple(inp.committed_ids), inp.next_token))",
+        "hit = next((o for (_, b), o in outcomes.items() if b == inp.next_token), None)",
+        (
+            "tests/unit/test_predraft.py::test_a_predrafted_tree_is_the_tree_drafted_cold",
+            "tests/unit/test_predraft.py::test_an_outcome_is_matched_on_its_path_not_its_bonus_alone",
+        ),
+    ),
+    Mutant(
+        "mtp-prefix-lookahead-short",
+        "the MTP draft's prefix blocks are keyed one token short: a cached row holds a guessed token",
+        "draft_service/mtp_drafter.py",
+        "self.prefix_lookahead = len(cache.pools)",
+        "self.prefix_lookahead = len(cache.pools) - 1",
+        (
+            "tests/unit/test_draft_kinds.py::test_prefix_hit_at_the_lookahead_edge_equals_a_cold_extend",
+        ),
     ),
 )
 
@@ -228,8 +253,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--list", action="store_true", help="list the mutants and exit")
     ap.add_argument("--no-baseline", action="store_true", help="skip the unmutated run")
     ap.add_argument("--first", action="store_true", help="stop each mutant at its first failure")
+    ap.add_argument(
+        "--tests", nargs="+", metavar="NODEID", help="run these tests for every chosen mutant"
+    )
     args = ap.parse_args(argv)
     chosen = [m for m in MUTANTS if not args.names or m.name in args.names]
+    if args.tests:
+        chosen = [replace(m, tests=tuple(args.tests)) for m in chosen]
     unknown = set(args.names) - {m.name for m in MUTANTS}
     if unknown:
         raise SystemExit(f"unknown mutants {sorted(unknown)}; --list shows them")

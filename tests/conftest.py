@@ -264,6 +264,15 @@ def stack(tiny_dir: Path, oracle):
     yield from open_stack(tiny_dir, oracle)
 
 
+@pytest.fixture(scope="module")
+def copy_stack(copy_dir: Path, oracle):
+    """`stack` over `copy_dir`: the one-layer target and the EAGLE-3 draft built to predict it,
+    so rounds accept draft tokens across both hops."""
+    from grpc_harness import open_stack
+
+    yield from open_stack(copy_dir, oracle, draft="eagle3")
+
+
 @pytest.fixture(scope="session")
 def k8s() -> list[dict]:
     """Every document of deploy/k8s/*.yaml (tests copy before they change one)."""

@@ -135,9 +135,10 @@ def greedy(n: int) -> SamplingParams:
 SPEC = SpecParams(3, 2, 6)
 
 
-def open_stack(tiny_dir: Path, oracle: Callable) -> Iterator[SimpleNamespace]:
-    """Target (tiny Llama), EAGLE-3 draft and router servers, plus a client; torn down after."""
-    target_dir, draft_dir = str(tiny_dir / "target"), str(tiny_dir / "draft")
+def open_stack(models: Path, oracle: Callable, draft: str = "draft") -> Iterator[SimpleNamespace]:
+    """Target (``models/target``), EAGLE-3 draft (``models/<draft>``) and router servers, plus a
+    client; torn down after."""
+    target_dir, draft_dir = str(models / "target"), str(models / draft)
     loop = LoopThread()
     target = loop.run(serve_target(TargetRuntime(TargetConfig(target_dir))))
     eagle3 = load_draft(DraftConfig("eagle3", draft_dir, target_dir, SPEC))
@@ -153,6 +154,15 @@ def open_stack(tiny_dir: Path, oracle: Callable) -> Iterator[SimpleNamespace]:
     for servicer in (target, draft):
         loop.run(servicer.host.shutdown(0.5))
     loop.close()
+
+
+def num_accepted() -> float:
+    """Draft tokens accepted so far by every router in this process (`router.metrics` counts
+    in one registry per process): read it before and after a request to see what it accepted."""
+    from specmesh.router.metrics import REGISTRY
+
+    name = "specmesh_spec_decode_num_accepted_tokens_total"
+    return sum(s.value for m in REGISTRY.collect() for s in m.samples if s.name == name)
 
 
 def generate_all(

@@ -14,13 +14,14 @@ from types import SimpleNamespace
 import grpc
 import pytest
 import torch
-from conftest import assert_speculated
+from conftest import assert_accepted, assert_speculated
 from grpc_harness import (
     SPEC,
     LoopThread,
     collect,
     generate_all,
     greedy,
+    num_accepted,
     serve_draft,
     serve_router,
     serve_target,
@@ -43,9 +44,10 @@ PROMPTS = [LONG, [11, 12, 13], list(range(100, 120)), [7] * 9]
 
 
 @pytest.fixture(scope="module")
-def chunked(tiny_dir: Path, oracle):
-    """Target, EAGLE-3 draft and a router with a prefill budget of 7 tokens per round."""
-    target_dir, draft_dir = str(tiny_dir / "target"), str(tiny_dir / "draft")
+def chunked(copy_dir: Path, oracle):
+    """Target, EAGLE-3 draft and a router with a prefill budget of 7 tokens per round; the draft
+    predicts its target (`copy_drafts`), so rounds accept draft tokens."""
+    target_dir, draft_dir = str(copy_dir / "target"), str(copy_dir / "eagle3")
     loop = LoopThread()
     target = loop.run(serve_target(TargetRuntime(TargetConfig(target_dir))))
     draft = loop.run(serve_draft(load_draft(DraftConfig("eagle3", draft_dir, target_dir, SPEC))))
@@ -83,6 +85,7 @@ def test_concurrent_requests_equal_transformers_greedy(chunked) -> None:
     for k, prompt in enumerate(PROMPTS):
         assert results[k] == chunked.expected(prompt, 10)
     assert_speculated(stats.values())
+    assert_accepted(stats.values(), min_tokens=len(PROMPTS))
 
 
 def test_prompt_logprobs_cover_every_piece(chunked) -> None:
@@ -186,13 +189,14 @@ def _run_burst(client: GenerationClient) -> tuple[dict[int, list[int]], dict[int
     return generate_all(client, BURST, greedy(BURST_NEW))
 
 
-def test_target_stopped_mid_prefill_replays_every_request_exactly(tiny_dir: Path, oracle) -> None:
+def test_target_stopped_mid_prefill_replays_every_request_exactly(copy_dir: Path, oracle) -> None:
     """Two targets, one micro-batch. Target 0 stops while the router sends it a later piece
     of a prompt: that prefill fails while the same round's piece on target 1 runs. Its requests
     are replayed on target 1; none fails (the round once failed the healthy target's requests
     with INTERNAL: an AttributeError on a request that failover had unpinned), every output is
-    transformers', and target 1 and the draft hold nothing after."""
-    target_dir, draft_dir = str(tiny_dir / "target"), str(tiny_dir / "draft")
+    transformers', with draft tokens accepted (`copy_drafts`), and target 1 and the draft hold
+    nothing after."""
+    target_dir, draft_dir = str(copy_dir / "target"), str(copy_dir / "eagle3")
     loop = LoopThread()
     targets = [loop.run(serve_target(TargetRuntime(TargetConfig(target_dir)))) for _ in range(2)]
     draft = loop.run(serve_draft(load_draft(DraftConfig("eagle3", draft_dir, target_dir, SPEC))))
@@ -201,8 +205,10 @@ def test_target_stopped_mid_prefill_replays_every_request_exactly(tiny_dir: Path
     client = GenerationClient(f"127.0.0.1:{router.port}")
     try:
         stopped = _stop_at_a_later_piece(router.core, targets[0])
+        accepted = num_accepted()
         outputs, errors = _run_burst(client)
         assert stopped.is_set() and errors == {}
+        assert num_accepted() > accepted, "no draft token was accepted"
         assert outputs == {k: oracle(target_dir, p, BURST_NEW) for k, p in enumerate(BURST)}
         core = router.core
         assert core.num_live_targets == 1 and sum(r.load for r in core.replicas.all) == 0

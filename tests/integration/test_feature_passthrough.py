@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import assert_accepted
 from grpc_harness import collect, greedy, serve_router
 
 from specmesh.client import GenerationClient
@@ -138,13 +139,20 @@ def test_greedy_through_the_split_with_captured_bytes(stack) -> None:
     assert draft_rows and all(r in target_rows for r in draft_rows)
 
 
-def test_adaptive_router_over_grpc_equals_transformers(stack) -> None:
+def test_adaptive_router_over_grpc_equals_transformers(copy_stack) -> None:
+    """The adaptive policy over a draft that predicts its target (`copy_stack`): it keeps
+    speculating, and the rounds it runs accept draft tokens."""
+    stack = copy_stack
     router = stack.loop.run(serve_router(stack.target, stack.draft, speculation="adaptive"))
     try:
         with GenerationClient(f"127.0.0.1:{router.port}") as client:
             calls = [client.generate(prompt_token_ids=p, sampling=greedy(16)) for p in PROMPTS]
+            stats = []
             for prompt, call in zip(PROMPTS, calls, strict=True):
-                assert collect(call)[0] == stack.expected(prompt, 16)
+                ids, _, last = collect(call)
+                assert ids == stack.expected(prompt, 16)
+                stats.append(last.stats)
+        assert_accepted(stats, min_tokens=len(PROMPTS))
     finally:
         stack.loop.run(router.stop(0.5))
 

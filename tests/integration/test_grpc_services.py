@@ -15,6 +15,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from conftest import assert_accepted
 from grpc_harness import (
     SPEC,
     LoopThread,
@@ -43,8 +44,11 @@ CODE = grpc.StatusCode
 
 # -- correctness -------------------------------------------------------------------------------
 @pytest.mark.parametrize("speculate", [True, False], ids=["eagle3", "disable_speculation"])
-def test_greedy_through_router_matches_transformers(stack, speculate: bool) -> None:
+def test_greedy_through_router_matches_transformers(copy_stack, speculate: bool) -> None:
+    """The EAGLE-3 draft predicts its target (`copy_stack`): speculative rounds accept tokens."""
+    stack = copy_stack
     drafted, hits = count_batches(stack.draft), stack.target.runtime.ahead.num_hits
+    stats = []
     for prompt, n in zip(PROMPTS, [14, 9, 11, 20], strict=True):
         call = stack.client.generate(
             prompt_token_ids=prompt, sampling=greedy(n), disable_speculation=not speculate
@@ -56,7 +60,10 @@ def test_greedy_through_router_matches_transformers(stack, speculate: bool) -> N
         assert last.stats.num_rounds == len(accept_lens) and sum(accept_lens) >= n - 1
         if not speculate:
             assert accept_lens == [1] * (n - 1)  # one token per round after the prefill's
+        stats.append(last.stats)
     assert (drafted["batches"] > 0) == speculate
+    if speculate:
+        assert_accepted(stats, min_tokens=len(PROMPTS))
     if not speculate:  # the target ran every decode step ahead but the first (`run_ahead`)
         assert stack.target.runtime.ahead.num_hits - hits == sum(n - 2 for n in [14, 9, 11, 20])
 
@@ -96,14 +103,18 @@ def test_oracle_draft_accepts_several_tokens_per_round(stack) -> None:
         stack.loop.run(draft.host.shutdown(0.5))
 
 
-def test_32_concurrent_streams_are_all_correct(stack) -> None:
+def test_32_concurrent_streams_are_all_correct(copy_stack) -> None:
+    """With a draft that predicts its target (`copy_stack`): rounds accept draft tokens."""
+    stack = copy_stack
     prompts = [[(7 * i + j) % 300 + 3 for j in range(2 + i % 7)] for i in range(32)]
     lengths = [4 + i % 9 for i in range(32)]
     results: list = [None] * 32
+    stats: list = [None] * 32
 
     def run(i: int) -> None:
         call = stack.client.generate(prompt_token_ids=prompts[i], sampling=greedy(lengths[i]))
-        results[i] = collect(call)[0]
+        results[i], _, last = collect(call)
+        stats[i] = last.stats
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(32)]
     for t in threads:
@@ -112,6 +123,7 @@ def test_32_concurrent_streams_are_all_correct(stack) -> None:
         t.join(120)
     for prompt, n, ids in zip(prompts, lengths, results, strict=True):
         assert ids == stack.expected(prompt, n)
+    assert_accepted(stats, min_tokens=32)
 
 
 def test_two_routers_sharing_services_take_the_same_client_ids(stack) -> None:

@@ -1,34 +1,55 @@
-"""Logprobs and sampling controls travel the wire: client -> router -> target and back."""
+"""Logprobs and sampling controls travel the wire: client -> router -> target and back.
+
+The draft predicts its target (`copy_stack`), so rounds accept runs of tokens and a request's
+last run is cut at ``max_new_tokens``: its logprobs must be cut at the same place."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from conftest import assert_accepted
 from grpc_harness import collect
 
 from specmesh.protocol.sampling import SamplingParams
 
 PROMPT = [5, 6, 7, 8, 9, 10, 5, 6]
+LENGTHS = range(4, 12)  # where each request stops: inside a run of accepted tokens, for some
 
 
-def test_logprobs_and_penalty_over_grpc(stack) -> None:
+def test_logprobs_and_penalty_over_grpc(copy_stack) -> None:
     from transformers import AutoModelForCausalLM
 
-    params = SamplingParams(
-        max_new_tokens=10, repetition_penalty=1.5, ignore_eos=True, logprobs=3, prompt_logprobs=2
-    )
-    responses = list(stack.client.generate(prompt_token_ids=PROMPT, sampling=params, timeout=60))
-    ids, _, last = collect(responses)
-    hf = AutoModelForCausalLM.from_pretrained(stack.dirs.target, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(copy_stack.dirs.target, dtype=torch.float32).eval()
+    stats, cut = [], 0
+    for n in LENGTHS:
+        params = SamplingParams(
+            max_new_tokens=n, repetition_penalty=1.5, ignore_eos=True, logprobs=3,
+            prompt_logprobs=2,
+        )  # fmt: skip
+        call = copy_stack.client.generate(prompt_token_ids=PROMPT, sampling=params, timeout=60)
+        responses = list(call)
+        ids, _, last = collect(responses)
+        assert last.finish_reason == "length"
+        _check_logprobs(hf, responses, ids, n)
+        stats.append(last.stats)
+        cut += 1 + sum(last.stats.accept_lens) > len(ids)  # the last round emitted past n
+    assert_accepted(stats, min_tokens=len(LENGTHS))
+    assert cut, "no request stopped inside a run of accepted tokens"
+
+
+def _check_logprobs(hf, responses, ids: list[int], n: int) -> None:
+    """One logprob entry per token, each transformers' (penalized) log-softmax there, the
+    prompt's entries the raw log-softmax."""
     with torch.no_grad():
         prompt = torch.tensor([PROMPT])
         expect = hf.generate(
-            prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=10, do_sample=False,
+            prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, do_sample=False,
             repetition_penalty=1.5, eos_token_id=None, pad_token_id=0,
         )[0, len(PROMPT):].tolist()  # fmt: skip
         logits = hf(torch.tensor([PROMPT + ids])).logits[0].float()
-    assert ids == expect and last.finish_reason == "length"
+    assert ids == expect
     logprobs = [e for r in responses for e in r.logprobs]
+    assert len(logprobs) == len(ids), f"{len(logprobs)} logprob entries for {len(ids)} tokens"
     assert [e.token_id for e in logprobs] == ids
     for k, (tok, e) in enumerate(zip(ids, logprobs, strict=True)):
         x = logits[len(PROMPT) - 1 + k].clone()
@@ -46,7 +67,7 @@ def test_logprobs_and_penalty_over_grpc(stack) -> None:
         assert len(e.top) == 2
 
 
-def test_out_of_range_control_is_invalid_argument(stack) -> None:
+def test_out_of_range_control_is_invalid_argument(copy_stack) -> None:
     import grpc
 
     from specmesh.v1 import generation_pb2
@@ -56,5 +77,5 @@ def test_out_of_range_control_is_invalid_argument(stack) -> None:
         generation_pb2.SamplingParams(logit_bias={10**6: 1.0}),
     ):
         with pytest.raises(grpc.RpcError) as err:
-            list(stack.client.generate(prompt_token_ids=PROMPT, sampling=params, timeout=30))
+            list(copy_stack.client.generate(prompt_token_ids=PROMPT, sampling=params, timeout=30))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

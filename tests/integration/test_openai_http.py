@@ -10,12 +10,11 @@ import json
 import math
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import openai
 import pytest
 import torch
-from grpc_harness import serve_http_router, serve_router, wait_until
+from grpc_harness import num_accepted, serve_http_router, serve_router, wait_until
 from procs import is_empty, occupancy
 
 from specmesh.router.limits import RouterLimits
@@ -31,8 +30,10 @@ GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
 
 
 @pytest.fixture(scope="module")
-def http(stack, tmp_path_factory):
-    """A router with the HTTP API (and a --chat-template) over the stack's target and draft."""
+def http(copy_stack, tmp_path_factory):
+    """A router with the HTTP API (and a --chat-template) over a stack whose draft predicts its
+    target (`copy_stack`): rounds accept draft tokens, so streamed runs are several tokens."""
+    stack = copy_stack
     router = serve_http_router(stack, tmp_path_factory.mktemp("chat"), TEMPLATE)
     base = f"http://127.0.0.1:{router.http_port}"
     stack.tok = load_tokenizer(stack.dirs.target)
@@ -80,6 +81,7 @@ def test_models_and_health(http) -> None:
 
 
 def test_completion_text_and_token_ids_equal_transformers_greedy(http) -> None:
+    accepted = num_accepted()
     prompt = "def fib(n):"
     ids = http.tok.encode(prompt, add_special_tokens=True)
     greedy = http.expected(ids, 12)
@@ -103,14 +105,17 @@ def test_completion_text_and_token_ids_equal_transformers_greedy(http) -> None:
     assert [c.text for c in batch.choices] == [head, short]
     assert [c.finish_reason for c in batch.choices] == ["length", "length"]
     assert batch.usage.completion_tokens == 10
+    assert num_accepted() > accepted, "no draft token was accepted"
 
 
 def test_streaming_text_equals_non_streaming(http) -> None:
     args = dict(model="target", prompt="import os\n", max_tokens=16, **GREEDY)
     whole = http.oa.completions.create(**args)
+    accepted = num_accepted()
     chunks = list(
         http.oa.completions.create(**args, stream=True, stream_options={"include_usage": True})
     )
+    assert num_accepted() > accepted, "no draft token was accepted while streaming"
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == whole.choices[0].text
     finals = [c.choices[0].finish_reason for c in chunks if c.choices]
@@ -245,13 +250,15 @@ def test_client_disconnect_frees_state_in_both_services(http) -> None:
     assert wait_until(lambda: is_empty(occupancy(draft, "draft")), 20)
 
 
-def test_logprobs_equal_transformers_log_softmax(http, tiny_dir: Path) -> None:
+def test_logprobs_equal_transformers_log_softmax(http) -> None:
     from conftest import _hf_model
 
     prompt = http.tok.encode("def f(x):", add_special_tokens=True)
+    accepted = num_accepted()
     r = http.oa.completions.create(
         model="target", prompt=prompt, max_tokens=6, logprobs=2, **GREEDY
     )
+    assert num_accepted() > accepted, "no draft token was accepted"
     lp = r.choices[0].logprobs
     assert lp is not None and len(lp.token_logprobs) == 6 and len(lp.text_offset) == 6
     output = http.expected(prompt, 6)

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import grpc
 import pytest
 from certs import Certs, issue, make_ca, make_certs
+from conftest import assert_accepted
 from grpc_harness import (
     SPEC,
     LoopThread,
@@ -59,9 +60,10 @@ def other_ca_client(certs: Certs) -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="module")
-def secure(tiny_dir: Path, certs: Certs, oracle):
-    """Target and draft requiring client certificates, a TLS router with an API key."""
-    target_dir, draft_dir = str(tiny_dir / "target"), str(tiny_dir / "draft")
+def secure(copy_dir: Path, certs: Certs, oracle):
+    """Target and draft requiring client certificates, a TLS router with an API key; the draft
+    predicts its target (`copy_drafts`), so rounds accept draft tokens."""
+    target_dir, draft_dir = str(copy_dir / "target"), str(copy_dir / "eagle3")
     tls = TlsFiles(str(certs.service_cert), str(certs.service_key), str(certs.ca))
     loop = LoopThread()
     target = loop.run(serve_target(TargetRuntime(TargetConfig(target_dir)), tls=tls))
@@ -76,6 +78,8 @@ def secure(tiny_dir: Path, certs: Certs, oracle):
         drafted=count_batches(draft),
         router=addr(router.port),
         expected=lambda prompt, n: oracle(target_dir, prompt, n),
+        target_dir=target_dir,
+        dir_names={"target": "target", "draft": "eagle3"},
         client_tls=TlsFiles(str(certs.client_cert), str(certs.client_key), str(certs.ca)),
         public_tls=TlsFiles(ca_file=str(certs.ca)),  # verifies the router, no client cert
     )
@@ -100,9 +104,10 @@ def refusal(call) -> grpc.RpcError:
 def test_cluster_over_mtls_matches_transformers(secure) -> None:
     prompt, n = [5, 6, 7, 8, 9], 16
     with GenerationClient(secure.router, api_key=KEY, tls=secure.public_tls) as client:
-        ids, _, _ = collect(client.generate(prompt_token_ids=prompt, sampling=greedy(n)))
+        ids, _, last = collect(client.generate(prompt_token_ids=prompt, sampling=greedy(n)))
         assert ids == secure.expected(prompt, n)
         assert secure.drafted["batches"] > 0  # the router reached the draft over mTLS too
+        assert_accepted([last.stats])
         text_ids, text, _ = collect(client.generate("def add(a, b):", sampling=greedy(4)))
         assert len(text_ids) == 4 and text  # --tokenizer, not the target's reported path
         info = client.info()
@@ -120,7 +125,7 @@ def test_model_services_refuse_callers_without_a_trusted_client_certificate(
         assert refusal(lambda tls=tls: get_info(address, kind, tls)).code() == CODE.UNAVAILABLE
         assert not check_health(address, "", timeout_s=2.0, tls=tls)
     info = get_info(address, kind, secure.client_tls)
-    assert info.model_path == kind  # the checkpoint dir's name only
+    assert info.model_path == secure.dir_names[kind]  # the checkpoint dir's name only
     assert check_health(address, f"specmesh.v1.{kind.title()}", tls=secure.client_tls)
 
 
@@ -150,10 +155,10 @@ def test_api_key_missing_or_wrong_is_unauthenticated(secure, key: str | None) ->
             assert "specmesh.v1.Generation" in listed
 
 
-def test_api_key_over_plaintext_travels_as_metadata(secure, tiny_dir: Path) -> None:
+def test_api_key_over_plaintext_travels_as_metadata(secure) -> None:
     """Without TLS grpc refuses call credentials: the client sends the key as metadata."""
     loop = secure.loop
-    target = loop.run(serve_target(TargetRuntime(TargetConfig(str(tiny_dir / "target")))))
+    target = loop.run(serve_target(TargetRuntime(TargetConfig(secure.target_dir))))
     router = loop.run(serve_router(target, api_key=KEY))
     address = f"127.0.0.1:{router.port}"
     try:

@@ -21,7 +21,15 @@ import jsonschema
 import openai
 import pytest
 import torch
-from grpc_harness import LoopThread, collect, serve_draft, serve_router, serve_target, wait_until
+from grpc_harness import (
+    LoopThread,
+    collect,
+    num_accepted,
+    serve_draft,
+    serve_router,
+    serve_target,
+    wait_until,
+)
 from procs import is_empty, occupancy
 
 from specmesh.client import GenerationClient
@@ -112,10 +120,13 @@ def test_json_schema_validates_and_equals_no_speculation(demo, sampling) -> None
     clients = demo.clients
     outputs = {}
     for mode, client in clients.items():
+        accepted = num_accepted()
         r = _chat(client, response_format=FORMAT, **sampling)
         assert r.choices[0].finish_reason == "stop", r.choices[0]
         outputs[mode] = r.choices[0].message.content
         jsonschema.validate(json.loads(outputs[mode]), SCHEMA)
+        if mode == "always":  # equal output says nothing unless draft tokens were accepted
+            assert num_accepted() > accepted, "the constrained rounds accepted no draft token"
     assert outputs["always"] == outputs["never"]
     assert "\n" not in outputs["always"] and ": " not in outputs["always"]  # no free whitespace
 

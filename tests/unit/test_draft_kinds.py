@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_accepted, assert_speculated, record_step_logits
+from conftest import assert_accepted, assert_speculated, record_step_logits, reorder_tolerance
 
 from specmesh.draft_service.ngram import NgramDrafter, find_continuations
 from specmesh.draft_service.runtime import load_draft
@@ -339,3 +339,59 @@ def _committed_rows_at_release(drafter) -> list[list[torch.Tensor]]:
 
     drafter.release = wrapped
     return seen
+
+
+BLOCK = 8
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "mtp"])
+@torch.inference_mode()
+def test_prefix_hit_at_the_lookahead_edge_equals_a_cold_extend(copy_dir, kind):
+    """A draft row reads tokens after its own (EAGLE: the next one; MTP layer l: the (l + 1)th
+    next), so a block is keyed by its tokens and ``lookahead`` more. The first request's ids
+    end one token short of its second block's lookahead: that block must not be cached (MTP's
+    last layer read the extend's guess there; an EAGLE row there was never computed). Requests
+    that continue the same ids, two ways, must then get the draft KV (every layer's pool), root
+    logits and tree of a cold extend. A block keyed one token short hands them a row computed
+    from another token: output would stay exact (the target verifies), only acceptance drops."""
+    target = copy_dir / "target"
+
+    def runtime(cache_tokens: int):
+        cfg = DraftConfig(kind, str(copy_dir / kind), str(target), SpecParams(3, 2, 6),
+                          prefix_cache_tokens=cache_tokens, prefix_block_size=BLOCK)  # fmt: skip
+        return load_draft(cfg)
+
+    warm, cold = runtime(4096), runtime(0)
+    # How far a row reads past itself: EAGLE's next token; the last of the MTP layers a round
+    # runs (one pool each) reads that many tokens ahead.
+    lookahead = 1 if kind == "eagle3" else len(warm.drafter.cache.pools)
+    ids = [(13 * i + 7) % 250 + 3 for i in range(2 * BLOCK + lookahead + 4)]
+    width = getattr(warm.drafter.net, "feature_width", warm.target.hidden_size)
+    feats = torch.randn(len(ids), width, generator=torch.Generator().manual_seed(0))
+
+    def extend(rt, rid: str, committed: list[int], nxt: int):
+        inp = ExtendInput(rid, committed, nxt, feats[: len(committed)].clone(), new=True)
+        return rt.step([inp]).trees[rid]
+
+    edge = (
+        2 * BLOCK + lookahead - 2
+    )  # the first request's committed ids: one short of block 1's key
+    extend(warm, "first", ids[:edge], ids[edge])
+    for k, nxt in enumerate((5, 6)):  # continue past the edge two ways: one differs from a guess
+        committed = [*ids[: edge + 1], 100 + k, *ids[edge + 2 : edge + 4]]
+        rid = f"next{k}"
+        hits = warm.drafter.prefixes.num_hit
+        tree = extend(warm, rid, committed, nxt)
+        assert warm.drafter.prefixes.num_hit > hits, "the shared prefix was not reused"
+        assert tree == extend(cold, rid, committed, nxt)
+        tol = reorder_tolerance(torch.float32)
+        torch.testing.assert_close(warm.drafter.roots[rid].logits, cold.drafter.roots[rid].logits,
+                                   **tol)  # fmt: skip
+        for a, b in zip(_rows(warm.drafter, rid), _rows(cold.drafter, rid), strict=True):
+            torch.testing.assert_close(a, b, **tol)
+
+
+def _rows(drafter, rid: str) -> list[torch.Tensor]:
+    """``rid``'s committed K and V rows, per pool."""
+    slots = drafter.cache.slots(rid, 0, drafter.cache.get(rid).committed_len)
+    return [t[slots] for pool in drafter.cache.pools for t in (pool.k, pool.v)]

@@ -115,3 +115,78 @@ def test_a_hit_moves_its_tree_into_place(prompts, monkeypatch) -> None:
     monkeypatch.setattr(PreDrafter, "adopt", checked_adopt)
     demo_engine(predraft=4).generate(prompts, SamplingParams(max_new_tokens=48, ignore_eos=True))
     assert checked and all(n > 0 for n in checked)
+
+
+# -- the pre-drafted state itself -----------------------------------------------------------------
+# The target verifies every tree, so output cannot show a pre-drafted tree that is wrong for its
+# outcome (only acceptance suffers): these tests compare the state. A standalone draft needs no
+# target features, so the tree it pre-drafts for an outcome is exactly the tree it drafts from
+# scratch once that outcome is committed (same rows, same positions, same search).
+COLD_PROMPT = [17, 42, 99, 5, 6, 7, 8]
+SPEC = SpecParams(3, 2, 6)
+
+
+def _standalone(copy_dir, predraft: int):
+    from specmesh.draft_service.runtime import load_draft
+    from specmesh.protocol.config import DraftConfig
+
+    cfg = DraftConfig("standalone", str(copy_dir / "standalone"), str(copy_dir / "target"), SPEC,
+                      predraft=predraft, predraft_steps=SPEC.num_steps, prefix_cache_tokens=0)  # fmt: skip
+    return load_draft(cfg)
+
+
+def _tree(result, rid: str) -> tuple[list[int], list[int]]:
+    tree = result.trees[rid]
+    return list(tree.tokens), list(tree.parents)
+
+
+def _cold_tree(cold, ids: tuple[int, ...], bonus: int) -> tuple[list[int], list[int]]:
+    """The tree a draft without any state proposes once ``ids`` are committed after the prompt
+    and ``bonus`` is pending."""
+    from specmesh.protocol.steps import ExtendInput
+
+    rid = f"cold-{len(cold.live)}"
+    result = cold.step([ExtendInput(rid, [*COLD_PROMPT, *ids], bonus, new=True)])
+    return _tree(result, rid)
+
+
+def _predrafted(ahead, rid: str) -> dict:
+    """Start ``rid`` on the prompt and pre-draft its answered tree's outcomes."""
+    from specmesh.protocol.steps import ExtendInput
+
+    ahead.step([ExtendInput(rid, COLD_PROMPT, 77, new=True)])
+    ahead.after_step()
+    outcomes = ahead.ahead.outcomes[rid]
+    assert len(outcomes) > 1
+    return dict(outcomes)
+
+
+def test_a_predrafted_tree_is_the_tree_drafted_cold(copy_dir) -> None:
+    """Every outcome's tree equals the tree the same draft proposes for that outcome from
+    scratch; an extend that commits the outcome gets that tree as a hit."""
+    from specmesh.protocol.steps import ExtendInput
+
+    ahead, cold = _standalone(copy_dir, predraft=4), _standalone(copy_dir, predraft=0)
+    outcomes = _predrafted(ahead, "r")
+    for (ids, bonus), outcome in outcomes.items():
+        drafted = (outcome.tree.tokens.tolist(), outcome.tree.parents.tolist())
+        assert drafted == _cold_tree(cold, ids, bonus), (ids, bonus)
+    (ids, bonus), outcome = max(outcomes.items(), key=lambda kv: len(kv[0][0]))
+    result = ahead.step([ExtendInput("r", list(ids), bonus)])
+    assert "r" in result.predrafted
+    assert _tree(result, "r") == _cold_tree(cold, ids, bonus)
+
+
+def test_an_outcome_is_matched_on_its_path_not_its_bonus_alone(copy_dir) -> None:
+    """An extend whose bonus token is an outcome's but whose accepted path is another misses:
+    the outcome's tree was grown below a path the target did not accept."""
+    from specmesh.protocol.steps import ExtendInput
+
+    ahead, cold = _standalone(copy_dir, predraft=4), _standalone(copy_dir, predraft=0)
+    outcomes = _predrafted(ahead, "r")
+    (ids, bonus) = next(k for k in outcomes if len(k[0]) > 1)
+    other = ids[:-1]  # the path one token short, the same bonus
+    assert (other, bonus) not in outcomes
+    result = ahead.step([ExtendInput("r", list(other), bonus)])
+    assert "r" not in result.predrafted, "a pre-drafted tree was taken for another path"
+    assert _tree(result, "r") == _cold_tree(cold, other, bonus)

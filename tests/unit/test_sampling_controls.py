@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_small_vocab_pair, tiny_engine
+from conftest import assert_accepted, make_small_vocab_pair
 
 from specmesh.protocol.config import SpecParams
 from specmesh.protocol.errors import InvalidRequestError
@@ -49,10 +49,26 @@ def reference(model_dir: Path, prompt: list[int], params: SamplingParams, eos: t
     return out
 
 
+def engine(copy_dir: Path, speculate: bool, kind: str = "eagle3") -> Engine:
+    """The one-layer target of `copy_drafts`, with its ``kind`` draft when ``speculate``: the
+    draft knows no controls, but predicts the target well enough that rounds accept tokens,
+    so the controls are applied along accepted paths (their history included)."""
+    if not speculate:
+        return Engine(copy_dir / "target")
+    draft = None if kind == "ngram" else copy_dir / kind
+    return Engine(copy_dir / "target", draft_model=draft, draft_kind=kind, spec=SpecParams(3, 4, 8))
+
+
+def _check(result, speculate: bool) -> list[int]:
+    if speculate:
+        assert_accepted([result])
+    return result.token_ids
+
+
 @pytest.mark.parametrize("speculate", [False, True], ids=["plain", "eagle3"])
-def test_repetition_penalty_equals_transformers_generate(tiny_dir: Path, speculate: bool) -> None:
-    engine = tiny_engine(tiny_dir, speculate)
-    hf = _hf(tiny_dir / "target")
+def test_repetition_penalty_equals_transformers_generate(copy_dir: Path, speculate: bool) -> None:
+    e = engine(copy_dir, speculate)
+    hf = _hf(copy_dir / "target")
     for penalty in (1.5, 0.7):
         with torch.no_grad():
             ids = torch.tensor([PROMPT])
@@ -61,7 +77,7 @@ def test_repetition_penalty_equals_transformers_generate(tiny_dir: Path, specula
                 repetition_penalty=penalty, eos_token_id=None, pad_token_id=0,
             )[0, len(PROMPT):].tolist()  # fmt: skip
         params = SamplingParams(max_new_tokens=16, repetition_penalty=penalty, ignore_eos=True)
-        assert engine.generate([PROMPT], params)[0].token_ids == expect, penalty
+        assert _check(e.generate([PROMPT], params)[0], speculate) == expect, penalty
 
 
 CONTROLS = {
@@ -79,25 +95,28 @@ CONTROLS = {
 }
 
 
-@pytest.mark.parametrize("speculate", [False, True], ids=["plain", "eagle3"])
+@pytest.mark.parametrize("speculate", [False, True], ids=["plain", "speculative"])
 @pytest.mark.parametrize("name", list(CONTROLS))
-def test_controls_equal_reference_loop(tiny_dir: Path, name: str, speculate: bool) -> None:
+def test_controls_equal_reference_loop(copy_dir: Path, name: str, speculate: bool) -> None:
+    """Speculative: the EAGLE-3 draft; for the bias that forces one token, the n-gram draft
+    (a draft that knows no bias proposes the forced token only by looking it up)."""
     params = CONTROLS[name]
-    out = tiny_engine(tiny_dir, speculate).generate([PROMPT], params)[0].token_ids
-    assert out == reference(tiny_dir / "target", PROMPT, params)
+    e = engine(copy_dir, speculate, "ngram" if name == "bias" else "eagle3")
+    out = _check(e.generate([PROMPT], params)[0], speculate)
+    assert out == reference(copy_dir / "target", PROMPT, params)
     if name == "bias":
         assert out == [77] * 12
 
 
 @pytest.mark.parametrize("speculate", [False, True], ids=["plain", "eagle3"])
-def test_min_tokens_bans_stop_ids_until_reached(tiny_dir: Path, oracle, speculate: bool) -> None:
-    plain = oracle(tiny_dir / "target", PROMPT, 12)
+def test_min_tokens_bans_stop_ids_until_reached(copy_dir: Path, oracle, speculate: bool) -> None:
+    plain = oracle(copy_dir / "target", PROMPT, 12)
     stop = plain[2]  # would end the request at its third token
     params = SamplingParams(
         max_new_tokens=12, stop_token_ids=(stop,), min_tokens=6, ignore_eos=True
     )
-    out = tiny_engine(tiny_dir, speculate).generate([PROMPT], params)[0].token_ids
-    assert out == reference(tiny_dir / "target", PROMPT, params)
+    out = _check(engine(copy_dir, speculate).generate([PROMPT], params)[0], speculate)
+    assert out == reference(copy_dir / "target", PROMPT, params)
     assert stop not in out[:6] and len(out) > 3
 
 
