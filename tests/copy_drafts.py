@@ -53,9 +53,10 @@ class OneLayerLM:
     head: torch.Tensor  # the LM head [vocab, H]
 
 
-def make_copy_pair(root: Path, seed: int = 0) -> Path:
-    """``root/target`` and ``root/<kind>`` for every kind of `KINDS`; returns ``root``."""
-    target = make_tiny_target(root / "target", seed=seed, num_hidden_layers=1)
+def make_copy_pair(root: Path, seed: int = 0, **dims: object) -> Path:
+    """``root/target`` and ``root/<kind>`` for every kind of `KINDS`; returns ``root``.
+    ``dims``: the target's, as `make_tiny_target` takes them (one layer always)."""
+    target = make_tiny_target(root / "target", seed=seed, **{**dims, "num_hidden_layers": 1})
     lm = _copyable(target / "model.safetensors", "model.", "lm_head.weight")
     hidden = lm.norm.shape[0]
     passthrough = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], 1)  # [H, 2H]

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import assert_accepted
 from procs import Services, info
 
 from specmesh.client import GenerationClient
@@ -56,9 +57,11 @@ def wait_until(predicate, timeout_s: float = 30.0) -> bool:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path):
+def cluster(tmp_path_factory: pytest.TempPathFactory, copy_dir: Path):
+    """The copy pair (`copy_drafts`): its EAGLE-3 draft predicts the target, so rounds accept
+    draft tokens and the sharded target keeps accepted paths' KV."""
     services = Services(tmp_path_factory.mktemp("tp-cluster"))
-    target_dir, draft_dir = str(tiny_dir / "target"), str(tiny_dir / "draft")
+    target_dir, draft_dir = str(copy_dir / "target"), str(copy_dir / "eagle3")
     threads = ("--threads", "1")
     target = services.start(
         "target", "target", "--model", target_dir, "--tensor-parallel-size", "2", *threads
@@ -76,19 +79,22 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path):
         services.stop()
 
 
-def test_sharded_target_generates_transformers_greedy(cluster, tiny_dir: Path, oracle) -> None:
+def test_sharded_target_generates_transformers_greedy(cluster, copy_dir: Path, oracle) -> None:
     services, router = cluster
     assert len(worker_ranks(services.running["target"].proc.pid)) == 1
     assert info(services.address("target"), "target").tensor_parallel_size == 2
     client = GenerationClient(router)
     params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
+    stats = []
     try:
         for prompt in PROMPTS:
-            got = [t for r in client.generate(prompt_token_ids=prompt, sampling=params, timeout=120)
-                   for t in r.token_ids]  # fmt: skip
-            assert got == oracle(tiny_dir / "target", prompt, MAX_NEW)
+            responses = list(client.generate(prompt_token_ids=prompt, sampling=params, timeout=120))
+            got = [t for r in responses for t in r.token_ids]
+            assert got == oracle(copy_dir / "target", prompt, MAX_NEW)
+            stats.append(responses[-1].stats)
     finally:
         client.close()
+    assert_accepted(stats, min_tokens=len(PROMPTS))
     services.wait_empty("target", "draft")
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import assert_accepted
 from gpu_support import assert_greedy_up_to_rounding, cuda_engine, spy_graph_replays
 
 from specmesh.protocol.config import SpecParams
@@ -28,26 +29,26 @@ VARIANTS = [
     pytest.param("flashinfer", True, marks=pytest.mark.skipif(not HAS_FLASHINFER, reason="no flashinfer")),
 ]  # fmt: skip
 KINDS = ("plain", "eagle3", "eagle", "mtp", "standalone", "ngram")
+COPY_KINDS = ("eagle3", "eagle", "mtp", "standalone")
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [40, 41, 42, 43, 44, 45, 46], [200, 13, 77, 13, 77, 13]]
 MAX_NEW = 12
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path | None]:
-    """A tiny target with head_dim 64 (FlashInfer's kernels take 64, 128 and 256) and a draft of
-    every kind for it (None: n-gram drafting needs no checkpoint)."""
-    from specmesh.runtime.tiny import make_tiny_eagle3, make_tiny_target
-    from specmesh.runtime.tiny_drafts import make_tiny_draft
+    """A one-layer tiny target with head_dim 64 (FlashInfer's kernels take 64, 128 and 256) and
+    a draft of every kind built to predict it (`copy_drafts`: rounds accept draft tokens);
+    n-gram drafting (no checkpoint) runs on ``cycling``, a target whose output repeats."""
+    from copy_drafts import make_copy_pair
 
-    root = tmp_path_factory.mktemp("gpu_pair")
-    target = make_tiny_target(root / "target", hidden_size=256, num_attention_heads=4)
-    out: dict[str, Path | None] = {"target": target, "ngram": None}
-    out["eagle3"] = make_tiny_eagle3(root / "eagle3", target, seed=1)
-    for kind in ("eagle", "mtp"):
-        out[kind] = make_tiny_draft(root / kind, target, kind, seed=1)
-    # A 2-layer Llama of the same widths and tokenizer (make_tiny_draft's has head_dim 16).
-    out["standalone"] = make_tiny_target(root / "standalone", seed=2, hidden_size=256,
-                                         num_attention_heads=4, num_hidden_layers=2)  # fmt: skip
+    from specmesh.runtime.tiny import make_tiny_target
+
+    root = make_copy_pair(tmp_path_factory.mktemp("gpu_pair"), hidden_size=256,
+                          num_attention_heads=4)  # fmt: skip
+    out: dict[str, Path | None] = {k: root / k for k in ("target", *COPY_KINDS)}
+    out["ngram"] = None
+    out["cycling"] = make_tiny_target(root / "cycling", hidden_size=256, num_attention_heads=4,
+                                      initializer_range=0.05)  # fmt: skip
     return out
 
 
@@ -78,7 +79,8 @@ def test_greedy_equals_transformers_on_cuda(
     spec = SpecParams(3, 2, 6)
     draft_kind = None if kind == "plain" else kind
     dtype = "bf16" if backend == "flashinfer" else "fp32"
-    engine = cuda_engine(pair["target"], backend, graphs, draft_kind, pair.get(kind), spec, dtype)
+    target = pair["cycling" if kind == "ngram" else "target"]
+    engine = cuda_engine(target, backend, graphs, draft_kind, pair.get(kind), spec, dtype)
     assert engine.target.cache.req_to_slot.device.type == "cuda"
     assert (engine.target.graphs is not None) == graphs
     used = spy_graph_replays(engine) if graphs else set()
@@ -87,9 +89,11 @@ def test_greedy_equals_transformers_on_cuda(
     results = engine.generate(PROMPTS, params)
     for prompt, res in zip(PROMPTS, results, strict=True):
         if dtype == "fp32":
-            assert res.token_ids == oracle(pair["target"], prompt, MAX_NEW), (backend, kind)
+            assert res.token_ids == oracle(target, prompt, MAX_NEW), (backend, kind)
         else:
-            assert_greedy_up_to_rounding(pair["target"], prompt, res.token_ids)
+            assert_greedy_up_to_rounding(target, prompt, res.token_ids)
+    if draft_kind is not None:
+        assert_accepted(results, min_tokens=len(PROMPTS))
     # The draft was consulted: trees beyond the root were verified exactly when there is one;
     # every tree draft fills its trees (n-gram trees vary in size with the matches).
     assert sizes and (max(sizes) > 1) == (draft_kind is not None), sizes
@@ -142,6 +146,7 @@ def test_logprobs_equal_transformers_log_softmax_on_cuda(pair, oracle) -> None:
         [prompt], SamplingParams(max_new_tokens=n, ignore_eos=True, logprobs=2)
     )
     assert res.token_ids == oracle(pair["target"], prompt, n)
+    assert_accepted([res])
     with torch.no_grad():
         logits = _hf_model(str(pair["target"]))(torch.tensor([prompt + res.token_ids])).logits
     rows = torch.log_softmax(logits[0].float(), -1)
