@@ -52,6 +52,7 @@ from specmesh.router.replica import DraftReplica, TargetReplica
 from specmesh.router.request import Chunk, Request
 from specmesh.router.round import RoundRunner
 from specmesh.router.slot import Slot
+from specmesh.rpc.security import model_name
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +93,9 @@ class RouterConfig:
     # draft gets its next step sent to the target before the router emits the last one, where
     # the target client says it pays (`TargetClient.remote`: over gRPC).
     pipeline_decode: bool = True
+    # The model's name in GetInfo, /v1/models and the metrics (``--served-model-name``); None:
+    # the target's (`RouterCore.served_model`).
+    served_model_name: str | None = None
 
     def __post_init__(self) -> None:
         if self.num_micro_batches is not None and self.num_micro_batches < 1:
@@ -163,6 +167,12 @@ class RouterCore:
     @property
     def info(self) -> TargetInfo:
         return self.targets[0].info
+
+    @property
+    def served_model(self) -> str:
+        """What clients call the model: ``served_model_name``, else the name the target reports
+        (its Hugging Face id, or its directory's name; in process, its path's `model_name`)."""
+        return self.cfg.served_model_name or model_name(self.info.model)
 
     async def start(self) -> None:
         """The handshake with every target (what the drafts read), then the workers."""

@@ -2,6 +2,9 @@
 
 engine = Engine("models/demo/target", draft_model="models/demo/draft", draft_kind="eagle3")
 results = engine.generate(["def fib(n):"], SamplingParams(max_new_tokens=32))
+
+Either model may be a Hugging Face id instead (`specmesh.hub.resolve_model`: its cached snapshot,
+downloaded when online; a revision other than main: resolve it first and pass the path).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from specmesh.draft_service.runtime import load_draft
+from specmesh.hub import resolve_model
 from specmesh.protocol.config import DraftConfig, SpecParams, TargetConfig
 from specmesh.protocol.sampling import SamplingParams
 from specmesh.protocol.steps import Logprob
@@ -57,15 +61,19 @@ class Engine:
         draft_config: dict | None = None,
         router_config: RouterConfig = RouterConfig(),
     ) -> None:
+        # A local directory or a Hugging Face id (its cached snapshot; downloaded when online)
+        target_model = resolve_model(target_model, what="target model")
+        if draft_model is not None:
+            draft_model = resolve_model(draft_model, what="draft model")
         tcfg = {"cuda_graph_tree_sizes": (spec.num_draft_tokens,), **(target_config or {})}
-        self.target = TargetRuntime(TargetConfig(model_dir=str(target_model), **tcfg))
+        self.target = TargetRuntime(TargetConfig(model_dir=target_model, **tcfg))
         self.tokenizer = load_tokenizer(target_model)
         self.draft = None
         if draft_kind is not None:
             dcfg = DraftConfig(
                 kind=draft_kind,
-                draft_dir=None if draft_model is None else str(draft_model),
-                target_dir=str(target_model),
+                draft_dir=draft_model,
+                target_dir=target_model,
                 spec=spec,
                 **(draft_config or {}),
             )

@@ -40,7 +40,6 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from specmesh.router.metrics_live import KvOccupancy, LiveCores
 from specmesh.router.metrics_request import RequestCursor, RequestSeries
-from specmesh.rpc.security import model_name
 
 if TYPE_CHECKING:
     from specmesh.protocol.steps import StepOutput, VerifyInput
@@ -140,8 +139,8 @@ class RouterMetrics:
 
     def __init__(self, core: RouterCore | None) -> None:
         self.core = core
-        # The served model, as /v1/models names it (a path's last component).
-        self.model = model_name(core.info.model) if core is not None else ""
+        # The served model, as /v1/models names it (`RouterCore.served_model`).
+        self.model = core.served_model if core is not None else ""
         self._cursors: dict[str, RequestCursor] = {}
         self.tree_sizes: dict[str, int] = {}  # per target replica: the policy's latest choice
         self.kv = KvOccupancy()  # per replica: KV slots as its service last reported them

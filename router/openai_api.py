@@ -58,7 +58,6 @@ from specmesh.router.openai_stream import merge, sse_event, sse_response, unless
 from specmesh.router.openai_views import ChatView, Choice, CompletionView
 from specmesh.router.structured import constraint_of
 from specmesh.router.tools import ToolPlan, plan_tools
-from specmesh.rpc.security import model_name
 from specmesh.v1 import generation_pb2
 
 
@@ -84,7 +83,7 @@ class OpenAIService:
 
     @property
     def model(self) -> str:
-        return model_name(self.core.targets[0].info_pb.model_path)
+        return self.core.served_model
 
     def check_model(self, name: str) -> None:
         if name != self.model:

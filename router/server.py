@@ -92,7 +92,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         target = core.targets[0].info_pb
         draft = core.drafts[0].info_pb if core.drafts else None
         return generation_pb2.InfoResponse(
-            model_name=model_name(target.model_path),
+            model_name=core.served_model,  # --served-model-name, else the target's name
             model_path=model_name(target.model_path),  # services report names, never paths
             vocab_size=target.vocab_size,
             max_context_len=target.max_context_len,

@@ -23,6 +23,7 @@ import argparse
 import hmac
 import logging
 import os
+import re
 import ssl
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
@@ -278,7 +279,21 @@ def api_key_from_args(args: argparse.Namespace) -> str | None:
     return args.api_key or os.environ.get(API_KEY_ENV) or None
 
 
+# A snapshot in the Hugging Face cache: .../models--ORG--NAME/snapshots/<commit>
+_HUB_SNAPSHOT = re.compile(r"(?:^|/)models--(?P<repo>[^/]+)/snapshots/[^/]+/?$")
+# A name as services report it (NAME or ORG/NAME, a Hub id's form), not a path
+_REPORTED_NAME = re.compile(r"[\w.-]+(?:/[\w.-]+)?")
+
+
 def model_name(path: str) -> str:
-    """What GetInfo reports for a model path: its last component, never where the host keeps
-    its files."""
+    """What a service reports for a model path, never where the host keeps its files: a Hub
+    cache snapshot's Hub id (``ORG/NAME``, not its commit), else the path's last component. A
+    name already (``NAME``, ``ORG/NAME``: what a service reported) is kept as it is; the model
+    services are given absolute paths (`specmesh.hub.resolve_model`)."""
+    hub = _HUB_SNAPSHOT.search(path)
+    if hub is not None:
+        return hub.group("repo").replace("--", "/")
+    parts = path.split("/")
+    if _REPORTED_NAME.fullmatch(path) and not {".", ".."} & set(parts):
+        return path
     return Path(path).name
