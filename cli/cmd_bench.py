@@ -33,7 +33,7 @@ QUICK = {
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmark speculative serving", description=__doc__)
-    add_model_args(p)
+    add_model_args(p, auto_runtime=False)  # what runs where is the benchmark's to name
     d = lambda name: f"(default {FULL[name]}; --quick {QUICK[name]})"
     p.add_argument("--dtypes", metavar="fp32,bf16", help=f"weights and activations {d('dtypes')}")
     p.add_argument(
@@ -177,7 +177,7 @@ def _picker(args: argparse.Namespace):
 def settings_from_args(args: argparse.Namespace):  # -> BenchSettings
     from specmesh.bench.spawn import available_cores
     from specmesh.bench.suite import SWEEP, BenchSettings, engine_variants
-    from specmesh.defaults import resolve_models
+    from specmesh.defaults import local_models, resolve_models
     from specmesh.protocol.config import SpecParams
 
     if args.tiny_deepseek:
@@ -186,6 +186,7 @@ def settings_from_args(args: argparse.Namespace):  # -> BenchSettings
         args.target_model = args.draft_model = str(tiny_deepseek_dir())
         args.draft_kind, args.draft_kinds = "mtp", args.draft_kinds or "mtp,ngram"
     models = resolve_models(args.target_model, args.draft_model, args.draft_kind)
+    models = local_models(models, args.target_revision, args.draft_revision)
     if models.draft_kind is None:
         raise ValueError(
             "specmesh bench compares speculation: give --draft-kind (and --draft-model)"
@@ -317,12 +318,13 @@ def run_http_mode(args: argparse.Namespace) -> int:
 
     from specmesh.bench.http_client import format_results, run_http
     from specmesh.bench.workloads import load_workload
-    from specmesh.defaults import resolve_models
+    from specmesh.defaults import local_models, resolve_models
     from specmesh.router.tokenizer import load_tokenizer
 
     pick = _picker(args)
     batches = _ints(pick("batch_sizes"), "--batch-sizes")
-    tokenizer = load_tokenizer(resolve_models(args.target_model, None, None).target)
+    target = resolve_models(args.target_model, None, None)
+    tokenizer = load_tokenizer(local_models(target, args.target_revision).target)
     name = _words(pick("workloads"))[0]
     num = max(max(batches), pick("min_requests"))
     workload = load_workload(name, tokenizer, num, pick("prompt_len"))

@@ -7,7 +7,8 @@ import json
 import sys
 from typing import Any
 
-from specmesh.protocol.config import DRAFT_KINDS, resolve_dtype
+from specmesh.cli.serve_args import add_model_arg, choose_runtime_from_args
+from specmesh.protocol.config import DRAFT_KINDS
 from specmesh.protocol.sampling import SamplingParams
 from specmesh.router.policy import MODES as SPECULATION_MODES
 from specmesh.rpc.security import add_api_key_arg, add_tls_args, tls_from_args
@@ -15,16 +16,22 @@ from specmesh.rpc.security import add_api_key_arg, add_tls_args, tls_from_args
 DEFAULT_SPEC = {"num_steps": 3, "topk": 4, "num_draft_tokens": 8}
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    """Flags shared by every command that loads models in process."""
-    p.add_argument(
-        "--target-model", metavar="DIR", help="HF checkpoint dir (default: built-in demo model)"
+def add_model_args(p: argparse.ArgumentParser, auto_runtime: bool = True) -> None:
+    """Flags shared by every command that loads models in process. ``auto_runtime``: device,
+    attention backend and KV cache left out are chosen for this machine
+    (`specmesh.device_defaults`); else they are a CPU's (``specmesh bench``)."""
+    add_model_arg(
+        p, "--target-model", "checkpoint dir or Hugging Face id (default: built-in demo model)"
     )
-    p.add_argument("--draft-model", metavar="DIR", help="draft checkpoint dir")
+    add_model_arg(p, "--draft-model", "draft checkpoint dir or Hugging Face id")
     p.add_argument("--draft-kind", choices=DRAFT_KINDS)
     add_spec_args(p)
+    auto = "; default: torch on a CPU, with CUDA flashinfer where it runs the model, else triton"
     p.add_argument(
-        "--attention-backend", choices=["torch", "triton", "flashinfer"], default="torch"
+        "--attention-backend",
+        choices=["torch", "triton", "flashinfer"],
+        default=None if auto_runtime else "torch",
+        help="attention kernels" + (auto if auto_runtime else ""),
     )
     p.add_argument(
         "--dtype",
@@ -32,7 +39,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="default: fp32 on a CPU (faster there than bf16), the checkpoint's on CUDA",
     )
-    p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--device",
+        default=None if auto_runtime else "cpu",
+        help="default: " + ("cuda where CUDA is present, else cpu" if auto_runtime else "cpu"),
+    )
     p.add_argument(
         "--disable-cuda-graph",
         action="store_true",
@@ -148,24 +159,26 @@ def run(args: argparse.Namespace) -> int:
 
 
 def generate_in_process(args: argparse.Namespace) -> dict[str, Any]:
-    from specmesh.defaults import resolve_models
+    from specmesh.defaults import local_models, resolve_models
     from specmesh.protocol.config import SpecParams
     from specmesh.router.core import RouterConfig
     from specmesh.router.engine import Engine
 
-    models = resolve_models(args.target_model, args.draft_model, args.draft_kind)
-    runtime = {
-        "attention_backend": args.attention_backend, "device": args.device,
-        "dtype": resolve_dtype(args.dtype, args.device),  # as `specmesh up` resolves it
-        "cuda_graph": not args.disable_cuda_graph,
-    }  # fmt: skip
+    chosen = resolve_models(args.target_model, args.draft_model, args.draft_kind)
+    models = local_models(chosen, args.target_revision, args.draft_revision)
+    graphs = {"cuda_graph": not args.disable_cuda_graph}
+    target = choose_runtime_from_args(args, "target", models.target).config_kwargs()
+    draft = None
+    if models.draft_kind is not None and not args.disable_speculation:
+        drafted = models.draft or models.target
+        draft = choose_runtime_from_args(args, "draft", drafted, models.target).config_kwargs()
     engine = Engine(
         models.target,
         draft_model=models.draft,
-        draft_kind=None if args.disable_speculation else models.draft_kind,
+        draft_kind=None if draft is None else models.draft_kind,
         spec=SpecParams(args.num_steps, args.topk, args.num_draft_tokens),
-        target_config={**runtime, "tensor_parallel_size": args.tensor_parallel_size},
-        draft_config=runtime,  # the draft stays on one device
+        target_config={**target, **graphs, "tensor_parallel_size": args.tensor_parallel_size},
+        draft_config={**(draft or {}), **graphs},  # the draft stays on one device
         router_config=RouterConfig(
             speculation=args.speculation, prefill_chunk_tokens=args.prefill_chunk_tokens
         ),

@@ -1,5 +1,4 @@
-"""``specmesh target | draft | router | up | health``: run one service, the whole cluster on this
-machine, or probe a service's health (exit 0 when SERVING; for docker-compose / exec probes).
+"""``specmesh target | draft | router``: run one service (``up``: `cmd_up`).
 
 Defaults come from the services' frozen config dataclasses (`TargetConfig`, `DraftConfig`,
 `RouterConfig`, `RouterSettings`).
@@ -12,34 +11,36 @@ import asyncio
 
 from specmesh.cli.cmd_generate import add_spec_args
 from specmesh.cli.serve_args import (
-    HTTP_PORT,
     IMAGE_LIMITS,
     PORTS,
     ROUTER_LIMITS,
     add_http_args,
     add_limit_args,
     add_listen_args,
+    add_model_arg,
     add_predraft_arg,
     add_prefix_cache_args,
     add_runtime_args,
+    add_served_name_arg,
     add_speculation_arg,
     add_tensor_parallel_arg,
     apply_threads,
-    chosen_dtype,
+    choose_runtime_from_args,
     config_default,
     int_list,
+    resolved,
 )
 from specmesh.protocol.config import DRAFT_KINDS, DraftConfig, TargetConfig
 from specmesh.router.core import RouterConfig
 from specmesh.router.limits import RouterLimits
 from specmesh.router.placement import PLACEMENTS
 from specmesh.rpc.metrics import add_metrics_port_arg
-from specmesh.rpc.security import add_api_key_arg, add_tls_args, api_key_from_args, tls_from_args
+from specmesh.rpc.security import add_api_key_arg, api_key_from_args, tls_from_args
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("target", help="serve a target model (specmesh.v1.Target)")
-    p.add_argument("--model", required=True, metavar="DIR", help="HF checkpoint dir")
+    add_model_arg(p, "--model", "checkpoint dir or Hugging Face id", required=True)
     add_listen_args(p, PORTS["target"])
     add_runtime_args(p, TargetConfig)
     p.add_argument(
@@ -78,12 +79,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run_target)
 
     p = sub.add_parser("draft", help="serve a draft model (specmesh.v1.Draft)")
-    p.add_argument("--model", metavar="DIR", help="draft checkpoint dir (not for --kind ngram)")
-    p.add_argument(
-        "--target-model",
-        required=True,
-        metavar="DIR",
-        help="the target checkpoint (embeddings, tokenizer)",
+    add_model_arg(p, "--model", "draft checkpoint dir or Hugging Face id (not for --kind ngram)")
+    add_model_arg(
+        p, "--target-model", "the target checkpoint (embeddings, tokenizer)", required=True
     )
     p.add_argument("--kind", required=True, choices=DRAFT_KINDS)
     add_spec_args(p)
@@ -107,6 +105,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--tokenizer", metavar="DIR", help="default: the target's model path when it is a local dir"
     )
+    add_served_name_arg(p)
     p.add_argument(
         "--max-batch-size",
         type=int,
@@ -179,63 +178,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_http_args(p, None)
     p.set_defaults(run=run_router)
 
-    p = sub.add_parser("up", help="start target(s), draft and router here; Ctrl-C stops them")
-    p.add_argument("--target-model", metavar="DIR", help="default: the built-in demo model")
-    p.add_argument("--draft-model", metavar="DIR")
-    p.add_argument("--draft-kind", choices=DRAFT_KINDS)
-    p.add_argument("--num-targets", type=int, default=1)
-    add_tensor_parallel_arg(p)
-    p.add_argument("--host", default="127.0.0.1", help="router listen address")
-    p.add_argument(
-        "--port", type=int, default=PORTS["router"], help="router port (0: any free port)"
-    )
-    p.add_argument(
-        "--ready-timeout", type=float, default=600.0, help="seconds to wait for readiness"
-    )
-    p.add_argument(
-        "--service-arg",
-        action="append",
-        default=[],
-        metavar="ARG",
-        help="extra flag for every model service that takes it (repeatable), e.g. "
-        "--service-arg=--dtype=bf16 (not --metrics-port: see up's own)",
-    )
-    for kind in ("router", "target", "draft"):
-        p.add_argument(
-            f"--{kind}-arg",
-            action="append",
-            default=[],
-            metavar="ARG",
-            help=f"extra flag for the {kind} (repeatable), e.g. "
-            + {"router": "--router-arg=--speculation=always", "target": "--target-arg=--dtype=bf16",
-               "draft": "--draft-arg=--num-steps=3"}[kind],
-        )  # fmt: skip
-    p.add_argument(
-        "--metrics-port",
-        type=int,
-        default=0,
-        metavar="N",
-        help="serve the model services' Prometheus metrics on ports N, N+1, ...: target i at "
-        "N+i, the draft after the last target (0 = off); the router's are always at /metrics "
-        "on its HTTP port. Every address is printed once ready",
-    )
-    add_tls_args(p)  # one certificate for every service (serverAuth + clientAuth) and its CA
-    add_api_key_arg(p, "the router's API key, handed to it in its environment")
-    add_http_args(p, HTTP_PORT)
-    p.add_argument("--no-http", action="store_true", help="no OpenAI-compatible HTTP API")
-    p.set_defaults(run=run_up)
-
 
 def _address(args: argparse.Namespace) -> str:
     return f"{args.host}:{args.port}"
 
 
-def _runtime_kwargs(args: argparse.Namespace) -> dict:
+def _runtime_kwargs(
+    args: argparse.Namespace,
+    role: str = "target",
+    model_dir: str | None = None,
+    dtype_dir: str | None = None,
+) -> dict:
+    """The runtime fields of ``role``'s config, "auto" values resolved from this machine and
+    ``model_dir``'s checkpoint (`choose_runtime_from_args`, which prints them)."""
+    choice = choose_runtime_from_args(args, role, model_dir, dtype_dir)
     return {
-        "dtype": chosen_dtype(args), "device": args.device,
-        "attention_backend": args.attention_backend,
-        "max_context": args.max_context, "num_kv_slots": args.num_kv_slots,
-        "kv_cache_memory": args.kv_cache_memory,
+        **choice.config_kwargs(), "max_context": args.max_context,
         "max_requests": args.max_requests, "cuda_graph": not args.disable_cuda_graph,
         "cuda_graph_max_bs": args.cuda_graph_max_bs,
     }  # fmt: skip
@@ -251,6 +209,7 @@ def run_target(args: argparse.Namespace) -> int:
     credentials = _model_service_credentials(args)
 
     def load() -> TargetRuntime:
+        model_dir = resolved(args, "--model")
         tree_sizes = {"cuda_graph_tree_sizes": args.cuda_graph_tree_sizes}
         images = {name: getattr(args, name) for name in IMAGE_LIMITS}
         tp = {"tensor_parallel_size": args.tensor_parallel_size, "run_ahead": args.run_ahead,
@@ -259,8 +218,8 @@ def run_target(args: argparse.Namespace) -> int:
                   "prefix_block_size": args.prefix_block_size}  # fmt: skip
         return TargetRuntime(
             TargetConfig(
-                model_dir=args.model,
-                **_runtime_kwargs(args),
+                model_dir=model_dir,
+                **_runtime_kwargs(args, "target", model_dir),
                 **tree_sizes,
                 **images,
                 **tp,
@@ -290,18 +249,22 @@ def run_draft(args: argparse.Namespace) -> int:
 
     spec = SpecParams(args.num_steps, args.topk, args.num_draft_tokens)
     spec.validate()
-    cfg = DraftConfig(
-        args.kind, args.model, args.target_model, spec, predraft=args.predraft,
-        predraft_steps=args.predraft_steps, prefix_cache_tokens=args.prefix_cache_tokens,
-        prefix_block_size=args.prefix_block_size, **_runtime_kwargs(args),
-    )  # fmt: skip
     credentials = _model_service_credentials(args)
+
+    def load():
+        draft_dir, target_dir = resolved(args, "--model"), resolved(args, "--target-model")
+        runtime = _runtime_kwargs(args, "draft", draft_dir or target_dir, target_dir)
+        cfg = DraftConfig(
+            args.kind, draft_dir, target_dir, spec, predraft=args.predraft,
+            predraft_steps=args.predraft_steps, prefix_cache_tokens=args.prefix_cache_tokens,
+            prefix_block_size=args.prefix_block_size, **runtime,
+        )  # fmt: skip
+        return load_draft(cfg)
 
     async def main() -> None:
         servicer = server.make_servicer(_address(args), args.max_message_mb << 20)
         servicer.metrics.serve(args.metrics_port or None, args.host)
         add = draft_pb2_grpc.add_DraftServicer_to_server
-        load = lambda: load_draft(cfg)
         await serve_model(servicer, add, load, None, grace_s=args.grace, credentials=credentials)
 
     asyncio.run(main())
@@ -334,6 +297,7 @@ def run_router(args: argparse.Namespace) -> int:
             placement=args.placement,
             pipeline_decode=args.pipeline_decode,
             balance_micro_batches=args.balance_micro_batches,
+            served_model_name=args.served_model_name,
         ),
         tokenizer=args.tokenizer,
         max_new_tokens=args.max_new_tokens,
@@ -349,9 +313,3 @@ def run_router(args: argparse.Namespace) -> int:
         raise ValueError("--target needs at least one HOST:PORT")
     asyncio.run(serve(settings, grace_s=args.grace))
     return 0
-
-
-def run_up(args: argparse.Namespace) -> int:
-    from specmesh.cluster import run_cluster
-
-    return run_cluster(args)

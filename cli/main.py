@@ -15,7 +15,7 @@ COMMANDS = {
     "target": "specmesh.cli.cmd_serve",
     "draft": "specmesh.cli.cmd_serve",
     "router": "specmesh.cli.cmd_serve",
-    "up": "specmesh.cli.cmd_serve",
+    "up": "specmesh.cli.cmd_up",
     "health": "specmesh.cli.cmd_health",
     "bench": "specmesh.cli.cmd_bench",
 }

@@ -8,8 +8,9 @@ import argparse
 import dataclasses
 import sys
 
+from specmesh.device_defaults import RuntimeChoice, RuntimeFlags, choose_runtime
 from specmesh.protocol.codec import GRPC_MAX_MESSAGE_BYTES
-from specmesh.protocol.config import DraftConfig, TargetConfig, resolve_dtype
+from specmesh.protocol.config import DraftConfig, TargetConfig
 from specmesh.router.policy import MODES as SPECULATION_MODES
 from specmesh.rpc.security import add_tls_args
 
@@ -54,9 +55,37 @@ def apply_threads(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
 
 
+def add_model_arg(
+    p: argparse.ArgumentParser, flag: str, help_text: str, required: bool = False
+) -> None:
+    """``--X-model`` (or ``--model``) and its ``--X-revision``: a local checkpoint directory or
+    a Hugging Face id, resolved by `specmesh.hub.resolve_model`."""
+    p.add_argument(flag, required=required, metavar="DIR|ORG/NAME", help=help_text)
+    revision = flag.replace("model", "revision")
+    p.add_argument(
+        revision,
+        metavar="REV",
+        help=f"branch, tag or commit of a Hugging Face id given to {flag} (default: main)",
+    )
+
+
+def resolved(args: argparse.Namespace, flag: str) -> str | None:
+    """The local directory of ``flag``'s value (None when not given), downloaded if need be."""
+    from specmesh.hub import resolve_model
+
+    name = flag.lstrip("-").replace("-", "_")
+    value = getattr(args, name)
+    revision = getattr(args, name.replace("model", "revision"))
+    return None if value is None else resolve_model(value, revision, flag)
+
+
 def add_runtime_args(p: argparse.ArgumentParser, cls: type) -> None:
     p.add_argument(
-        "--attention-backend", choices=BACKENDS, default=config_default(cls, "attention_backend")
+        "--attention-backend",
+        choices=BACKENDS,
+        default=None,
+        help=f"default: {config_default(cls, 'attention_backend')} on a CPU; with CUDA "
+        "flashinfer where installed and the model allows it, else triton (CUDA graphs)",
     )
     p.add_argument(
         "--dtype",
@@ -64,7 +93,11 @@ def add_runtime_args(p: argparse.ArgumentParser, cls: type) -> None:
         default=None,
         help="default: fp32 on a CPU (faster there than bf16), the checkpoint's on CUDA",
     )
-    p.add_argument("--device", default=config_default(cls, "device"))
+    p.add_argument(
+        "--device",
+        default=None,
+        help=f"default: cuda where CUDA is present, else {config_default(cls, 'device')}",
+    )
     p.add_argument(
         "--max-context",
         type=int,
@@ -75,16 +108,18 @@ def add_runtime_args(p: argparse.ArgumentParser, cls: type) -> None:
     p.add_argument(
         "--num-kv-slots",
         type=int,
-        default=config_default(cls, "num_kv_slots"),
-        help="KV cache size in tokens",
+        default=None,
+        help=f"KV cache size in tokens (default {config_default(cls, 'num_kv_slots')} on a "
+        "CPU; with CUDA the default --kv-cache-memory sizes it)",
     )
     p.add_argument(
         "--kv-cache-memory",
         metavar="SIZE",
         default=None,
         help="KV cache size as memory instead (overrides --num-kv-slots): 4GiB, 512MiB, 2GB, or "
-        "on CUDA a fraction of the device memory free after loading (0.85); the slots are what "
-        "it buys at this model's bytes per token (MLA: its latent vector)",
+        "on CUDA a fraction of the device memory free after loading (0.85; the default there: "
+        "0.8 for a target, 0.1 for a draft); the slots are what it buys at this model's bytes "
+        "per token (MLA: its latent vector)",
     )
     p.add_argument(
         "--max-requests",
@@ -105,14 +140,25 @@ def add_runtime_args(p: argparse.ArgumentParser, cls: type) -> None:
     )
 
 
-def chosen_dtype(args: argparse.Namespace) -> str | None:
-    """``--dtype``, else the device's default (`resolve_dtype`); printed to stderr at start."""
-    dtype = resolve_dtype(args.dtype, args.device)
-    how = "--dtype" if args.dtype else f"the default on {args.device}; --dtype to change"
-    shown = dtype or "of the checkpoint"
+def choose_runtime_from_args(
+    args: argparse.Namespace, role: str, model_dir: str | None, dtype_dir: str | None = None
+) -> RuntimeChoice:
+    """The "auto" runtime values resolved (`specmesh.device_defaults`) from this machine and
+    ``model_dir``'s checkpoint (``dtype_dir``: whose dtype it runs); printed to stderr."""
+    from specmesh.device_defaults import checkpoint_facts, machine_facts
+
+    flags = RuntimeFlags(
+        device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
+        num_kv_slots=getattr(args, "num_kv_slots", None),
+        kv_cache_memory=getattr(args, "kv_cache_memory", None),
+        cuda_graph=not args.disable_cuda_graph,
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1) if role == "target" else 1,
+    )  # fmt: skip
+    choice = choose_runtime(flags, checkpoint_facts(machine_facts(), model_dir, dtype_dir), role)
     command = getattr(args, "command", None) or "service"
-    print(f"specmesh {command}: dtype {shown} ({how})", file=sys.stderr, flush=True)
-    return dtype
+    who = command if command in ("target", "draft") else f"{command} ({role})"
+    print(choice.line(who), file=sys.stderr, flush=True)
+    return choice
 
 
 HTTP_PORT = 8000  # `specmesh up`'s OpenAI-compatible HTTP API (a free port when it is taken)
@@ -195,6 +241,15 @@ def add_http_args(p: argparse.ArgumentParser, default_port: int | None) -> None:
         "--chat-template",
         metavar="FILE",
         help="Jinja chat template for /v1/chat/completions (default: the tokenizer's own)",
+    )
+
+
+def add_served_name_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        help="the model's name in GetInfo, /v1/models, the requests' \"model\" field and the "
+        "metrics (default: the target's: a Hugging Face id, or its directory's name)",
     )
 
 

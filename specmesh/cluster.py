@@ -76,7 +76,9 @@ def run_cluster(args: argparse.Namespace) -> int:
     tp = args.tensor_parallel_size  # processes per target
     num_procs = args.num_targets * tp + (models.draft_kind is not None)
     threads = ["--threads", str(model_threads(num_procs))]
-    target_flags = ["--model", models.target, "--tensor-parallel-size", str(tp), *threads]
+    gpu = _gpu_flags(extra.by_kind, with_draft)
+    target_flags = ["--model", models.target, *_flag("--revision", args.target_revision)]
+    target_flags += ["--tensor-parallel-size", str(tp), *threads, *gpu["target"]]
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         metrics_flag = lambda i: ["--metrics-port", str(metrics[i])] if metrics else []
@@ -87,8 +89,10 @@ def run_cluster(args: argparse.Namespace) -> int:
         drafts = []
         if models.draft_kind is not None:
             draft_model = ["--model", models.draft] if models.draft else []
+            draft_model += _flag("--revision", args.draft_revision) if models.draft else []
             flags = ["--kind", models.draft_kind, "--target-model", models.target, *draft_model]
-            flags += metrics_flag(args.num_targets)
+            flags += _flag("--target-revision", args.target_revision)
+            flags += [*metrics_flag(args.num_targets), *gpu["draft"]]
             drafts.append(spawn("draft", [*flags, *threads, *extra.by_kind["draft"]]))
         port = args.port or free_port(args.host)
         router = ["--target", ",".join(targets), "--draft", ",".join(drafts), "--threads", "1"]
@@ -97,6 +101,7 @@ def run_cluster(args: argparse.Namespace) -> int:
         if http_port is not None:
             router += ["--http-port", str(http_port)]
         router += ["--chat-template", args.chat_template] if args.chat_template else []
+        router += _flag("--served-model-name", args.served_model_name) + gpu["router"]
         router += extra.by_kind["router"]
         spawn("router", router, host=args.host, port=port, env=env)
         wait_ready(children, args.ready_timeout, tls)
@@ -118,6 +123,18 @@ def run_cluster(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the stop
         stop_all(children)
         signal.signal(signal.SIGTERM, previous)
+
+
+def _flag(flag: str, value: str | None) -> list[str]:
+    return [flag, value] if value else []
+
+
+def _gpu_flags(by_kind: dict[str, list[str]], with_draft: bool) -> dict[str, list[str]]:
+    """Where CUDA is present: target and draft on one device, and the router one micro-batch
+    when they share it (`device_defaults.shared_gpu_flags`); nothing on a CPU machine."""
+    from specmesh.device_defaults import machine_facts, shared_gpu_flags
+
+    return shared_gpu_flags(machine_facts().cuda, by_kind, with_draft)
 
 
 def metrics_ports(first: int, num_targets: int, with_draft: bool) -> list[int]:

@@ -45,3 +45,15 @@ def resolve_models(target: str | None, draft: str | None, kind: str | None) -> M
             chosen if kind in (None, chosen.draft_kind) else ModelChoice(chosen.target, None, kind)
         )
     return ModelChoice(target, draft, kind if kind or draft is None else "eagle3")
+
+
+def local_models(
+    chosen: ModelChoice, target_revision: str | None = None, draft_revision: str | None = None
+) -> ModelChoice:
+    """``chosen`` with each model a local directory: Hugging Face ids resolved (and downloaded
+    when online) by `specmesh.hub.resolve_model`."""
+    from specmesh.hub import resolve_model
+
+    target = resolve_model(chosen.target, target_revision, "--target-model")
+    draft = chosen.draft and resolve_model(chosen.draft, draft_revision, "--draft-model")
+    return ModelChoice(target, draft, chosen.draft_kind)

@@ -69,8 +69,9 @@ def test_dtype_defaults_to_fp32_on_a_cpu_and_the_checkpoints_on_cuda(capsys) -> 
 
     parse = lambda *a: build_parser("target").parse_args(["target", "--model", "m", *a])
     assert _runtime_kwargs(parse())["dtype"] == "fp32"
-    assert "specmesh target: dtype fp32 (the default on cpu" in capsys.readouterr().err
+    assert "specmesh target: device cpu, dtype fp32," in capsys.readouterr().err
     assert _runtime_kwargs(parse("--device", "cuda:1"))["dtype"] is None
-    assert "dtype of the checkpoint (the default on cuda:1" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "dtype the checkpoint's, attention triton" in err and "given: --device" in err
     assert _runtime_kwargs(parse("--dtype", "bf16"))["dtype"] == "bf16"
-    assert "dtype bf16 (--dtype)" in capsys.readouterr().err
+    assert "dtype bf16, " in capsys.readouterr().err
