@@ -16,8 +16,8 @@ from functools import cache
 MODEL_SERVICES = ("target", "draft")
 # Flags `up` sets on its children itself: passing them through would fight its own choice.
 OWNED = {
-    "target": ("--host", "--port", "--model"),
-    "draft": ("--host", "--port", "--target-model"),
+    "target": ("--host", "--port", "--model", "--revision"),
+    "draft": ("--host", "--port", "--model", "--revision", "--target-model", "--target-revision"),
     "router": ("--host", "--port", "--target", "--draft", "--http-port"),
 }
 

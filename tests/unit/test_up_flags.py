@@ -32,6 +32,7 @@ def test_each_flag_reaches_its_service(started) -> None:
         ("--router-arg=--no-such-flag", "--router-arg --no-such-flag: no router takes"),
         ("--service-arg=--speculation=always", "no target or draft takes"),
         ("--target-arg=--port=9", "sets it for the target itself"),
+        ("--draft-arg=--revision=abc", "sets it for the draft itself"),  # --draft-revision
     ],
 )
 def test_a_flag_no_service_takes_is_refused_by_name(started, capsys, flag, words) -> None:
