@@ -63,6 +63,30 @@ class TokenizerBusyError(SpecmeshError):
     grpc_code = "RESOURCE_EXHAUSTED"
 
 
+class ContextLengthError(InvalidRequestError):
+    """The prompt (``max_new_tokens`` None), or the prompt and ``max_new_tokens``, do not fit
+    the target's context; ``param`` is the field to shorten. The numbers are kept, so an API
+    with other field names can word it its own way (`openai_errors`)."""
+
+    def __init__(
+        self, rid: str, num_prompt_tokens: int, max_context_len: int,
+        max_new_tokens: int | None = None,
+    ) -> None:  # fmt: skip
+        self.num_prompt_tokens, self.max_context_len = num_prompt_tokens, max_context_len
+        self.max_new_tokens = max_new_tokens
+        if max_new_tokens is None:
+            message = (
+                f"request {rid!r}: prompt of {num_prompt_tokens} tokens exceeds the limit of "
+                f"{max_context_len - 1} (the target's max_context_len - 1)"
+            )
+        else:
+            message = (
+                f"request {rid!r}: prompt of {num_prompt_tokens} tokens + max_new_tokens "
+                f"{max_new_tokens} exceed max_context_len {max_context_len}"
+            )
+        super().__init__(message, param="prompt" if max_new_tokens is None else "max_new_tokens")
+
+
 def check_request(
     msg: generation_pb2.GenerateRequest, rid: str, limits: RouterLimits, max_prompt_tokens: int
 ) -> None:
@@ -77,45 +101,50 @@ def check_request(
     if num_bytes > limits.max_prompt_bytes:
         raise InvalidRequestError(
             f"request {rid!r}: prompt of {num_bytes} bytes exceeds the limit of "
-            f"{limits.max_prompt_bytes} (--max-prompt-bytes)"
+            f"{limits.max_prompt_bytes} (--max-prompt-bytes)",
+            param="prompt",
         )
     check_prompt_tokens(rid, len(msg.prompt_token_ids), max_prompt_tokens)
     sampling = msg.sampling
     if len(sampling.stop) > limits.max_stop_strings:
         raise InvalidRequestError(
             f"request {rid!r}: {len(sampling.stop)} stop strings exceed the limit of "
-            f"{limits.max_stop_strings} (--max-stop-strings)"
+            f"{limits.max_stop_strings} (--max-stop-strings)",
+            param="stop",
         )
     longest = max((len(s) for s in sampling.stop), default=0)
     if longest > limits.max_stop_string_len:
         raise InvalidRequestError(
             f"request {rid!r}: a stop string of {longest} characters exceeds the limit of "
-            f"{limits.max_stop_string_len} (--max-stop-string-len)"
+            f"{limits.max_stop_string_len} (--max-stop-string-len)",
+            param="stop",
         )
     if len(sampling.stop_token_ids) > limits.max_stop_token_ids:
         raise InvalidRequestError(
             f"request {rid!r}: {len(sampling.stop_token_ids)} stop_token_ids exceed the limit "
-            f"of {limits.max_stop_token_ids} (--max-stop-token-ids)"
+            f"of {limits.max_stop_token_ids} (--max-stop-token-ids)",
+            param="stop_token_ids",
         )
     check_image_sizes(rid, msg.images, limits.max_images_per_request, limits.max_image_bytes)
 
 
 def check_prompt_tokens(rid: str, num_tokens: int, max_prompt_tokens: int) -> None:
     if num_tokens > max_prompt_tokens:
-        raise InvalidRequestError(
-            f"request {rid!r}: prompt of {num_tokens} tokens exceeds the limit of "
-            f"{max_prompt_tokens} (the target's max_context_len - 1)"
-        )
+        raise ContextLengthError(rid, num_tokens, max_prompt_tokens + 1)
 
 
 def check_stop_rules(params: SamplingParams, vocab_size: int) -> None:
     """Stop rules that could never be meant: an empty stop string (it would match at once) and
     stop token ids the model cannot produce."""
     if any(not s for s in params.stop):
-        raise InvalidRequestError("an empty stop string would end the request at once")
+        raise InvalidRequestError(
+            "an empty stop string would end the request at once", param="stop"
+        )
     bad = [t for t in params.stop_token_ids if not 0 <= t < vocab_size]
     if bad:
-        raise InvalidRequestError(f"stop_token_ids outside vocab [0, {vocab_size}): {bad[:5]}")
+        raise InvalidRequestError(
+            f"stop_token_ids outside vocab [0, {vocab_size}): {bad[:5]}", param="stop_token_ids"
+        )
 
 
 class PromptEncoder:

@@ -32,6 +32,7 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response
 
 from specmesh.protocol.constraints import Constraint
+from specmesh.protocol.errors import SpecmeshError
 from specmesh.protocol.sampling import NUM_SEEDS, SamplingParams
 from specmesh.protocol.steps import Logprob
 from specmesh.router.chat import ChatRenderer, read_template
@@ -40,22 +41,16 @@ from specmesh.router.openai_body import (
     Prompt,
     chat_budget,
     completion_budget,
-    logit_bias_pairs,
     parse_chat,
     parse_completion,
     read_json,
-    stop_token_ids,
 )
-from specmesh.router.openai_schema import (
-    ChatBody,
-    CompletionBody,
-    OpenAIError,
-    SamplingBody,
-    TokenEntry,
-    reported,
-)
+from specmesh.router.openai_checks import check_sampling, logit_bias_pairs, stop_token_ids
+from specmesh.router.openai_errors import OpenAIError, as_openai_error, reported
+from specmesh.router.openai_schema import ChatBody, CompletionBody, SamplingBody, TokenEntry
 from specmesh.router.openai_stream import merge, sse_event, sse_response, unless_disconnected
 from specmesh.router.openai_views import ChatView, Choice, CompletionView
+from specmesh.router.request import Request
 from specmesh.router.structured import constraint_of
 from specmesh.router.tools import ToolPlan, plan_tools
 from specmesh.v1 import generation_pb2
@@ -124,8 +119,10 @@ class OpenAIService:
     ) -> SamplingParams:  # fmt: skip
         if not body.skip_special_tokens:
             raise OpenAIError(
-                400, "only skip_special_tokens=true is supported", param="skip_special_tokens"
-            )
+                400, "only skip_special_tokens=true is supported", param="skip_special_tokens",
+                code="unsupported_value",
+            )  # fmt: skip
+        check_sampling(body, body.max_tokens_param, max_tokens)
         vocab = self.core.info.vocab_size
         bias = logit_bias_pairs(body.logit_bias, vocab)
         return SamplingParams(
@@ -140,27 +137,37 @@ class OpenAIService:
         )  # fmt: skip
 
     async def make_choices(
-        self, rid: str, prompts: list[Prompt], n: int, params: SamplingParams,
+        self, rid: str, prompts: list[Prompt], body: SamplingBody, params: SamplingParams,
         max_tokens: int | None, images: list[bytes] = (), echo: bool = False,
         score_only: bool = False,
     ) -> list[Choice]:  # fmt: skip
         """One request per (prompt, n): seeds `choice_seed` (or fresh ones), the limits checked
-        by `_make_request` on a `GenerateRequest` holding the sizes it reads. A text prompt is
-        tokenized once: its other choices are built from its ids."""
+        by `_make_request` on a `GenerateRequest` holding the sizes it reads (its refusals name
+        ``body``'s fields). A text prompt is tokenized once: its other choices are built from
+        its ids."""
         choices = []
         for i, prompt in enumerate(prompts):
             shown = None
-            for j in range(n):
-                index = i * n + j
+            for j in range(body.n):
+                index = i * body.n + j
                 seed = None if params.seed is None else choice_seed(params.seed, j)
                 msg = _message(f"{rid}-{index}", prompt, params, max_tokens, images)
-                req = await self.servicer._make_request(self.core, msg, replace(params, seed=seed))
+                req = await self.request(msg, replace(params, seed=seed), body)
                 if j == 0:
                     shown = self.shown(msg.prompt, req.prompt_ids) if echo else None
                     if isinstance(prompt, str):
                         prompt = list(req.prompt_ids)
                 choices.append(Choice(index, i, req, shown, score_only))
         return choices
+
+    async def request(
+        self, msg: generation_pb2.GenerateRequest, params: SamplingParams, body: SamplingBody
+    ) -> Request:
+        """The gRPC path's request building and checks; a refusal names the body's field."""
+        try:
+            return await self.servicer._make_request(self.core, msg, params)
+        except SpecmeshError as e:
+            raise as_openai_error(e, body.engine_fields) from None
 
     def shown(self, text: str, ids: list[int]) -> str:
         """The prompt as ``echo`` returns it: its text, or its ids decoded."""
@@ -210,7 +217,9 @@ class OpenAIService:
         async with self.work():
             self.check_model(body.model)
             if body.suffix:
-                raise OpenAIError(400, "suffix is not supported", param="suffix")
+                raise OpenAIError(
+                    400, "suffix is not supported", param="suffix", code="unsupported_parameter"
+                )
             if body.best_of not in (None, body.n):
                 raise OpenAIError(400, "best_of must equal n", param="best_of")
             score_only = _scores_only(body)
@@ -224,7 +233,7 @@ class OpenAIService:
             )
             rid = f"cmpl-{uuid.uuid4().hex}"
             choices = await self.make_choices(
-                rid, prompts, body.n, params, max_tokens, echo=body.echo, score_only=score_only
+                rid, prompts, body, params, max_tokens, echo=body.echo, score_only=score_only
             )
             return await self.answer(http, choices, CompletionView(self, rid, lp is not None), body)
 
@@ -234,10 +243,9 @@ class OpenAIService:
             self.check_model(body.model)
             if body.chat_template is not None:
                 raise OpenAIError(
-                    400,
-                    "chat_template is set by the router (--chat-template)",
-                    param="chat_template",
-                )
+                    400, "chat_template is set by the router (--chat-template)",
+                    param="chat_template", code="unsupported_parameter",
+                )  # fmt: skip
             if body.max_new_tokens == 0:
                 name = body.max_tokens_param
                 raise OpenAIError(400, f"{name} must be at least 1, got 0", param=name)
@@ -251,7 +259,7 @@ class OpenAIService:
             params = self.sampling(body, body.max_new_tokens, lp, None, body.seed, constraint)
             rid = f"chatcmpl-{uuid.uuid4().hex}"
             choices = await self.make_choices(
-                rid, [prompt], body.n, params, body.max_new_tokens, images
+                rid, [prompt], body, params, body.max_new_tokens, images
             )
             view = ChatView(self, rid, body.logprobs, tools)
             return await self.answer(http, choices, view, body)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,13 +30,14 @@ from fastapi import Request as HttpRequest
 from starlette.requests import ClientDisconnect
 
 from specmesh.router.limits import RouterLimits
-from specmesh.router.openai_schema import (
-    ChatBody,
-    ClientGone,
-    CompletionBody,
-    OpenAIError,
-    refuse_unsupported,
+from specmesh.router.openai_checks import (
+    check_messages,
+    check_stream_options,
+    check_token_ids,
+    kind_of,
 )
+from specmesh.router.openai_errors import ClientGone, OpenAIError, validation_error
+from specmesh.router.openai_schema import ChatBody, CompletionBody, refuse_unsupported
 
 SEPARATORS = (b",", b":", b"[", b"{")
 OVERHEAD = 64 << 10  # bytes and separators of everything but prompts and messages
@@ -46,7 +46,6 @@ PER_CHAT_ITEM = 128  # framing bytes of one message or content part ({"role": ..
 SEPARATORS_PER_CHAT_ITEM = 16
 
 Prompt = str | list[int]
-_CANONICAL_ID = re.compile(r"0|[1-9][0-9]*")  # ASCII only: [0-9], not \d
 
 
 @dataclass(frozen=True)
@@ -112,7 +111,7 @@ async def read_json(http: HttpRequest, budget: BodyBudget, timeout_s: float) -> 
     except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError
         raise OpenAIError(400, f"the request body is not valid JSON: {e}") from None
     if not isinstance(obj, dict):
-        raise OpenAIError(400, f"the request body must be a JSON object, not {_kind(obj)}")
+        raise OpenAIError(400, f"the request body must be a JSON object, not {kind_of(obj)}")
     return obj
 
 
@@ -148,43 +147,28 @@ def parse_completion(
     """The body's fields, and its prompts once counted (prompts x n, token ids) and checked
     for shape and for ids in the vocabulary (before anything reads them)."""
     if "prompt" not in obj:
-        raise OpenAIError(400, "invalid request body: prompt: Field required", param="prompt")
+        raise OpenAIError(
+            400, "invalid request body: prompt: Field required", param="prompt",
+            code="missing_required_parameter",
+        )  # fmt: skip
     raw = obj.pop("prompt")
     body = validate(CompletionBody, obj)
     prompts = _as_prompt_list(raw)
     _check_choices(len(prompts), body.n, limits)
     for i, p in enumerate(prompts):
+        which = "prompt" if len(prompts) == 1 else f"prompt {i}"
+        if not p:  # "" or []: a prompt must hold something
+            raise OpenAIError(400, f"{which} is empty", param="prompt")
         if isinstance(p, list) and len(p) > max_prompt_tokens:
             raise OpenAIError(
-                400, f"prompt {i} of {len(p)} tokens exceeds the limit of {max_prompt_tokens} "
-                "(the target's max_context_len - 1)", param="prompt",
+                400, f"{which} of {len(p)} tokens exceeds max_model_len {max_prompt_tokens + 1} "
+                f"(at most {max_prompt_tokens} prompt tokens)", param="prompt",
+                code="context_length_exceeded",
             )  # fmt: skip
         if not isinstance(p, str):
-            _check_token_ids(i, p, vocab_size)
+            check_token_ids(p, vocab_size, which, "prompt")
+    check_stream_options(body)
     return body, prompts
-
-
-def logit_bias_pairs(
-    bias: dict[str, float] | None, vocab_size: int
-) -> tuple[tuple[int, float], ...]:
-    """``logit_bias`` as (token id, bias) pairs: each key the canonical decimal ASCII form of
-    an id in the vocabulary (``"5"``; not ``" 5 "``, ``"05"``, ``"+5"`` or other scripts'
-    digits, which ``int`` would take), each bias in [-100, 100]."""
-    pairs = []
-    for key, value in (bias or {}).items():
-        if not _CANONICAL_ID.fullmatch(key):
-            raise OpenAIError(
-                400, f"logit_bias keys must be token ids in decimal ASCII digits, without sign, "
-                f"space or leading zeros (such as \"5\"); got {key[:40]!r}", param="logit_bias",
-            )  # fmt: skip
-        token_id = int(key) if len(key) < 19 else vocab_size  # past any vocabulary
-        if token_id >= vocab_size or not -100 <= value <= 100:
-            raise OpenAIError(
-                400, f"logit_bias needs token ids in [0, {vocab_size}) and biases in "
-                f"[-100, 100], got {key[:40]}: {value}", param="logit_bias",
-            )  # fmt: skip
-        pairs.append((token_id, float(value)))
-    return tuple(pairs)
 
 
 def parse_chat(obj: dict, limits: RouterLimits) -> ChatBody:
@@ -192,6 +176,8 @@ def parse_chat(obj: dict, limits: RouterLimits) -> ChatBody:
     messages = obj.get("messages")
     images = _check_chat_counts(messages, limits) if isinstance(messages, list) else 0
     body = validate(ChatBody, obj)
+    check_messages(body.messages)
+    check_stream_options(body)
     _check_choices(1, body.n, limits)
     if images * body.n > limits.max_images_per_request:  # each choice holds its own copy
         raise OpenAIError(
@@ -207,48 +193,16 @@ def validate(model: type[pydantic.BaseModel], obj: dict) -> Any:
         refuse_unsupported(obj, model.unsupported)
         return model.model_validate(obj)
     except pydantic.ValidationError as e:
-        first = e.errors()[0]
-        param = ".".join(str(x) for x in first["loc"]) or None
-        raise OpenAIError(
-            400, f"invalid request body: {param}: {first['msg']}", param=param
-        ) from None
+        raise validation_error(e) from None
 
 
 def _as_prompt_list(raw: Any) -> list:
     if isinstance(raw, str):
         return [raw]
     if not isinstance(raw, list) or not raw:
-        what = "empty" if raw == [] else f"{_kind(raw)}, not text or token ids"
+        what = "empty" if raw == [] else f"{kind_of(raw)}, not text or token ids"
         raise OpenAIError(400, f"prompt is {what}", param="prompt")
     return [raw] if type(raw[0]) is int else raw  # one prompt of ids, or a batch
-
-
-def stop_token_ids(ids: list[int] | None, vocab_size: int) -> tuple[int, ...]:
-    """``stop_token_ids`` once each is an id of the vocabulary (checked before an id reaches a
-    message field it does not fit: 400 naming the field and the range)."""
-    bad = [t for t in ids or () if t >= vocab_size]
-    if bad:
-        raise OpenAIError(
-            400, f"stop_token_ids must be token ids in [0, {vocab_size}), got {bad[0]}",
-            param="stop_token_ids",
-        )  # fmt: skip
-    return tuple(ids or ())
-
-
-def _check_token_ids(i: int, prompt: Any, vocab_size: int) -> None:
-    """Prompt ``i`` is a list of ids in [0, ``vocab_size``): anything else is a 400 naming
-    ``prompt`` and the range, before an id reaches a message field it does not fit."""
-    if not isinstance(prompt, list) or not all(type(t) is int for t in prompt):
-        raise OpenAIError(
-            400, f"prompt {i} must be text or a list of token ids (integers in "
-            f"[0, {vocab_size})), not {_kind(prompt)}", param="prompt",
-        )  # fmt: skip
-    bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise OpenAIError(
-            400, f"prompt {i} holds token id {bad}, outside the vocabulary's ids "
-            f"[0, {vocab_size})", param="prompt",
-        )  # fmt: skip
 
 
 def _check_choices(num_prompts: int, n: int, limits: RouterLimits) -> None:
@@ -281,9 +235,3 @@ def _check_chat_counts(messages: list, limits: RouterLimits) -> int:
             "request (--max-images-per-request)", param="messages",
         )  # fmt: skip
     return images
-
-
-def _kind(value: Any) -> str:
-    return {dict: "an object", list: "a list", str: "text", type(None): "null"}.get(
-        type(value), type(value).__name__
-    )

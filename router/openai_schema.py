@@ -1,6 +1,6 @@
-"""The OpenAI-compatible API's wire shapes: request bodies (pydantic), the error object and the
-one table from specmesh's status codes to HTTP statuses. Responses are built as plain dicts in
-`specmesh.router.openai_api`, field for field the OpenAI schema.
+"""The OpenAI-compatible API's wire shapes: request bodies (pydantic) and the pieces of responses
+(usage, logprobs); responses are built as plain dicts in `specmesh.router.openai_views`, field
+for field the OpenAI schema. Errors: `specmesh.router.openai_errors`.
 
 Fields accepted beyond OpenAI's are vLLM's (``top_k``, ``min_p``, ``repetition_penalty``,
 ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``, ``guided_json``,
@@ -11,100 +11,15 @@ silently ignored; fields nobody defines are ignored, as OpenAI and vLLM do.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
 
-from specmesh.protocol.errors import SpecmeshError
 from specmesh.protocol.sampling import NUM_SEEDS
+from specmesh.router.openai_errors import OpenAIError
 from specmesh.router.structured import ResponseFormat, StructuredOutputs
 from specmesh.router.tools import NamedToolChoice, Tool
-
-log = logging.getLogger(__name__)
-
-# specmesh / gRPC status -> HTTP status (README "OpenAI-compatible HTTP").
-HTTP_STATUS = {
-    "INVALID_ARGUMENT": 400,
-    "OUT_OF_RANGE": 400,
-    "FAILED_PRECONDITION": 400,  # e.g. text prompts without a tokenizer
-    "UNAUTHENTICATED": 401,
-    "PERMISSION_DENIED": 403,
-    "NOT_FOUND": 404,
-    "ALREADY_EXISTS": 409,
-    "RESOURCE_EXHAUSTED": 429,  # queue, tokenizer queue or KV cache full
-    "CANCELLED": 499,
-    "INTERNAL": 500,
-    "UNIMPLEMENTED": 501,
-    "UNAVAILABLE": 503,  # no target replica left, still connecting, shutting down
-    "DEADLINE_EXCEEDED": 504,
-}
-ERROR_TYPE = {
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    429: "rate_limit_error",
-    503: "service_unavailable_error",
-}
-
-
-class OpenAIError(Exception):
-    """An error answered as OpenAI's ``{"error": {message, type, param, code}}``; ``close``:
-    the connection is closed after it (a body refused before it was all read)."""
-
-    def __init__(
-        self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-        close: bool = False,
-    ) -> None:  # fmt: skip
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.close = close
-
-    def body(self) -> dict:
-        if self.status >= 500 and self.status not in ERROR_TYPE:
-            kind = "server_error"
-        else:
-            kind = ERROR_TYPE.get(self.status, "invalid_request_error")
-        error = {"message": self.message, "type": kind, "param": self.param, "code": self.code}
-        return {"error": error}
-
-
-class ClientGone(OpenAIError):
-    """The client closed the connection (``when``: while sending its body, before its
-    response): nobody reads the answer, and it is logged as one line."""
-
-    def __init__(self, when: str) -> None:
-        super().__init__(499, f"the client closed the connection {when}", code="cancelled")
-        self.when = when
-
-
-def as_openai_error(exc: BaseException) -> OpenAIError:
-    """A `SpecmeshError` by its ``grpc_code``, any other ``ValueError`` as 400, else 500."""
-    if isinstance(exc, OpenAIError):
-        return exc
-    if isinstance(exc, SpecmeshError):
-        code = exc.grpc_code
-    elif isinstance(exc, ValueError):
-        code = "INVALID_ARGUMENT"
-    else:
-        return OpenAIError(500, f"internal error: {type(exc).__name__}", code="internal_error")
-    param = getattr(exc, "param", None)  # `InvalidRequestError`'s field at fault
-    return OpenAIError(HTTP_STATUS.get(code, 500), str(exc), param=param, code=code.lower())
-
-
-def reported(exc: Exception, where: str) -> OpenAIError:
-    """``exc`` as the error to answer, logged as it deserves: a refusal (< 500) not at all, a
-    client gone one INFO line, an unavailable service one WARNING line, and only an internal
-    error (a bug) with its traceback."""
-    error = as_openai_error(exc)
-    if isinstance(exc, ClientGone):
-        log.info("HTTP client went away %s (%s)", exc.when, where)
-    elif error.code == "internal_error":  # not an error raised on purpose
-        log.error("%s failed", where, exc_info=exc)
-    elif error.status >= 500:
-        log.warning("%s answered %d: %s", where, error.status, error.message)
-    return error
 
 
 # -- request bodies ----------------------------------------------------------------------------
@@ -139,7 +54,10 @@ def refuse_unsupported(obj: dict, unsupported: dict[str, tuple]) -> None:
     for name, accepted in unsupported.items():
         value = obj.get(name)
         if value is not None and value not in accepted:
-            raise OpenAIError(400, f"{name} is not supported by specmesh", param=name)
+            raise OpenAIError(
+                400, f"{name} is not supported by specmesh", param=name,
+                code="unsupported_parameter",
+            )  # fmt: skip
 
 
 class SamplingBody(BaseModel):
@@ -152,8 +70,8 @@ class SamplingBody(BaseModel):
     n: int = Field(1, ge=1, le=128)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = None  # None: OpenAI's default, 1.0
-    top_p: float = 1.0
+    temperature: float | None = Field(None, ge=0.0, le=100.0)  # None: OpenAI's default, 1.0
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0, lt=NUM_SEEDS)  # choice j: `openai_api.choice_seed`
     user: str | None = None
@@ -161,9 +79,9 @@ class SamplingBody(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     # vLLM's extras
-    top_k: int = Field(0, ge=-1)  # 0 or -1 = off
+    top_k: int = Field(0, ge=-1, lt=2**31)  # 0 or -1 = off
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
     min_tokens: NonNegativeInt = 0
     ignore_eos: bool = False
     stop_token_ids: list[NonNegativeInt] | None = None
@@ -187,6 +105,17 @@ class SamplingBody(BaseModel):
     @property
     def continuous_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.continuous_usage_stats
+
+    @property
+    def max_tokens_param(self) -> str:
+        """The field that sets the completion's length."""
+        return "max_tokens"
+
+    @property
+    def engine_fields(self) -> dict[str, str]:
+        """The engine's field names -> this body's: an error the engine raises names the field
+        the client sent (`openai_errors.as_openai_error`)."""
+        return {"prompt_token_ids": "prompt", "max_new_tokens": self.max_tokens_param}
 
 
 class CompletionBody(SamplingBody):
@@ -219,8 +148,8 @@ class ContentPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: str
-    content: str | list[ContentPart] | None = None
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None  # None only beside an assistant's tool_calls
     name: str | None = None
     tool_calls: list[dict] | None = None  # an assistant turn's calls, for the chat template
     tool_call_id: str | None = None  # a tool turn's answer to that call
@@ -246,6 +175,11 @@ class ChatBody(SamplingBody):
     @property
     def max_new_tokens(self) -> int | None:
         return getattr(self, self.max_tokens_param)
+
+    @property
+    def engine_fields(self) -> dict[str, str]:
+        prompt = dict.fromkeys(("prompt", "prompt_token_ids", "images"), "messages")
+        return {**prompt, "max_new_tokens": self.max_tokens_param}
 
 
 # -- response pieces ---------------------------------------------------------------------------

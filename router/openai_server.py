@@ -35,8 +35,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from specmesh.router.http_gate import ConnectionGate, listening_socket, quiet_accept_errors
 from specmesh.router.http_protocol import ServerConfig
 from specmesh.router.limits import http_connection_cap
-from specmesh.router.openai_api import OpenAIService, reported
-from specmesh.router.openai_schema import OpenAIError
+from specmesh.router.openai_api import OpenAIService
+from specmesh.router.openai_errors import OpenAIError, reported
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Awaitable
 from fastapi import Request as HttpRequest
 from fastapi.responses import StreamingResponse
 
-from specmesh.router.openai_schema import ClientGone
+from specmesh.router.openai_errors import ClientGone
 from specmesh.router.request import Chunk
 
 

@@ -29,6 +29,7 @@ from specmesh.router.core import RouterConfig, RouterCore
 from specmesh.router.detokenizer import Detokenizer
 from specmesh.router.grpc_clients import GrpcDraftClient, GrpcTargetClient
 from specmesh.router.limits import (
+    ContextLengthError,
     PromptEncoder,
     RouterLimits,
     check_prompt_tokens,
@@ -148,7 +149,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         max_prompt_tokens = target.max_context_len - 1
         check_request(msg, rid, self.settings.limits, max_prompt_tokens)
         if msg.images and not target.supports_images:
-            raise InvalidRequestError(f"{target.model_path} is not a vision-language model")
+            raise InvalidRequestError(
+                f"{target.model_path} is not a vision-language model", param="images"
+            )
         if msg.prompt and self.tokenizer is None:
             raise PreconditionError(
                 "the router has no tokenizer (its targets serve none and no --tokenizer was "
@@ -173,10 +176,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if not msg.sampling.max_new_tokens:  # the router's default, cut to the room left
             params = replace(params, max_new_tokens=max(1, min(self.settings.max_new_tokens, room)))
         if ids and params.max_new_tokens > room:
-            raise InvalidRequestError(
-                f"prompt of {len(ids)} tokens + max_new_tokens {params.max_new_tokens} exceed "
-                f"max_context_len {target.max_context_len}"
-            )
+            raise ContextLengthError(rid, len(ids), target.max_context_len, params.max_new_tokens)
         return Request(
             rid,
             ids,

@@ -146,3 +146,108 @@ def test_forced_tool_calls_name_only_the_parameters_unless_the_function_opts_out
     )  # fmt: skip
     assert r.choices[0].finish_reason == "length"  # an open object, cut by max_tokens
     assert r.choices[0].message.content.startswith('{"a":')
+
+
+# -- refusals name what the client sent ----------------------------------------------------------
+GRPC_NAMES = {"invalid_argument", "out_of_range", "failed_precondition", "resource_exhausted"}
+
+
+@pytest.mark.parametrize(
+    ("prompt", "message"),
+    [("", "prompt is empty"), ([], "prompt is empty"), (["a", ""], "prompt 1 is empty"),
+     ([[5], []], "prompt 1 is empty")],
+)  # fmt: skip
+def test_an_empty_prompt_is_called_empty(http, prompt, message: str) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        http.oa.completions.create(model="target", prompt=prompt, max_tokens=2)
+    error = _error(e, 400)
+    assert (error["message"], error["param"], error["code"]) == (message, "prompt", "invalid_value")
+
+
+CHAT_REFUSALS = {  # a message OpenAI refuses -> the param it names, the code
+    "unknown role": ({"role": "wizard", "content": "hi"}, "messages[0].role", "invalid_value"),
+    "no content": ({"role": "user"}, "messages[0].content", "missing_required_parameter"),
+    "null content": (
+        {"role": "system", "content": None}, "messages[0].content", "missing_required_parameter"
+    ),
+    "assistant with neither": ({"role": "assistant"}, "messages[0].content", "missing_required_parameter"),
+    "tool without its call": (
+        {"role": "tool", "content": "42"}, "messages[0].tool_call_id", "missing_required_parameter"
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(CHAT_REFUSALS))
+def test_chat_messages_are_checked_as_openai_checks_them(http, case: str) -> None:
+    message, param, code = CHAT_REFUSALS[case]
+    with pytest.raises(openai.BadRequestError) as e:
+        http.oa.chat.completions.create(model="target", messages=[message], max_tokens=2)
+    error = _error(e, 400)
+    assert (error["param"], error["code"]) == (param, code), error
+
+
+def test_an_assistant_turn_of_tool_calls_needs_no_content(http) -> None:
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "42", "tool_call_id": "call_1"},
+    ]
+    r = http.oa.chat.completions.create(model="target", messages=messages, max_tokens=2)
+    assert r.usage.completion_tokens == 2
+
+
+def test_stream_options_need_stream(http) -> None:
+    options = {"include_usage": True}
+    calls = (
+        lambda: http.oa.completions.create(
+            model="target", prompt=[5], max_tokens=2, stream_options=options
+        ),
+        lambda: http.oa.chat.completions.create(
+            model="target", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+            stream=False, stream_options=options,
+        ),
+    )  # fmt: skip
+    for call in calls:
+        with pytest.raises(openai.BadRequestError) as e:
+            call()
+        assert _error(e, 400)["param"] == "stream_options"
+
+
+def _refusal(create, **kwargs) -> dict:
+    with pytest.raises(openai.BadRequestError) as e:
+        create(model="target", **kwargs)
+    error = _error(e, 400)
+    assert error["code"] not in GRPC_NAMES and "max_new_tokens" not in error["message"], error
+    return error
+
+
+def test_engine_refusals_name_the_field_the_client_sent(http) -> None:
+    """What the engine refuses (context length, stop rules, sampling values) comes back with
+    ``param`` the client's field, an OpenAI ``code``, and the client's field names."""
+    cmpl, chat = http.oa.completions.create, http.oa.chat.completions.create
+    hi = [{"role": "user", "content": "hi"}]
+    context = "context_length_exceeded"
+    error = _refusal(cmpl, prompt=[5, 6], max_tokens=MAX_CONTEXT - 1)
+    assert (error["param"], error["code"]) == ("max_tokens", context)
+    assert "max_tokens 63" in error["message"] and "at most 62" in error["message"], error
+    for field in ("max_tokens", "max_completion_tokens"):
+        error = _refusal(chat, messages=hi, **{field: MAX_CONTEXT})
+        assert (error["param"], error["code"]) == (field, context)
+    error = _refusal(cmpl, prompt="x" * 200, max_tokens=1)  # tokenized past the context
+    assert (error["param"], error["code"]) == ("prompt", context)
+    error = _refusal(chat, messages=[{"role": "user", "content": "x" * 200}], max_tokens=1)
+    assert (error["param"], error["code"]) == ("messages", context)
+    error = _refusal(cmpl, prompt=[5] * 100, max_tokens=1)  # ids past the context
+    assert (error["param"], error["code"]) == ("prompt", context)
+    for kwargs, param, code in (
+        ({"stop": ["x"] * 33}, "stop", "invalid_value"),
+        ({"stop": ["ok", ""]}, "stop", "invalid_value"),
+        ({"temperature": 150.0}, "temperature", "invalid_value"),
+        ({"top_p": 0.0}, "top_p", "invalid_value"),
+        ({"n": "two"}, "n", "invalid_type"),
+    ):
+        error = _refusal(cmpl, prompt=[5], max_tokens=4, **kwargs)
+        assert (error["param"], error["code"]) == (param, code), error
+    error = _refusal(cmpl, prompt=[5], max_tokens=4, extra_body={"min_tokens": 9})
+    assert error["param"] == "min_tokens" and "max_tokens 4" in error["message"], error
