@@ -30,12 +30,12 @@ from specmesh.kernels.common import kernel_impl
 from specmesh.kernels.tree_build import build_tree
 from specmesh.protocol.config import SpecParams
 from specmesh.protocol.errors import KVCacheFullError
+from specmesh.protocol.trees import DraftTree
 from specmesh.runtime.attention.base import AttentionBackend
 from specmesh.runtime.draft_sizes import DraftSizes
 from specmesh.runtime.kv_cache import KVCache
 from specmesh.runtime.model_runner import BatchItem, run_batch
 from specmesh.runtime.models.layers import KVPair
-from specmesh.runtime.tree import Tree
 
 if TYPE_CHECKING:
     from specmesh.draft_service.grammar import BatchGrammar, FrontierGrammar
@@ -156,7 +156,7 @@ class TreeDrafter:
     # -- propose -------------------------------------------------------------------------------
     def propose(
         self, rids: list[str], roots: list[int], grammar: BatchGrammar | None = None
-    ) -> list[Tree]:
+    ) -> list[DraftTree]:
         return self.search(rids, [self.roots[r] for r in rids], roots, grammar=grammar)[0]
 
     @torch.inference_mode()
@@ -170,7 +170,7 @@ class TreeDrafter:
         eager: bool = False,
         num_steps: int | None = None,
         grammar: BatchGrammar | None = None,
-    ) -> tuple[list[Tree], list[Records] | None]:
+    ) -> tuple[list[DraftTree], list[Records] | None]:
         """One tree per state (``rids`` may repeat: several trees of one request, each in its own
         KV region). ``record``: also each tree's forwarded nodes (`NodeRecord`), for
         pre-drafting. ``eager``: no step graphs (pre-drafted batches are not the decode shapes
@@ -214,13 +214,10 @@ class TreeDrafter:
             self.spec.num_draft_tokens,
             impl=self.kernel_impl,
         )
-        # One copy of each field; the kernel derived every field from the parents already.
-        fields = [
-            t.cpu() if t.dtype == torch.bool else t.to("cpu", torch.int64)
-            for t in (tree.tokens, tree.parents, tree.depths, tree.mask, tree.first_child,
-                      tree.next_sibling)
-        ]  # fmt: skip
-        trees = [Tree(*(f[b] for f in fields)) for b in range(bs)]
+        # The trees leave as tokens and parents: one host copy of the two for the batch (the
+        # target derives depths, masks and links itself).
+        tokens, parents = torch.stack([tree.tokens, tree.parents]).tolist()
+        trees = [DraftTree(tuple(t), tuple(p)) for t, p in zip(tokens, parents, strict=True)]
         return (trees if grammar is None else grammar.on_grammar(trees)), records
 
     def _expand(self, step, rids, states, fr, pool, records, forward):

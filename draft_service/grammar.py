@@ -32,8 +32,8 @@ import torch
 
 from specmesh.protocol.errors import InvalidRequestError
 from specmesh.protocol.steps import ExtendInput
+from specmesh.protocol.trees import DraftTree
 from specmesh.runtime.grammar import Grammars, allowed_rows, consume
-from specmesh.runtime.tree import Tree
 
 
 @dataclass
@@ -111,13 +111,12 @@ class BatchGrammar:
         states = [None if m is None else [m] for m in self.matchers]
         return FrontierGrammar(self, cols.clip(0, self.vocab_size - 1), in_vocab, states)
 
-    def on_grammar(self, trees: list[Tree]) -> list[Tree]:
+    def on_grammar(self, trees: list[DraftTree]) -> list[DraftTree]:
         """Each constrained request's tree cut to its nodes on the grammar (`valid_nodes`)."""
         out = []
         for tree, matcher in zip(trees, self.matchers, strict=True):
             if matcher is not None:
-                keep = valid_nodes(matcher, tree.tokens.tolist(), tree.parents.tolist(),
-                                   self.eos_ids)  # fmt: skip
+                keep = valid_nodes(matcher, list(tree.tokens), list(tree.parents), self.eos_ids)
                 tree = tree if all(keep) else subtree(tree, keep)
             out.append(tree)
         return out
@@ -191,12 +190,12 @@ def valid_nodes(
     return keep
 
 
-def subtree(tree: Tree, keep: list[bool]) -> Tree:
+def subtree(tree: DraftTree, keep: list[bool]) -> DraftTree:
     """The nodes of ``tree`` that ``keep`` says, the root and every kept node's parent among
     them, renumbered in order."""
     index = {old: new for new, old in enumerate(i for i, k in enumerate(keep) if k)}
-    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    tokens, parents = tree.tokens, tree.parents
     kept = list(index)
-    return Tree.from_parents(
+    return DraftTree.of(
         [tokens[i] for i in kept], [-1 if i == 0 else index[parents[i]] for i in kept]
     )

@@ -27,7 +27,7 @@ from specmesh.protocol.config import SpecParams
 from specmesh.protocol.errors import InvalidRequestError, UnknownRequestError
 from specmesh.protocol.features import FeatureSpec
 from specmesh.protocol.steps import ExtendInput
-from specmesh.runtime.tree import Tree
+from specmesh.protocol.trees import DraftTree
 
 MAX_NGRAM = 3
 
@@ -58,14 +58,14 @@ class NgramDrafter:
 
     def propose(
         self, rids: list[str], roots: list[int], grammar: BatchGrammar | None = None
-    ) -> list[Tree]:
+    ) -> list[DraftTree]:
         """``grammar``: a constrained request's tree is cut to the nodes its grammar allows."""
         trees = [
             self._propose_one([*self._get(r), root]) for r, root in zip(rids, roots, strict=True)
         ]
         return trees if grammar is None else grammar.on_grammar(trees)
 
-    def _propose_one(self, seq: list[int]) -> Tree:
+    def _propose_one(self, seq: list[int]) -> DraftTree:
         budget = self.spec.num_draft_tokens - 1
         branches = find_continuations(seq, min(self.spec.topk, budget), budget)
         tokens = [seq[-1], *(branch[0] for branch in branches)]
@@ -76,7 +76,7 @@ class NgramDrafter:
                 tokens.append(tok)
                 parents.append(parent)
                 parent = len(tokens) - 1
-        return Tree.from_parents(tokens, parents)
+        return DraftTree.of(tokens, parents)
 
     def _get(self, rid: str) -> list[int]:
         if rid not in self.history:

@@ -49,8 +49,8 @@ from specmesh.draft_service.drafter import (
 )
 from specmesh.draft_service.grammar import BatchGrammar
 from specmesh.protocol.steps import ExtendInput
+from specmesh.protocol.trees import DraftTree
 from specmesh.runtime.model_runner import BatchItem
-from specmesh.runtime.tree import Tree
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ MAX_TREES = 8  # outcome trees one pre-draft grows for a whole batch, at most
 
 @dataclass
 class Outcome:
-    tree: Tree  # rooted at the guessed bonus token
+    tree: DraftTree  # rooted at the guessed bonus token
     records: Records  # its forwarded nodes, KV indices in its own region
     region: int  # KV token index of its subtree's first node (its b row is ``region - 1``)
 
@@ -82,14 +82,14 @@ class PreDrafter:
         self.subtree = spec.topk * (spec.num_steps - 1)  # forwarded nodes of one search
         # W (module docstring): T's search nodes, then its leaves (forwarded by `predraft`)
         self.tree_width = max(self.subtree + spec.num_draft_tokens - 1, spec.num_steps + 2)
-        self.trees: dict[str, tuple[Tree, Records]] = {}  # the tree each request last answered
+        self.trees: dict[str, tuple[DraftTree, Records]] = {}  # the tree each request last answered
         self.outcomes: dict[str, dict[Key, Outcome]] = {}
         self.num_drafted = self.num_hits = self.num_taken = 0  # counters, for metrics
 
     # -- the request's answered tree ---------------------------------------------------------------
     def propose(
         self, rids: list[str], roots: list[int], grammar: BatchGrammar | None = None
-    ) -> list[Tree]:
+    ) -> list[DraftTree]:
         """`TreeDrafter.propose`, keeping each tree's forwarded nodes to pre-draft from (the
         runtime pre-drafts no constrained request: its outcomes would need grammar states)."""
         d = self.drafter
@@ -212,7 +212,7 @@ class PreDrafter:
     def _best(self, rid: str) -> list[tuple[Key, NodeRecord, int]]:
         """The ``num_outcomes`` likeliest (path end, bonus) pairs of the request's tree."""
         tree, records = self.trees[rid]
-        tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+        tokens, parents = tree.tokens, tree.parents
         paths: list[tuple[int, ...]] = [()]
         children: dict[int, set[int]] = defaultdict(set)
         for i in range(1, len(tokens)):
@@ -257,9 +257,11 @@ def _own(node: NodeRecord) -> tuple[int, ...]:
     return () if node.kv is None else (node.kv,)
 
 
-def _unforwarded(tree: Tree, records: Records) -> list[tuple[tuple[int, ...], float, NodeRecord]]:
+def _unforwarded(
+    tree: DraftTree, records: Records
+) -> list[tuple[tuple[int, ...], float, NodeRecord]]:
     """(path, score, parent's record) of each tree node without a record whose parent has one."""
-    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    tokens, parents = tree.tokens, tree.parents
     paths: list[tuple[int, ...]] = [()]
     out = []
     for i in range(1, len(tokens)):

@@ -18,12 +18,12 @@ from specmesh.draft_service.drafter import TreeDrafter
 from specmesh.draft_service.grammar import BatchGrammar
 from specmesh.draft_service.predraft import Outcome, PreDrafter
 from specmesh.draft_service.predraft_budget import PredraftBudget
-from specmesh.draft_service.runtime import DraftRuntime, _wire
+from specmesh.draft_service.runtime import DraftRuntime
 from specmesh.protocol.config import DraftConfig
 from specmesh.protocol.errors import SpecmeshError
 from specmesh.protocol.steps import DraftStepResult, ExtendInput
+from specmesh.protocol.trees import DraftTree
 from specmesh.runtime.config import ModelConfig
-from specmesh.runtime.tree import Tree
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class PredraftRuntime(DraftRuntime):
         self.pending = _AfterStep(extends, hits, rids) if extends or rids else None
 
     def _answer_hits(self, hits: dict, result: DraftStepResult) -> None:
-        result.trees.update({rid: _wire(o.tree) for rid, o in hits.items()})
+        result.trees.update({rid: o.tree for rid, o in hits.items()})
         result.predrafted.update(hits)
 
     def after_step(self) -> None:
@@ -96,7 +96,9 @@ class PredraftRuntime(DraftRuntime):
             log.exception("pre-draft failed for %s", work.rids)
         self.budget.pre_drafted()
 
-    def _trees(self, rids: list[str], roots: list[int], grammar: BatchGrammar | None) -> list[Tree]:
+    def _trees(
+        self, rids: list[str], roots: list[int], grammar: BatchGrammar | None
+    ) -> list[DraftTree]:
         propose = self.ahead.propose
         return propose(rids, roots) if grammar is None else propose(rids, roots, grammar)
 

@@ -39,7 +39,6 @@ from specmesh.protocol.trees import DraftTree
 from specmesh.runtime.config import ModelConfig, resolve_max_context
 from specmesh.runtime.grammar import Grammars
 from specmesh.runtime.graph_runner import graphs_enabled
-from specmesh.runtime.tree import Tree
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +52,8 @@ class Drafter(Protocol):
 
     def propose(
         self, rids: list[str], roots: list[int], grammar: BatchGrammar | None = None
-    ) -> list[Tree]:
-        """A tree per request; ``grammar``'s constrained requests' hold only allowed tokens."""
+    ) -> list[DraftTree]:
+        """A tree per request (tokens and parents, as they go on the wire); ``grammar``'s constrained requests' hold only allowed tokens."""
 
     def release(self, rid: str) -> None: ...
     def check_context(self, rid: str, num_new_tokens: int) -> None:
@@ -91,6 +90,9 @@ class DraftRuntime:
     # -- step ----------------------------------------------------------------------------------
     ahead: PreDrafter | None = None  # pre-drafting (`PredraftRuntime`); absent here
     pending = None  # work left for after the answer (`PredraftRuntime.after_step`); none here
+    # `OnlineLearner` (--online-learning, `specmesh.draft_service.online`): keeps the rows of
+    # each extend and swaps a new version of the head in before one; absent here
+    learner = None
 
     def step(self, extends: list[ExtendInput], propose: bool = True) -> DraftStepResult:
         """Extend every request over its newly committed tokens, then (optionally) propose the
@@ -137,11 +139,13 @@ class DraftRuntime:
         grammar = self.grammars.batch(rids) if self.grammars.tracks else None
         try:
             trees = self._trees(rids, roots, grammar)
-            result.trees.update({i.rid: _wire(t) for i, t in zip(ok, trees, strict=True)})
+            result.trees.update({i.rid: t for i, t in zip(ok, trees, strict=True)})
         except Exception as e:
             self._fail(ok, e, result.errors)
 
-    def _trees(self, rids: list[str], roots: list[int], grammar: BatchGrammar | None) -> list[Tree]:
+    def _trees(
+        self, rids: list[str], roots: list[int], grammar: BatchGrammar | None
+    ) -> list[DraftTree]:
         propose = self.drafter.propose
         return propose(rids, roots) if grammar is None else propose(rids, roots, grammar)
 
@@ -173,8 +177,12 @@ class DraftRuntime:
     def _extend(self, inputs: list[ExtendInput], errors: dict) -> list[ExtendInput]:
         if not inputs:
             return []
+        if self.learner is not None:  # between two steps: every step runs one version
+            self.learner.swap()
         try:
             self.drafter.extend(inputs)  # the batched fast path
+            if self.learner is not None:
+                self.learner.observe(inputs)
             return inputs
         except Exception:
             # Drafters check every row before any forward, and commit only after it: a failed
@@ -191,6 +199,8 @@ class DraftRuntime:
                 good.append(inp)
             except Exception as e:
                 self._fail([inp], e, errors)
+        if self.learner is not None:
+            self.learner.observe(good)
         return good
 
     def _fail(self, inputs: list[ExtendInput], error: Exception, errors: dict) -> None:
@@ -215,11 +225,8 @@ class DraftRuntime:
     def _forget(self, rid: str) -> None:
         """Drop what the runtime keeps of ``rid`` beside the drafter's state."""
         self.grammars.release(rid)
-
-
-def _wire(tree: Tree) -> DraftTree:
-    """The drafter's tree as it leaves the service: tokens and parents, nothing derived."""
-    return DraftTree.of(tree.tokens.tolist(), tree.parents.tolist())
+        if self.learner is not None:
+            self.learner.forget(rid)
 
 
 def load_draft(cfg: DraftConfig, target_model: torch.nn.Module | None = None) -> DraftRuntime:
@@ -246,5 +253,14 @@ def load_draft(cfg: DraftConfig, target_model: torch.nn.Module | None = None) ->
     if cfg.predraft and isinstance(drafter, TreeDrafter) and drafter.supports_predraft:
         from specmesh.draft_service.predraft_runtime import PredraftRuntime
 
-        return PredraftRuntime(cfg, drafter, target)
-    return DraftRuntime(cfg, drafter, target)
+        return _learning(PredraftRuntime(cfg, drafter, target))
+    return _learning(DraftRuntime(cfg, drafter, target))
+
+
+def _learning(runtime: DraftRuntime) -> DraftRuntime:
+    """``runtime``, with its online learner when ``cfg.online_learning`` asks for one."""
+    if runtime.cfg.online_learning:
+        from specmesh.draft_service.online import attach_learner
+
+        attach_learner(runtime)
+    return runtime

@@ -256,8 +256,8 @@ def test_mtp_topk1_chain_matches_reference(models):
         hidden, logits = mtp_layer(layer, *rows[layer])
         torch.testing.assert_close(step_logits[j], logits[-1], rtol=1e-4, atol=1e-4)
         chain.append(int(logits[-1].argmax()))
-    assert tree.tokens.tolist() == [first, *chain]
-    assert tree.parents.tolist() == list(range(-1, num_steps))
+    assert list(tree.tokens) == [first, *chain]
+    assert list(tree.parents) == list(range(-1, num_steps))
 
 
 # -- n-gram ---------------------------------------------------------------------------------------
@@ -275,8 +275,8 @@ def test_ngram_tree_branches_and_budget():
     drafter.extend([ExtendInput("r", [1, 2, 3, 9, 5, 6, 2, 3, 7, 8, 1, 2], 3, new=True)])
     tree = drafter.propose(["r"], [3])[0]
     # branches: "1 2 3" -> 9 5 6 ..., "2 3" -> 7 8 ...; 5 nodes: both first tokens, then chain 0
-    assert tree.tokens.tolist() == [3, 9, 7, 5, 6, 2]
-    assert tree.parents.tolist() == [-1, 0, 0, 1, 3, 4]
+    assert list(tree.tokens) == [3, 9, 7, 5, 6, 2]
+    assert list(tree.parents) == [-1, 0, 0, 1, 3, 4]
     drafter.extend([ExtendInput("q", [4, 5], 6, new=True)])
     assert drafter.propose(["q"], [6])[0].num_nodes == 1  # no match: root only
 

@@ -169,7 +169,7 @@ def test_a_predrafted_tree_is_the_tree_drafted_cold(copy_dir) -> None:
     ahead, cold = _standalone(copy_dir, predraft=4), _standalone(copy_dir, predraft=0)
     outcomes = _predrafted(ahead, "r")
     for (ids, bonus), outcome in outcomes.items():
-        drafted = (outcome.tree.tokens.tolist(), outcome.tree.parents.tolist())
+        drafted = (list(outcome.tree.tokens), list(outcome.tree.parents))
         assert drafted == _cold_tree(cold, ids, bonus), (ids, bonus)
     (ids, bonus), outcome = max(outcomes.items(), key=lambda kv: len(kv[0][0]))
     result = ahead.step([ExtendInput("r", list(ids), bonus)])
