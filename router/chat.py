@@ -36,10 +36,14 @@ class ChatRenderer:
         """How ``auto`` tool calls are read from the output (`specmesh.router.tools`)."""
         return parser_for(self.template or getattr(self.tokenizer, "chat_template", None))
 
-    def render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+    def render(
+        self, messages: list[dict], tools: list[dict] | None = None,
+        add_generation_prompt: bool = True, strip_bos: bool = True,
+    ) -> str:  # fmt: skip
         """The prompt text for ``messages`` (from `flatten`) and ``tools`` (OpenAI's tool
-        objects, given to the template as ``tools``), ending with the assistant turn's start.
-        Blocking (Jinja): call it off the event loop."""
+        objects, given to the template as ``tools``), ending with the assistant turn's start
+        (``add_generation_prompt``); ``strip_bos``: without a BOS the template writes where
+        the tokenizer adds one itself. Blocking (Jinja): call it off the event loop."""
         if self.template is None and not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError(
                 "the model has no chat template: start the router with --chat-template FILE, "
@@ -48,11 +52,11 @@ class ChatRenderer:
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, tools=tools, chat_template=self.template, tokenize=False,
-                add_generation_prompt=True,
+                add_generation_prompt=add_generation_prompt,
             )  # fmt: skip
         except Exception as e:  # jinja's TemplateError, raise_exception() in templates
             raise InvalidRequestError(f"the chat template failed on these messages: {e}") from e
-        if self.strip_prefix and text.startswith(self.strip_prefix):
+        if strip_bos and self.strip_prefix and text.startswith(self.strip_prefix):
             text = text[len(self.strip_prefix) :]
         return text
 

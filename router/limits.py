@@ -22,8 +22,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from specmesh.protocol.errors import InvalidRequestError, SpecmeshError
@@ -159,7 +161,14 @@ class PromptEncoder:
         self.queued = 0
         self._pool = ThreadPoolExecutor(limits.tokenizer_threads, thread_name_prefix="tokenize")
 
-    async def encode(self, tokenizer: Any, rid: str, prompt: str) -> list[int]:
+    async def encode(
+        self, tokenizer: Any, rid: str, prompt: str, add_special_tokens: bool = True
+    ) -> list[int]:
+        return await self.run(rid, tokenizer.encode, prompt, add_special_tokens=add_special_tokens)
+
+    async def run(self, rid: str, work: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``work(*args, **kwargs)`` on the tokenizer threads, under the same queue limit (the
+        HTTP API's /tokenize and /detokenize go through here too)."""
         if self.queued >= self.limits.max_queued_prompts:
             raise TokenizerBusyError(
                 f"request {rid!r}: {self.queued} prompts are already being tokenized, the "
@@ -168,13 +177,9 @@ class PromptEncoder:
         self.queued += 1
         try:
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._pool, _encode, tokenizer, prompt)
+            return await loop.run_in_executor(self._pool, partial(work, *args, **kwargs))
         finally:
             self.queued -= 1
-
-
-def _encode(tokenizer: Any, prompt: str) -> list[int]:
-    return tokenizer.encode(prompt, add_special_tokens=True)
 
 
 def raise_fd_limit() -> int:

@@ -8,14 +8,16 @@ plumbing in `openai_stream`).
                                                  (prompt, n) choice, built by
                                                  `GenerationServicer._make_request` (the gRPC
                                                  path's limits, tokenizer threads and checks)
-    GET  /v1/models, /metrics                    the served model; the router's Prometheus registry
-    GET  /health (and HEAD)                      200 once every service answered (no API key)
+    GET  /metrics, /health (and HEAD)            the router's Prometheus registry; 200 once
+                                                 every service answered (no API key)
+
+The routes that generate nothing (models, version, tokenize, detokenize) are `openai_info`'s.
 
 A choice's chunks come from ``RouterCore.generate``; several choices are merged as they arrive.
 Closing the merged stream (the client went away, a streaming response was cancelled, a
 non-streaming one saw the disconnect) closes every ``generate`` iterator, which aborts each
 request and frees its state in the target and the draft. Errors are OpenAI's error object with
-the HTTP status of `openai_schema.HTTP_STATUS`.
+the HTTP status of `openai_errors.HTTP_STATUS`.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -88,8 +89,13 @@ class OpenAIService:
             )  # fmt: skip
 
     @property
+    def max_model_len(self) -> int:
+        """The target's context: prompt + max_tokens fit in it (`openai_info` reports it)."""
+        return self.core.targets[0].info_pb.max_context_len
+
+    @property
     def max_prompt_tokens(self) -> int:
-        return self.core.targets[0].info_pb.max_context_len - 1
+        return self.max_model_len - 1
 
     def budget(self, endpoint: str) -> BodyBudget:
         """What a body of ``endpoint`` may hold (503 until the target is known)."""
@@ -319,14 +325,6 @@ class OpenAIService:
             error = reported(e, "a streamed request")
             yield f"data: {json.dumps(error.body())}\n\n"
         yield "data: [DONE]\n\n"
-
-    async def models(self, _http: HttpRequest) -> Response:
-        core = self.core
-        card = {
-            "id": self.model, "object": "model", "created": int(time.time()),
-            "owned_by": "specmesh", "max_model_len": core.targets[0].info_pb.max_context_len,
-        }  # fmt: skip
-        return JSONResponse({"object": "list", "data": [card]})
 
 
 def choice_seed(seed: int, j: int) -> int:

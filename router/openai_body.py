@@ -174,7 +174,7 @@ def parse_completion(
 def parse_chat(obj: dict, limits: RouterLimits) -> ChatBody:
     """The body, its messages, content parts and images counted before pydantic sees them."""
     messages = obj.get("messages")
-    images = _check_chat_counts(messages, limits) if isinstance(messages, list) else 0
+    images = check_chat_counts(messages, limits) if isinstance(messages, list) else 0
     body = validate(ChatBody, obj)
     check_messages(body.messages)
     check_stream_options(body)
@@ -213,7 +213,7 @@ def _check_choices(num_prompts: int, n: int, limits: RouterLimits) -> None:
         )  # fmt: skip
 
 
-def _check_chat_counts(messages: list, limits: RouterLimits) -> int:
+def check_chat_counts(messages: list, limits: RouterLimits) -> int:
     """Messages, content parts and image parts, counted on the parsed JSON; the image count."""
     if len(messages) > limits.max_messages:
         raise OpenAIError(

@@ -27,8 +27,8 @@ def check_token_ids(ids: Any, vocab_size: int, where: str, param: str) -> None:
     and the range, before an id reaches a message field it does not fit."""
     if not isinstance(ids, list) or not all(type(t) is int for t in ids):
         raise OpenAIError(
-            400, f"{where} must be text or a list of token ids (integers in "
-            f"[0, {vocab_size})), not {kind_of(ids)}", param=param,
+            400, f"{where} must be a list of token ids (integers in [0, {vocab_size})), "
+            f"not {kind_of(ids)}", param=param,
         )  # fmt: skip
     bad = next((t for t in ids if not 0 <= t < vocab_size), None)
     if bad is not None:

@@ -182,6 +182,34 @@ class ChatBody(SamplingBody):
         return {**prompt, "max_new_tokens": self.max_tokens_param}
 
 
+class TokenizeBody(BaseModel):
+    """vLLM's ``/tokenize``: a ``prompt`` (text) or chat ``messages``, one of them."""
+
+    model_config = ConfigDict(extra="ignore")
+    unsupported: ClassVar[dict[str, tuple]] = {
+        "continue_final_message": (False,), "chat_template": (), "chat_template_kwargs": ({},),
+        "mm_processor_kwargs": ({},), "media_io_kwargs": ({},),
+    }  # fmt: skip
+
+    model: str | None = None  # vLLM's is optional; checked when given
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # None: true for a prompt, false for messages (vLLM)
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+    tools: list[Tool] | None = Field(None, max_length=128)
+
+
+class DetokenizeBody(BaseModel):
+    """vLLM's ``/detokenize``; its ``tokens`` are counted and checked before this model is
+    built (`openai_info.detokenize`)."""
+
+    model_config = ConfigDict(extra="ignore")
+    unsupported: ClassVar[dict[str, tuple]] = {}
+
+    model: str | None = None
+
+
 # -- response pieces ---------------------------------------------------------------------------
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
     """OpenAI's usage object; ``cached_tokens``: prompt tokens the target's prefix cache had."""

@@ -5,7 +5,7 @@ Every error leaves as OpenAI's error object from the endpoint itself (`answering
 nothing reaches Starlette's last-resort handler (which re-raises, and uvicorn logs "Exception in
 ASGI application" with a traceback): refusals are not logged, a client gone while sending its
 body or before its answer is one INFO line, 503s one WARNING line, and only an internal error
-(a bug) carries a traceback (`openai_schema.reported`). uvicorn logs through the process's own
+(a bug) carries a traceback (`openai_errors.reported`). uvicorn logs through the process's own
 logging setup (``log_config=None``), without access lines.
 
 Connections (`http_protocol`, `http_gate`): at most as many as the fd limit leaves room for; a
@@ -23,6 +23,7 @@ import hmac
 import logging
 import resource
 from collections.abc import Awaitable, Callable
+from functools import partial
 
 import uvicorn
 from fastapi import FastAPI
@@ -32,6 +33,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from specmesh.router import openai_info as info
 from specmesh.router.http_gate import ConnectionGate, listening_socket, quiet_accept_errors
 from specmesh.router.http_protocol import ServerConfig
 from specmesh.router.limits import http_connection_cap
@@ -59,7 +61,12 @@ def make_app(api: OpenAIService, api_key: str | None) -> FastAPI:
     app.add_api_route("/v1/completions", answering_errors(api.completions), methods=["POST"])
     chat = answering_errors(api.chat_completions)
     app.add_api_route("/v1/chat/completions", chat, methods=["POST"])
-    app.add_api_route("/v1/models", answering_errors(api.models), methods=["GET"])
+    for path, method, route in (
+        ("/v1/models", "GET", info.models), ("/v1/models/{model:path}", "GET", info.model),
+        ("/version", "GET", info.version), ("/tokenize", "POST", info.tokenize),
+        ("/detokenize", "POST", info.detokenize),
+    ):  # fmt: skip
+        app.add_api_route(path, answering_errors(partial(route, api)), methods=[method])
     app.add_api_route("/health", lambda: health(api), methods=["GET", "HEAD"])
     app.add_api_route("/metrics", metrics, methods=["GET", "HEAD"])
     return app
@@ -91,7 +98,7 @@ class ApiKeyCheck:
 
 def answering_errors(endpoint: Endpoint) -> Endpoint:
     """``endpoint`` with every exception answered as OpenAI's error object and logged as it
-    deserves (`openai_schema.reported`)."""
+    deserves (`openai_errors.reported`)."""
 
     async def answer(http: HttpRequest) -> Response:
         try:
