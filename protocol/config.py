@@ -114,3 +114,8 @@ class DraftConfig:
     # Prefix caching of the draft's own rows (EAGLE / EAGLE-3 drafts; `runtime.prefix_cache`)
     prefix_cache_tokens: int = 32768
     prefix_block_size: int = 16
+    # Train the EAGLE-3 head on the traffic it serves (`specmesh.draft_service.online`), with
+    # its checkpoints in online_learning_dir (None: none kept); a draft started on a directory
+    # that holds one resumes from it
+    online_learning: bool = False
+    online_learning_dir: str | None = None
