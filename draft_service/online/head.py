@@ -1,0 +1,189 @@
+"""The served EAGLE-3 head as it trains: the offline trainer's training-time test
+(`specmesh.demo.draft_train`) on the serving module's own layers.
+
+A window of one request's rows ``x_0 .. x_{n-1}`` (tokens) and ``f_0 .. f_{n-1}`` (the target's
+features) gives R = n - 1 draft rows, K steps:
+
+    row p, step j:  feature f_p (step 0)   token x_{p+1+j} = step_tokens[p + j]
+                    label  x_{p+2+j} = labels[p + j]   (the token the target committed there)
+
+both padded by K - 1 (tokens) and K (labels, -1 = none) columns. Step j's row p attends to
+step 0's rows <= p and to its own steps 1 .. j (`ttt_mask`): what the draft's KV cache holds
+when it drafts from that row. The loss is ``sum_j decay^j CE_j / sum_j decay^j`` against the
+target's tokens, over the draft's hot vocabulary; the simulated chain acceptance feeds each
+step the previous step's argmax, as `specmesh.demo.draft_train.chain_acceptance` does.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specmesh.draft_service.models.eagle3 import Eagle3Draft
+
+IGNORE = -100
+Embed = Callable[[torch.Tensor], torch.Tensor]  # token ids -> the target's embeddings
+
+
+@dataclass(frozen=True)
+class TrainBatch:
+    aux: torch.Tensor  # [B, R, feature_width], fp32, zero rows past a window's end
+    step_tokens: torch.Tensor  # [B, R + K - 1] int64
+    labels: torch.Tensor  # [B, R + K - 1] int64, target ids, -1 = none
+
+
+def make_batch(
+    windows: list[tuple[torch.Tensor, torch.Tensor]], num_steps: int, device: torch.device | str
+) -> TrainBatch:
+    """Windows of (tokens [n], features [n, w]) as one right-padded batch (module docstring)."""
+    num_rows = max(len(ids) for ids, _ in windows) - 1
+    width = num_rows + num_steps - 1
+    aux = torch.zeros(len(windows), num_rows, windows[0][1].shape[1], device=device)
+    step_tokens = torch.zeros(len(windows), width, dtype=torch.int64)
+    labels = torch.full((len(windows), width), -1, dtype=torch.int64)
+    for b, (ids, feats) in enumerate(windows):
+        aux[b, : len(ids) - 1] = feats[:-1].to(device=device, dtype=torch.float32)
+        step_tokens[b, : len(ids) - 1] = ids[1:]
+        labels[b, : len(ids) - 2] = ids[2:]
+    return TrainBatch(aux, step_tokens.to(device), labels.to(device))
+
+
+def ttt_mask(num_rows: int, step: int, device: torch.device | str) -> torch.Tensor:
+    """[R, (step + 1) R] bool: causal over step 0's rows, then each row's own later steps."""
+    causal = torch.ones(num_rows, num_rows, dtype=torch.bool, device=device).tril()
+    diagonal = torch.eye(num_rows, dtype=torch.bool, device=device)
+    return torch.cat([causal] + [diagonal] * step, dim=1)
+
+
+class TrainableHead(nn.Module):
+    """An fp32 copy of a served `Eagle3Draft`'s weights (same parameter names), trained on its
+    own thread; the served module is only ever written by `load_into` on the draft's thread."""
+
+    def __init__(self, net: Eagle3Draft) -> None:
+        super().__init__()
+        self.fc = copy.deepcopy(net.fc)
+        self.midlayer = copy.deepcopy(net.midlayer)
+        self.norm = copy.deepcopy(net.norm)
+        self.lm_head = copy.deepcopy(net.lm_head)
+        self.rotary = copy.deepcopy(net.rotary)
+        self.rotary._cached = ()
+        attn, mlp = self.midlayer.self_attn, self.midlayer.mlp
+        attn.qkv = attn.qkv_bias = mlp.gate_up = None  # the fused paths run no autograd
+        self.float().requires_grad_(True)
+        d2t = net.d2t.detach().clone()
+        hot = torch.arange(len(d2t), device=d2t.device) + d2t  # target id of each draft id
+        vocab = max(net.config.base.vocab_size, int(hot.max()) + 1)
+        draft_of_target = torch.full((vocab,), IGNORE, dtype=torch.int64, device=d2t.device)
+        draft_of_target[hot] = torch.arange(len(d2t), device=d2t.device)
+        self.d2t, self.draft_of_target = d2t, draft_of_target
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def label_ids(self, target_ids: torch.Tensor) -> torch.Tensor:
+        """Draft ids of target ids; IGNORE where none (-1) or outside the hot vocabulary."""
+        ids = self.draft_of_target[target_ids.clamp(min=0)]
+        return torch.where(target_ids >= 0, ids, torch.full_like(ids, IGNORE))
+
+    def forward(
+        self,
+        aux: torch.Tensor,  # [B, R, feature_width]
+        step_tokens: torch.Tensor,  # [B, R + K - 1]
+        embed: Embed,
+        num_steps: int,
+        feed_drafted: bool = False,  # steps j >= 1 read the drafted token, not step_tokens
+    ) -> list[torch.Tensor]:
+        """Logits [B, R, draft_vocab] of each step; step j at row p predicts x_{p+2+j}."""
+        num_rows, layer = aux.shape[1], self.midlayer
+        hidden = self.fc(aux.to(self.fc.weight.dtype))  # [B, R, H]
+        keys, values, logits = [], [], []
+        for step in range(num_steps):
+            if feed_drafted and step > 0:
+                tokens = self.to_target_ids(logits[-1].argmax(-1))  # [B, R]
+            else:
+                tokens = step_tokens[:, step : step + num_rows]
+            embeds = embed(tokens).to(hidden.dtype)  # [B, R, H]
+            u = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
+            positions = torch.arange(num_rows, device=u.device) + step
+            q, k, v = self._project(u, positions)
+            keys.append(k)
+            values.append(v)
+            mask = ttt_mask(num_rows, step, u.device)
+            r = hidden + self._attend(q, keys, values, mask)
+            hidden = r + layer.mlp(layer.post_attention_layernorm(r))  # fed to the next step
+            logits.append(self.norm(hidden) @ self.lm_head.weight.t())
+        return logits
+
+    def _project(self, u: torch.Tensor, positions: torch.Tensor):
+        """q [B, heads, R, hd], k and v [B, kv_heads, R, hd], RoPE from the draft's config."""
+        attn = self.midlayer.self_attn
+        b, t, _ = u.shape
+        q = attn.q_proj(u).view(b, t, attn.num_heads, attn.head_dim)
+        k = attn.k_proj(u).view(b, t, attn.num_kv_heads, attn.head_dim)
+        v = attn.v_proj(u).view(b, t, attn.num_kv_heads, attn.head_dim)
+        if attn.qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = self.rotary(q, k, positions)  # cos / sin [R, 1, hd] broadcast over B and heads
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def _attend(self, q: torch.Tensor, keys: list, values: list, mask: torch.Tensor):
+        attn = self.midlayer.self_attn
+        groups = attn.num_heads // attn.num_kv_heads
+        k = torch.cat(keys, dim=2).repeat_interleave(groups, dim=1)  # [B, heads, (j+1) R, hd]
+        v = torch.cat(values, dim=2).repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scale)
+        return attn.o_proj(out.transpose(1, 2).flatten(2))  # [B, R, H]
+
+
+def ttt_loss(
+    head: TrainableHead, batch: TrainBatch, embed: Embed, num_steps: int, decay: float
+) -> torch.Tensor:
+    """The offline trainer's loss: ``sum_j decay^j CE_j / sum_j decay^j``, CE_j the mean
+    cross-entropy of step j over rows with a hot-vocabulary label."""
+    logits = head(batch.aux, batch.step_tokens, embed, num_steps)
+    num_rows = batch.aux.shape[1]
+    total, weights = 0.0, 0.0
+    for step, step_logits in enumerate(logits):
+        ids = head.label_ids(batch.labels[:, step : step + num_rows]).flatten()
+        count = int((ids != IGNORE).sum())
+        ce = F.cross_entropy(
+            step_logits.float().flatten(0, 1), ids, ignore_index=IGNORE, reduction="sum"
+        )
+        total = total + decay**step * ce / max(count, 1)
+        weights += decay**step
+    return total / weights
+
+
+@torch.no_grad()
+def chain_accepted(
+    head: TrainableHead, batch: TrainBatch, embed: Embed, depth: int
+) -> tuple[int, int]:
+    """(accepted draft tokens, round starts) of greedy chains of ``depth`` from every row whose
+    whole chain has labels, each accepted up to its first token the target did not commit."""
+    logits = head(batch.aux, batch.step_tokens, embed, depth, feed_drafted=True)
+    num_rows = batch.aux.shape[1]
+    matches = [
+        head.to_target_ids(step_logits.argmax(-1)) == batch.labels[:, j : j + num_rows]
+        for j, step_logits in enumerate(logits)
+    ]
+    chain = torch.stack(matches, dim=-1).long().cumprod(dim=-1)  # [B, R, depth]
+    valid = batch.labels[:, depth - 1 : depth - 1 + num_rows] >= 0  # [B, R]
+    return int(chain.sum(-1)[valid].sum()), int(valid.sum())
+
+
+def snapshot(head: nn.Module) -> dict[str, torch.Tensor]:
+    """A detached copy of every parameter, by name."""
+    return {name: p.detach().clone() for name, p in head.named_parameters()}
+
+
+@torch.no_grad()
+def load_into(module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy ``tensors`` into ``module``'s parameters of the same names, in place (so views of
+    them, fused matrices and captured graphs, see the new values)."""
+    for name, p in module.named_parameters():
+        p.copy_(tensors[name])
