@@ -24,19 +24,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
 from fastapi import Request as HttpRequest
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from specmesh.protocol.constraints import Constraint
 from specmesh.protocol.errors import SpecmeshError
 from specmesh.protocol.sampling import NUM_SEEDS, SamplingParams
 from specmesh.protocol.steps import Logprob
 from specmesh.router.chat import ChatRenderer, read_template
+from specmesh.router.openai_answer import answer
 from specmesh.router.openai_body import (
     BodyBudget,
     Prompt,
@@ -47,9 +47,9 @@ from specmesh.router.openai_body import (
     read_json,
 )
 from specmesh.router.openai_checks import check_sampling, logit_bias_pairs, stop_token_ids
-from specmesh.router.openai_errors import OpenAIError, as_openai_error, reported
+from specmesh.router.openai_errors import OpenAIError, as_openai_error
 from specmesh.router.openai_schema import ChatBody, CompletionBody, SamplingBody, TokenEntry
-from specmesh.router.openai_stream import merge, sse_event, sse_response, unless_disconnected
+from specmesh.router.openai_spec import LEVELS
 from specmesh.router.openai_views import ChatView, Choice, CompletionView
 from specmesh.router.request import Request
 from specmesh.router.structured import constraint_of
@@ -63,6 +63,12 @@ class OpenAIService:
     def __init__(self, servicer, settings) -> None:
         self.servicer, self.settings, self.host = servicer, settings, servicer.host
         self.limits = settings.limits
+        self.spec_default = settings.per_request_spec_decode_metrics
+        if self.spec_default not in LEVELS:
+            raise ValueError(
+                f"--per-request-spec-decode-metrics must be one of {LEVELS}, got "
+                f"{self.spec_default!r}"
+            )
         self.template = read_template(settings.chat_template) if settings.chat_template else None
         self._chat: ChatRenderer | None = None
         self._budgets: dict[str, BodyBudget] = {}  # per endpoint, once the target is known
@@ -96,6 +102,17 @@ class OpenAIService:
     @property
     def max_prompt_tokens(self) -> int:
         return self.max_model_len - 1
+
+    @property
+    def num_spec_tokens(self) -> int:
+        """The most draft tokens one round can accept: the draft's num_steps (0 without one)."""
+        drafts = self.core.drafts
+        return drafts[0].info_pb.num_steps if drafts else 0
+
+    def spec_level(self, body: SamplingBody) -> str:
+        """The per-request speculative figures a response carries (`openai_spec`): the
+        request's ``spec_decode_metrics``, else the router's flag."""
+        return body.spec_decode_metrics or self.spec_default
 
     def budget(self, endpoint: str) -> BodyBudget:
         """What a body of ``endpoint`` may hold (503 until the target is known)."""
@@ -241,7 +258,9 @@ class OpenAIService:
             choices = await self.make_choices(
                 rid, prompts, body, params, max_tokens, echo=body.echo, score_only=score_only
             )
-            return await self.answer(http, choices, CompletionView(self, rid, lp is not None), body)
+            return await answer(
+                self, http, choices, CompletionView(self, rid, lp is not None), body
+            )
 
     async def chat_completions(self, http: HttpRequest) -> Response:
         body = parse_chat(await self.read(http, "chat"), self.limits)
@@ -268,7 +287,7 @@ class OpenAIService:
                 rid, [prompt], body, params, body.max_new_tokens, images
             )
             view = ChatView(self, rid, body.logprobs, tools)
-            return await self.answer(http, choices, view, body)
+            return await answer(self, http, choices, view, body)
 
     def tool_plan(self, body: ChatBody) -> ToolPlan:
         tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
@@ -283,48 +302,6 @@ class OpenAIService:
         info, checker = self.core.info, self.servicer.constraints
         tokenizer = self.servicer.tokenizer
         await checker.check_fields(fields, tokenizer, info.vocab_size, info.eos_token_ids)
-
-    async def answer(
-        self, http: HttpRequest, choices: list[Choice], view, body: SamplingBody
-    ) -> Response:
-        """The SSE stream, or the whole response once every choice ended (aborted if the client
-        goes away first)."""
-        if body.stream:
-            usage = "every" if body.continuous_usage else "last" if body.include_usage else ""
-            return sse_response(self.stream(choices, view, usage))
-        await unless_disconnected(http, self.run(choices))
-        return JSONResponse(view.response(choices))
-
-    async def run(self, choices: list[Choice]) -> None:
-        async for i, chunk in merge([self.core.generate(c.req) for c in choices]):
-            choices[i].add(chunk)
-
-    async def stream(self, choices: list[Choice], view, usage: str) -> AsyncIterator[str]:
-        """SSE events: the choices' chunks as they come, the usage chunk if asked (``usage``
-        "last"; "every": also on every chunk, vLLM's ``continuous_usage_stats``), [DONE]. An
-        error after the headers went out is sent as an error event."""
-        include_usage = bool(usage)
-        try:
-            async with self.work():
-                for c in choices:
-                    if first := view.first_chunk(c):
-                        yield sse_event(first, include_usage)
-                async for i, chunk in merge([self.core.generate(c.req) for c in choices]):
-                    choices[i].add(chunk)
-                    event = view.chunk(choices[i], chunk)
-                    if event is None:  # held back (a tool call is parsed once it is whole)
-                        continue
-                    if usage == "every":
-                        event["usage"] = view.usage(choices)
-                    yield sse_event(event, include_usage)
-            if include_usage:
-                yield sse_event(
-                    {**view.header("chunk"), "choices": [], "usage": view.usage(choices)}, True
-                )
-        except Exception as e:  # the status line is gone: report it in the stream
-            error = reported(e, "a streamed request")
-            yield f"data: {json.dumps(error.body())}\n\n"
-        yield "data: [DONE]\n\n"
 
 
 def choice_seed(seed: int, j: int) -> int:

@@ -92,6 +92,9 @@ class SamplingBody(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     structured_outputs: StructuredOutputs | None = None
+    # specmesh's: this request's speculative figures in the response (`openai_spec`); None:
+    # the router's --per-request-spec-decode-metrics
+    spec_decode_metrics: Literal["none", "summary", "detailed"] | None = None
 
     @property
     def stop_list(self) -> list[str]:

@@ -47,6 +47,9 @@ class Request:
     _full_text: str = ""  # decoded so far, incl. text held back for stop strings
     finish_reason: str | None = None
     accept_lens: list[int] = field(default_factory=list)
+    # Draft tree nodes each verify round checked, roots excluded (0: a plain round), one per
+    # accept_lens entry (the HTTP API's per-request speculative figures, `openai_spec`)
+    round_drafts: list[int] = field(default_factory=list)
     num_draft_tokens: int = 0  # draft tree nodes its rounds verified, roots excluded
     num_predraft_hits: int = 0  # trees its draft had ready (pre-drafted) when asked
     cached_tokens: int = 0  # prompt tokens the target's prefix cache had (its last prefill)
@@ -84,6 +87,7 @@ class Request:
         """
         if tree_size is not None:  # a verify round: its tree had tree_size nodes, root included
             self.accept_lens.append(len(tokens))
+            self.round_drafts.append(tree_size - 1)
             self.num_draft_tokens += tree_size - 1
         if self.first_token_s is None:
             self.first_token_s = time.monotonic()

@@ -74,6 +74,9 @@ class RouterSettings:
     # (port 0: any free one), None = off. Same TLS certificate and API key as the gRPC port.
     http_address: str | None = None
     chat_template: str | None = None  # Jinja file; default: the tokenizer's own chat template
+    # vLLM's flag: speculative figures in each OpenAI response ("none", "summary", "detailed";
+    # a request's spec_decode_metrics field overrides it): `specmesh.router.openai_spec`
+    per_request_spec_decode_metrics: str = "none"
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
