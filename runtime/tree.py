@@ -39,18 +39,19 @@ class Tree:
             raise InvalidRequestError(
                 f"tree parents must be -1 for node 0 and < i for node i: {par}"
             )
-        depths = [0] * n
-        mask = torch.eye(n, dtype=torch.bool)
+        # Host lists first, one tensor per field at the end: a tree is small, a torch op per
+        # node is not. ``seen[i]``: bit j set iff node j is i or one of its ancestors.
+        depths, seen = [0] * n, [1] + [0] * (n - 1)
         first_child, next_sibling, last_child = [-1] * n, [-1] * n, [-1] * n
         for i in range(1, n):
             p = par[i]
-            depths[i] = depths[p] + 1
-            mask[i] |= mask[p]
+            depths[i], seen[i] = depths[p] + 1, seen[p] | 1 << i
             if first_child[p] < 0:
                 first_child[p] = i
             else:
                 next_sibling[last_child[p]] = i
             last_child[p] = i
+        mask = torch.tensor([[bits >> j & 1 for j in range(n)] for bits in seen], dtype=torch.bool)
         as_t = lambda xs: torch.tensor(xs, dtype=torch.int64)
         return Tree(tokens_t, as_t(par), as_t(depths), mask, as_t(first_child), as_t(next_sibling))
 

@@ -21,9 +21,9 @@ from conftest import hf_greedy
 from specmesh.draft_service.runtime import DraftRuntime
 from specmesh.protocol.config import DraftConfig, SpecParams
 from specmesh.protocol.features import AuxLayers, Feature, FeatureSpec
+from specmesh.protocol.trees import DraftTree
 from specmesh.router.engine import Engine
 from specmesh.runtime.config import load_model_config
-from specmesh.runtime.tree import Tree
 
 
 class SiblingLastOracle:
@@ -47,7 +47,7 @@ class SiblingLastOracle:
                 self.rounds[inp.rid] = 0
             self.history[inp.rid].extend(inp.committed_ids)
 
-    def propose(self, rids: list[str], roots: list[int]) -> list[Tree]:
+    def propose(self, rids: list[str], roots: list[int]) -> list[DraftTree]:
         trees = []
         for rid, root in zip(rids, roots, strict=True):
             num_correct = self.depth - self.rounds[rid] % (self.depth + 1)
@@ -58,7 +58,7 @@ class SiblingLastOracle:
         self.num_proposed += len(trees)
         return trees
 
-    def _tree(self, root: int, truth: list[int], num_correct: int) -> Tree:
+    def _tree(self, root: int, truth: list[int], num_correct: int) -> DraftTree:
         """Levels ``< num_correct``: wrong siblings, then the true token (the next level's
         parent); level ``num_correct``: wrong siblings only. Verify accepts exactly
         ``num_correct`` draft tokens."""
@@ -73,7 +73,7 @@ class SiblingLastOracle:
             tokens.append(right)
             parents.append(parent)
             parent = len(tokens) - 1
-        return Tree.from_parents(tokens, parents)
+        return DraftTree.of(tokens, parents)
 
     def release(self, rid: str) -> None:
         self.history.pop(rid)
