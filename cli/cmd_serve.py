@@ -176,6 +176,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_listen_args(p, PORTS["router"])
     add_api_key_arg(p, "clients of specmesh.v1.Generation must send 'authorization: Bearer KEY'")
     add_http_args(p, None)
+    p.add_argument(
+        "--per-request-spec-decode-metrics",
+        choices=("none", "summary", "detailed"),
+        default="none",  # RouterSettings.per_request_spec_decode_metrics
+        help="vLLM's: speculative figures (metrics.speculative_decoding) in each OpenAI "
+        "response; a request's spec_decode_metrics field overrides it (docs/openai.md)",
+    )
     p.set_defaults(run=run_router)
 
 
@@ -308,6 +315,7 @@ def run_router(args: argparse.Namespace) -> int:
         limits=RouterLimits(**{name: getattr(args, name) for name in ROUTER_LIMITS}),
         http_address=None if args.http_port is None else f"{args.host}:{args.http_port}",
         chat_template=args.chat_template,
+        per_request_spec_decode_metrics=args.per_request_spec_decode_metrics,
     )
     if not settings.targets:
         raise ValueError("--target needs at least one HOST:PORT")
