@@ -247,12 +247,10 @@ class KVCache:
         root first) as committed tokens, by permuting slot ids; the rest stay reserved."""
         req = self.get(rid)
         base = req.committed_len
-        row = self.req_to_slot[req.row]
-        spec = row[base : base + num_nodes].clone()
-        kept = torch.tensor(path, dtype=torch.int64, device=row.device)
-        rest = torch.ones(num_nodes, dtype=torch.bool, device=row.device)
-        rest[kept] = False
-        row[base : base + num_nodes] = torch.cat([spec[kept], spec[rest]])
+        on_path = set(path)
+        order = [*path, *(i for i in range(num_nodes) if i not in on_path)]  # host-side
+        row = self.req_to_slot[req.row, base : base + num_nodes]
+        row.copy_(row[torch.tensor(order, dtype=torch.int64, device=row.device)])
         req.committed_len = base + len(path)
 
     def move_entries(self, rid: str, src: int, dst: int, num: int) -> None:
