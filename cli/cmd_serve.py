@@ -90,6 +90,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_listen_args(p, PORTS["draft"])
     add_runtime_args(p, DraftConfig)
     add_metrics_port_arg(p)
+    p.add_argument(
+        "--online-learning",
+        action="store_true",
+        default=config_default(DraftConfig, "online_learning"),
+        help="train the EAGLE-3 head on the traffic it serves, on a low-priority thread; an "
+        "update is served only if it does not lower acceptance on held-out traffic (output never "
+        "changes; docs/online-learning.md)",
+    )
+    p.add_argument(
+        "--online-learning-dir",
+        metavar="DIR",
+        default=config_default(DraftConfig, "online_learning_dir"),
+        help="keep the learned head's checkpoints here (EAGLE-3 format: --model DIR/latest "
+        "serves one) and resume from the last one",
+    )
     p.set_defaults(run=run_draft)
 
     p = sub.add_parser("router", help="serve the public API (specmesh.v1.Generation)")
@@ -256,6 +271,7 @@ def run_draft(args: argparse.Namespace) -> int:
 
     spec = SpecParams(args.num_steps, args.topk, args.num_draft_tokens)
     spec.validate()
+    _check_online_learning(args)
     credentials = _model_service_credentials(args)
 
     def load():
@@ -264,18 +280,34 @@ def run_draft(args: argparse.Namespace) -> int:
         cfg = DraftConfig(
             args.kind, draft_dir, target_dir, spec, predraft=args.predraft,
             predraft_steps=args.predraft_steps, prefix_cache_tokens=args.prefix_cache_tokens,
-            prefix_block_size=args.prefix_block_size, **runtime,
+            prefix_block_size=args.prefix_block_size, online_learning=args.online_learning,
+            online_learning_dir=args.online_learning_dir, **runtime,
         )  # fmt: skip
         return load_draft(cfg)
 
     async def main() -> None:
         servicer = server.make_servicer(_address(args), args.max_message_mb << 20)
+        if args.online_learning:
+            from specmesh.draft_service.online.metrics import OnlineCollector
+
+            servicer.metrics.registry.register(OnlineCollector(servicer))
         servicer.metrics.serve(args.metrics_port or None, args.host)
         add = draft_pb2_grpc.add_DraftServicer_to_server
         await serve_model(servicer, add, load, None, grace_s=args.grace, credentials=credentials)
 
     asyncio.run(main())
     return 0
+
+
+def _check_online_learning(args: argparse.Namespace) -> None:
+    """Refuse, before listening, a draft kind that cannot learn and a directory without the
+    switch."""
+    if args.online_learning_dir and not args.online_learning:
+        raise ValueError("--online-learning-dir needs --online-learning")
+    if args.online_learning:
+        from specmesh.draft_service.online.settings import refuse_kind
+
+        refuse_kind(args.kind)
 
 
 def _model_service_credentials(args: argparse.Namespace):
