@@ -12,38 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import assert_accepted, hf_greedy
+from online_traffic import SETTINGS, KeepAll, learning_engine, prompts
 
-from specmesh.draft_service.online import OnlineSettings, attach_learner
-from specmesh.draft_service.online.guard import Score, Verdict
 from specmesh.draft_service.online.head import TrainableHead, load_into
 from specmesh.protocol.config import SpecParams
 from specmesh.protocol.sampling import SamplingParams
 from specmesh.protocol.steps import ExtendInput
 from specmesh.router.engine import Engine
-
-SETTINGS = OnlineSettings(
-    update_tokens=64, steps_per_update=4, heldout_every=3, min_heldout_rounds=8,
-    window_tokens=32, batch_windows=2, lr=1e-3,
-)  # fmt: skip
-
-
-class KeepAll:
-    """A guard that keeps every update: a new version is served whatever it scores."""
-
-    def judge(self, *args) -> Verdict:
-        nothing = Score(0, 1)
-        return Verdict(nothing, nothing, nothing, keep=True, reset=False)
-
-
-def learning_engine(copy_dir: Path, settings: OnlineSettings = SETTINGS):
-    engine = Engine(copy_dir / "target", draft_model=copy_dir / "eagle3", draft_kind="eagle3",
-                    spec=SpecParams(3, 4, 8))  # fmt: skip
-    return engine, attach_learner(engine.draft, settings, start=False)
-
-
-def prompts(count: int, seed: int, length: int = 10) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 300, (length,), generator=g).tolist() for _ in range(count)]
 
 
 def served_differs(learner) -> bool:
