@@ -9,6 +9,7 @@ the draft proposed."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -103,12 +104,20 @@ def _padded(depths: torch.Tensor, n_max: int) -> list[int]:
 
 
 def padded_row_index(counts: list[int], n_max: int) -> torch.Tensor:
-    """Map padded position ``b * n_max + i`` to the flat row of node i of request b."""
+    """Map padded position ``b * n_max + i`` to the flat row of node i of request b (row 0 for
+    padding). Shared between calls: read it, never write it."""
+    return _row_index(tuple(counts), n_max)
+
+
+@functools.lru_cache(maxsize=256)
+def _row_index(counts: tuple[int, ...], n_max: int) -> torch.Tensor:
     starts = [0, *itertools.accumulate(counts)][:-1]
-    idx = torch.zeros(len(counts) * n_max, dtype=torch.int64)
-    for b, (s, n) in enumerate(zip(starts, counts, strict=True)):
-        idx[b * n_max : b * n_max + n] = torch.arange(s, s + n)
-    return idx
+    idx = [
+        r
+        for s, n in zip(starts, counts, strict=True)
+        for r in (*range(s, s + n), *[0] * (n_max - n))
+    ]
+    return torch.tensor(idx, dtype=torch.int64)
 
 
 def pad_rows(x: torch.Tensor, counts: list[int], n_max: int) -> torch.Tensor:
