@@ -120,7 +120,7 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = hidden @ self.head_weight.t()  # [rows, vocab], or [rows, this rank's rows]
-        if self.tp.enabled:
+        if self.tp.world_size > 1:
             logits = self.tp.all_gather_last(logits)[:, : self.config.vocab_size]
         return logits.float()  # [rows, vocab] fp32
 

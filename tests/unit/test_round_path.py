@@ -1,0 +1,24 @@
+"""The path of one steady speculative round, in process (`bench/round_trace.py`): the project
+functions it calls stay within a budget, and features that are off are absent from it (not a
+no-op walked each round): pre-drafting, grammar matchers, run-ahead, tensor parallelism,
+pipelined plain decoding."""
+
+from __future__ import annotations
+
+from specmesh.bench.round_trace import trace_rounds
+
+# Named functions (comprehensions and lambdas aside) and files of one round; the round's goal
+# is 150 in 35 files. Lower these when the path gets shorter; never raise them for a feature.
+MAX_FUNCTIONS, MAX_FILES = 175, 42
+OFF = ("PreDrafter", "PredraftBudget", "PredraftRuntime", "DraftGrammars", "RunAhead",
+       "TensorParallel", "_send_ahead")  # fmt: skip
+
+
+def test_a_steady_round_stays_short_and_calls_nothing_that_is_off() -> None:
+    trace = trace_rounds(num_rounds=2)
+    for called in trace.rounds:
+        named = {(f, name) for f, name, _ in called if "<" not in name}
+        assert len(named) <= MAX_FUNCTIONS, sorted(named)
+        assert len({f for f, _ in named}) <= MAX_FILES
+        off = sorted(name for _, name in named if any(word in name for word in OFF))
+        assert not off, f"features that are off ran in the round: {off}"
