@@ -253,7 +253,7 @@ def add_served_name_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
-# Per-request limits (README "Limits"): field -> help; each is a flag --max-..., its default the
+# Per-request limits (docs/limits-and-errors.md): field -> help; each is a flag --max-..., its default the
 # config dataclass's.
 IMAGE_LIMITS = {
     "max_images_per_request": "images in one request (INVALID_ARGUMENT beyond)",

@@ -7,7 +7,7 @@ target, which owns sampling: it masks every token it samples (and every tree nod
 gets it with a request's starting extend and proposes only such tokens (`draft_service.grammar`).
 The router compiles it once at its public API, with its first masks, to refuse what the engine
 cannot compile or mask (400 naming the problem) before any work. The engine is llguidance
-(torch-free, so the router may load it; bench/README.md "Grammar masks" has the measurements that
+(torch-free, so the router may load it; bench_results/HISTORY.md "Grammar masks" has the measurements that
 chose it over xgrammar).
 
 JSON is generated without free whitespace (``whitespace_flexible: false``, separators ``,`` and

@@ -4,7 +4,7 @@ The template is the tokenizer's own (``chat_template`` in ``tokenizer_config.jso
 ``chat_template.jinja``), or the Jinja file given with ``--chat-template``. Images (LLaVA
 targets) arrive as base64 ``data:`` URLs in ``image_url`` content parts; each becomes the
 processor's image placeholder in the text, in order, and its bytes go to the request's
-``images`` (README "Images"). The rendered text is tokenized like any text prompt; a leading
+``images`` (docs/images.md). The rendered text is tokenized like any text prompt; a leading
 BOS the template writes is dropped when the tokenizer adds one itself, so it is never doubled.
 """
 

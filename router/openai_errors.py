@@ -29,7 +29,7 @@ from specmesh.router.limits import ContextLengthError
 
 log = logging.getLogger(__name__)
 
-# specmesh / gRPC status -> HTTP status (README "OpenAI-compatible HTTP").
+# specmesh / gRPC status -> HTTP status (docs/openai.md "Errors").
 HTTP_STATUS = {
     "INVALID_ARGUMENT": 400,
     "OUT_OF_RANGE": 400,

@@ -1,7 +1,7 @@
 """TLS credentials, the router's API key and their command-line flags: the one place that turns
 certificate files and keys into gRPC credentials.
 
-Who presents and checks what (README "Security"):
+Who presents and checks what (docs/security.md):
 
     client ──TLS (server cert verified with the CA; API key)──► router public port
     router ══mTLS (router cert as client cert; service cert verified with the CA)══► target, draft

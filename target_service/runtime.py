@@ -65,7 +65,7 @@ class TargetRuntime:
             model, self.mm = load_llava(cfg.model_dir, dtype=dtype, device=cfg.device)
         self.model = model or load_causal_lm(cfg.model_dir, dtype=dtype, device=cfg.device)
         # Fused before the graphs capture the forward; only a model loaded here: a tensor-
-        # parallel or LLaVA model (or one passed in) keeps the unfused ops (README).
+        # parallel or LLaVA model (or one passed in) keeps the unfused ops (docs/gpu.md).
         if cfg.fused_kernels and torch.device(cfg.device).type == "cuda" and model is None:
             self.model.fuse_kernels()
         mc = self.model.config

@@ -155,7 +155,7 @@ def _staggered(target, monkeypatch, cfg: RouterConfig) -> tuple[list[list[int]],
 
 def test_in_process_an_arrival_joins_the_running_micro_batch(target, oracle, monkeypatch) -> None:
     """The in-process default is one micro-batch: a second worker would take the arrival into a
-    batch of its own (two half-size steps on one device; bench/README.md, sustained load)."""
+    batch of its own (two half-size steps on one device; bench_results/HISTORY.md, sustained load)."""
     outputs, sizes, workers = _staggered(target, monkeypatch, RouterConfig())
     assert workers == 1
     assert outputs == [oracle(target.model_dir, PROMPTS[0], 4 * NEW_TOKENS), target.expected[1]]

@@ -141,7 +141,7 @@ def test_tiny_pair_chunked_and_replayed_trees_stay_on_the_grammar(tiny_dir, prop
 
 
 def test_constrained_acceptance_on_the_demo_pair(demo) -> None:
-    """bench/README.md "Grammar masks": 2.75 tokens per round (an unmasked draft: 1.28)."""
+    """bench_results/HISTORY.md "Grammar masks": 2.75 tokens per round (an unmasked draft: 1.28)."""
     params = SamplingParams(64, 0.0, constraint=JSON)
     results = demo.generate(_chat(demo), params)
     assert_speculated(results, min_mean_accept=2.2)
