@@ -8,9 +8,13 @@ router sees it, Step bytes on the wire, circuit breakers, replays) is labelled b
 byte counters are fed by the gRPC clients' serializers (`step_stream.CountingChannel`), so they
 count exactly what went over each stream, handshakes and releases included.
 
-Three modules: this one (speculative decoding, the replicas' steps, and `RouterMetrics`, the
-recording API of a core), `metrics_request` (per-request token counts and latencies) and
-`metrics_live` (gauges read at scrape time, the services' KV usage and cache config).
+Four modules: this one (speculative decoding, the replicas' steps, and `RouterMetrics`, the
+recording API of a core), `metrics_request` (per-request token counts, latencies, prefix-cache
+tokens and parameters), `metrics_live` (gauges read at scrape time, the services' KV usage and
+cache config) and `metrics_admission` (requests refused before they run, by reason).
+
+No counter or histogram exports a ``_created`` sample (as vLLM): `disable_created_metrics` at
+import, which holds for every prometheus_client registry of the process.
 
 One registry per process. Every metric object is created once, at import, so any number of
 `RouterCore`s share them without registering twice: counters and histograms add up over the
@@ -36,10 +40,12 @@ import contextlib
 import time
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 
+from specmesh.router.metrics_admission import REASONS, rejection_reason
+from specmesh.router.metrics_admission import counts_rejections as counts_rejections  # for core
 from specmesh.router.metrics_live import KvOccupancy, LiveCores
-from specmesh.router.metrics_request import RequestCursor, RequestSeries
+from specmesh.router.metrics_request import ChoiceGroups, RequestCursor, RequestSeries
 
 if TYPE_CHECKING:
     from specmesh.protocol.steps import StepOutput, VerifyInput
@@ -48,6 +54,7 @@ if TYPE_CHECKING:
     from specmesh.router.slot import Slot
 
 REGISTRY = CollectorRegistry()  # the router's own: never prometheus_client's global one
+disable_created_metrics()
 
 STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2,
                 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0)  # fmt: skip
@@ -102,6 +109,9 @@ PLANNED_ROUNDS = _counter(
 DRAFT_FAILURES = _counter(
     "draft_failures", "Draft steps that failed or missed their deadline", ("replica",)
 )
+REJECTIONS = _counter(
+    "admission_rejections", "Requests refused before they ran, by reason", ("reason",)
+)
 ITERATION_TOKENS = _histogram(
     "iteration_tokens",
     "Tokens one target verify step produced for its micro-batch (accepted + bonus)",
@@ -135,7 +145,9 @@ class RouterMetrics:
     answered) and `on_draft_step` / `on_draft_failure` (fed by the `Replica`s), `on_admit`
     (a worker takes the request), `on_round` (after a round's emit), `on_plan`,
     `on_preempted`, `on_target_down`, `on_finish` (when the request's client side ends: every
-    admitted request passes there once). `start` / `stop` run with the core: the KV poll."""
+    admitted request passes there once), `on_rejected` (a check refused a request:
+    `metrics_admission.counts_rejections`), `on_choices` (the HTTP API's ``n`` choices of each
+    prompt). `start` / `stop` run with the core: the KV poll."""
 
     def __init__(self, core: RouterCore | None) -> None:
         self.core = core
@@ -144,7 +156,10 @@ class RouterMetrics:
         self._cursors: dict[str, RequestCursor] = {}
         self.tree_sizes: dict[str, int] = {}  # per target replica: the policy's latest choice
         self.kv = KvOccupancy()  # per replica: KV slots as its service last reported them
+        self.choices = ChoiceGroups()  # which requests are one prompt's n choices
         self._poll: asyncio.Task | None = None
+        for reason in REASONS if core is not None else ():  # exported from the start, at 0
+            REJECTIONS.labels(self.model, reason)
 
     def watch(self) -> None:
         """Let the gauges read the core (once it is built)."""
@@ -209,11 +224,27 @@ class RouterMetrics:
         REPLAYS.labels(self.model, replica).inc(replayed)
 
     def on_finish(self, req: Request) -> None:
-        """The request's end: the rest of its record, then its latencies."""
+        """The request's end: the rest of its record, then its latencies and parameters."""
         end_s = req.finish_s or time.monotonic()
         self._advance(req, end_s)
         cur = self._cursors.pop(req.rid)
         REQUESTS.end(self.model, req, cur.scheduled_s, end_s)
+        n = self.choices.end(req.rid)
+        if n is not None:  # the last of its prompt's choices
+            REQUESTS.n.labels(self.model).observe(n)
+
+    def on_rejected(self, error: Exception) -> None:
+        """A check refused a request before it ran (`metrics_admission`)."""
+        REJECTIONS.labels(self.model, rejection_reason(error)).inc()
+
+    def on_choices(self, reqs: list[Request], n: int) -> None:
+        """The HTTP API built ``reqs``: each prompt's ``n`` choices in turn."""
+        self.choices.add(reqs, n)
+
+    def scheduled(self, rid: str) -> bool:
+        """Whether a worker admitted the request before (a waiting one waits to be replayed)."""
+        cur = self._cursors.get(rid)
+        return cur is not None and cur.scheduled_s is not None
 
     def _cursor(self, r: Request) -> RequestCursor:
         """The request's cursor; made (and its prompt counted) the first time it is seen."""

@@ -2,8 +2,12 @@
 services' KV occupancy as the router last saw it (`KvOccupancy`).
 
 Nothing here is kept twice: requests running / waiting, breaker states and the policy's tree
-sizes are the cores' own state, read when ``/metrics`` is scraped. Scrapes may run on another
-thread than the cores': each core's dicts are copied with one C-level call before they are read.
+sizes are the cores' own state, read when ``/metrics`` is scraped. A waiting request waits for
+``capacity`` (its first admission: no replica has room, or its micro-batch worker is busy) or
+to be replayed (``replay``: a worker admitted it before and it left its replicas: preempted or
+refused for KV space, its target failed, or a draft is back for it); the reasons add up to
+``num_requests_waiting``. Scrapes may run on another thread than the cores': each core's dicts
+are copied with one C-level call before they are read.
 
 KV occupancy lives in the services; the router sees it through GetInfo (``occupancy``): once at
 connect (`KvOccupancy.seed`), then every `KV_POLL_S` (`KvOccupancy.poll`, started with the core).
@@ -70,10 +74,16 @@ class KvOccupancy:
 
 
 _MODEL, _REPLICA = ("model_name",), ("model_name", "replica")
+WAITING_REASONS = ("capacity", "replay")
 # name -> (help, label names); values of one replica seen by several cores: the largest.
 GAUGES = {
     "num_requests_running": ("Requests in a micro-batch", _MODEL),
     "num_requests_waiting": ("Requests waiting for admission (new or to replay)", _MODEL),
+    "num_requests_waiting_by_reason": (
+        "Requests waiting for admission, by reason: capacity (never admitted yet), replay "
+        "(admitted before, to be rebuilt elsewhere or again); they add up to num_requests_waiting",
+        (*_MODEL, "reason"),
+    ),
     "circuit_breaker_open": ("Replica breaker: 0 closed, 1 open", _REPLICA),
     "spec_decode_tree_size": (
         "Tree size (nodes incl. the root) the speculation policy chose last for this target "
@@ -114,19 +124,13 @@ class LiveCores:
 
 
 def _read(core: RouterCore, samples: Samples) -> None:
+    _requests(core, samples)
     model = core.metrics.model
 
     def put(name: str, labels: tuple[str, ...], value: float) -> None:
         key = (model, *labels)
         samples[name][key] = max(samples[name].get(key, value), value)
 
-    counts = {"running": 0, "waiting": 0}
-    for slot in list(core.slots.values()):
-        if not slot.request.finished:  # admitted to a worker, or waiting for one
-            counts["waiting" if slot.worker is None else "running"] += 1
-    for phase, count in counts.items():
-        key = f"num_requests_{phase}"
-        samples[key][(model,)] = samples[key].get((model,), 0) + count
     for r in core.replicas.all:
         put("circuit_breaker_open", (r.name,), int(not r.live))
     for name, size in dict(core.metrics.tree_sizes).items():
@@ -138,3 +142,22 @@ def _read(core: RouterCore, samples: Samples) -> None:
         if info is not None and slots is not None:
             config = (str(sum(slots)), *(str(getattr(info, f)) for f in CACHE_CONFIG))
             put("cache_config_info", (r.name, *config), 1)
+
+
+def _requests(core: RouterCore, samples: Samples) -> None:
+    """Requests running and waiting (by reason), added to those of the model's other cores."""
+    model = core.metrics.model
+    counts = {("num_requests_running", model): 0, ("num_requests_waiting", model): 0}
+    counts |= {("num_requests_waiting_by_reason", model, r): 0 for r in WAITING_REASONS}
+    for slot in list(core.slots.values()):
+        if slot.request.finished:
+            continue
+        if slot.worker is not None:  # admitted to a worker
+            counts[("num_requests_running", model)] += 1
+            continue
+        counts[("num_requests_waiting", model)] += 1
+        reason = "replay" if core.metrics.scheduled(slot.rid) else "capacity"
+        counts[("num_requests_waiting_by_reason", model, reason)] += 1
+    for (name, *labels), count in counts.items():
+        key = tuple(labels)
+        samples[name][key] = samples[name].get(key, 0) + count

@@ -6,7 +6,9 @@ Recorded per Step batch on the worker thread (`ServiceMetrics.timed` wraps the s
 answer): the runtime's latency and the batch's size, by work kind (prefill, decode, verify,
 extend, propose, release, open). Read at scrape time from what the service already reports in
 `GetInfo` (`ModelServicer.info(...).occupancy`, one owner for each number): KV slots used /
-free, requests held, open Step streams, prefix-cache and run-ahead counters. Every series carries ``service="target"|"draft"``.
+free, requests held, open Step streams, prefix-cache and run-ahead counters. Every series
+carries ``service="target"|"draft"``. No histogram exports ``_created`` samples
+(`disable_created_metrics`, as the router's registry: vLLM exports none either).
 """
 
 from __future__ import annotations
@@ -17,13 +19,19 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Histogram,
+    disable_created_metrics,
+    start_http_server,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 if TYPE_CHECKING:
     from specmesh.rpc.service_common import ModelServicer
 
 log = logging.getLogger(__name__)
+disable_created_metrics()  # for every registry of the process
 
 STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2,
                 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0)  # fmt: skip
