@@ -44,7 +44,7 @@ from specmesh.protocol.steps import TargetInfo
 from specmesh.router.clients import DraftClient, TargetClient
 from specmesh.router.faults import StepDeadline
 from specmesh.router.limits import check_stop_rules
-from specmesh.router.metrics import RouterMetrics
+from specmesh.router.metrics import RouterMetrics, counts_rejections
 from specmesh.router.placement import Balancer
 from specmesh.router.policy import MODES as SPECULATION_MODES
 from specmesh.router.policy import SpeculationPolicy
@@ -195,6 +195,7 @@ class RouterCore:
         await self.metrics.stop()
 
     # -- client side ---------------------------------------------------------------------------
+    @counts_rejections("self")  # each refusal counted by reason (admission_rejections_total)
     def validate(self, req: Request) -> None:
         info = self.info
         if not req.prompt_ids:
