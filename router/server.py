@@ -37,6 +37,7 @@ from specmesh.router.limits import (
     check_stop_rules,
     raise_fd_limit,
 )
+from specmesh.router.metrics_admission import counts_rejections
 from specmesh.router.request import Chunk, Request
 from specmesh.router.smg_worker import add_smg_worker
 from specmesh.router.structured import ConstraintChecker
@@ -133,6 +134,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             )
         return self.core
 
+    @counts_rejections("core")  # each refusal counted by reason (admission_rejections_total)
     async def _make_request(
         self,
         core: RouterCore,
