@@ -181,6 +181,7 @@ class OpenAIService:
                     if isinstance(prompt, str):
                         prompt = list(req.prompt_ids)
                 choices.append(Choice(index, i, req, shown, score_only))
+        self.core.metrics.on_choices([c.req for c in choices], body.n)  # request_params_n
         return choices
 
     async def request(
