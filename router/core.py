@@ -113,7 +113,7 @@ class RouterConfig:
     def micro_batches(self, remote: bool) -> int:
         """As set, else 2 where a target is remote (the target verifies one micro-batch while
         the draft works on the other) and 1 in process: one device runs both there, and a second
-        worker would take each arrival into a half-size batch of its own (bench/README.md)."""
+        worker would take each arrival into a half-size batch of its own (bench_results/HISTORY.md)."""
         return self.num_micro_batches or (2 if remote else 1)
 
     def draft_deadline(self) -> StepDeadline:
@@ -363,7 +363,7 @@ class RouterCore:
     def _share(self) -> int:
         """A micro-batch's share of the requests held (running or waiting), when admission is
         balanced: the micro-batches overlap only when each has work, so a burst is split (8 at
-        once were admitted 7 and 1 by the first worker to wake; README "Balanced micro-batches")."""
+        once were admitted 7 and 1 by the first worker to wake; docs/speculation.md)."""
         if not self.balanced:
             return self.cfg.max_batch_size
         held = sum(not s.request.finished for s in self.slots.values())

@@ -1,6 +1,6 @@
 """The router's Prometheus metrics, on `REGISTRY` (served at ``/metrics`` on its HTTP port).
 
-Names are vLLM's under a ``specmesh_`` prefix (README "Metrics" lists them, and where they
+Names are vLLM's under a ``specmesh_`` prefix (docs/metrics.md lists them, and where they
 differ from vLLM's). Every series carries ``model_name``, the served model as ``/v1/models``
 names it, except the Step byte counters: the gRPC clients count those from their first
 handshake, before they know the model. What the split adds (prefill and step latency as the
