@@ -7,11 +7,12 @@
 
 Each mutant replaces one exact snippet of one file in a scratch copy of the working tree (tracked
 and untracked, not ignored files) and runs the tests named for it there; it is *killed* when they
-fail, and *survives* when they pass. The report names every test that failed (``--first``: stop
-at the first, faster). The scratch copy is imported through a folder of symlinks
-that mirrors pyproject's package-dir mapping, put first on PYTHONPATH, so the editable install
-(`.venv`) keeps pointing at the real tree. Exit status 0 only when every mutant is killed and the
-baseline (the same tests, unmutated) passes.
+fail (or hang past ``--timeout``), and *survives* when they pass. The report names every test that
+failed (``--first``: stop at the first, faster; ``--tests``: other tests for every mutant). The
+scratch copy is imported through a folder of symlinks that mirrors pyproject's package-dir
+mapping, put first on PYTHONPATH, so the editable install (`.venv`) keeps pointing at the real
+tree. Exit status 0 only when every mutant is killed and the baseline (the same tests,
+unmutated) passes. `tests/unit/test_mutants.py` checks that every snippet is still in its file.
 """
 
 from __future__ import annotations
@@ -50,13 +51,18 @@ ORACLE_TESTS = (
     "tests/unit/test_kv_pressure.py::test_small_kv_cache_preempts_and_replays",
     "tests/integration/test_grpc_services.py::test_oracle_draft_accepts_several_tokens_per_round",
 )
+PREFIX_TESTS = (
+    "tests/unit/test_prefix_eviction.py",
+    "tests/integration/test_prefix_eviction_grpc.py",
+    "tests/unit/test_prefix_cache.py::test_eviction_under_kv_pressure_keeps_output_exact",
+)
 MUTANTS = (
     Mutant(
         "kv-tree-order",
         "after a verify the target keeps the KV of the first nodes in tree order, not the path's",
         "runtime/kv_cache.py",
-        "row[base : base + num_nodes] = torch.cat([spec[kept], spec[rest]])",
-        "row[base : base + num_nodes] = spec",
+        "order = [*path, *(i for i in range(num_nodes) if i not in on_path)]",
+        "order = list(range(num_nodes))  # mutant: tree order",
         ORACLE_TESTS,
     ),
     Mutant(
@@ -126,8 +132,8 @@ MUTANTS = (
         "tree-mask-without-ancestors",
         "a tree node attends to the prefix and itself but not to its ancestors",
         "runtime/tree.py",
-        "mask[i] |= mask[p]",
-        "pass  # mutant: no ancestors",
+        "seen[i] = depths[p] + 1, seen[p] | 1 << i",
+        "seen[i] = depths[p] + 1, 1 << i  # mutant: no ancestors",
         ORACLE_TESTS,
     ),
     Mutant(
@@ -180,6 +186,29 @@ MUTANTS = (
             "tests/unit/test_draft_kinds.py::test_prefix_hit_at_the_lookahead_edge_equals_a_cold_extend",
         ),
     ),
+    Mutant(
+        "prefix-refs-dropped-before-row",
+        "a release drops the row's prefix references before freeing its row: an eviction it starts "
+        "frees pages the row still lists, and the row frees them again",
+        "runtime/kv_cache.py",
+        "        self.free_pages.extend(p for p in reversed(req.pages) if p not in self.shared)\n"
+        "        self.free_rows.append(req.row)\n"
+        "        if self.on_release is not None:\n"
+        "            self.on_release(rid)\n",
+        "        if self.on_release is not None:\n"
+        "            self.on_release(rid)\n"
+        "        self.free_pages.extend(p for p in reversed(req.pages) if p not in self.shared)\n"
+        "        self.free_rows.append(req.row)\n",
+        PREFIX_TESTS,
+    ),
+    Mutant(
+        "prefix-evicts-referenced-block",
+        "a block a running request's row lists can be evicted: its pages are freed under the row",
+        "runtime/prefix_cache.py",
+        "return not self.refs and not self.children",
+        "return not self.children",
+        PREFIX_TESTS,
+    ),
 )
 
 
@@ -224,14 +253,25 @@ def shim_env(shim: Path) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(shim), "PYTHONSAFEPATH": "1"}
 
 
+HUNG = -1  # `run_tests`' code when the tests did not end in time
+
+
 def run_tests(
-    scratch: Path, shim: Path, tests: tuple[str, ...], stop_first: bool
+    scratch: Path, shim: Path, tests: tuple[str, ...], stop_first: bool, timeout_s: float
 ) -> tuple[int, list[str]]:
+    """pytest's exit status and the tests that failed; `HUNG` after ``timeout_s`` (a mutant
+    that makes a test wait forever is caught, but must not stop the run)."""
     env = shim_env(shim)
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf", *tests]
     if stop_first:
         cmd.insert(3, "-x")
-    out = subprocess.run(cmd, cwd=scratch, env=env, capture_output=True, text=True)
+    try:
+        out = subprocess.run(
+            cmd, cwd=scratch, env=env, capture_output=True, text=True, timeout=timeout_s
+        )
+    except subprocess.TimeoutExpired as e:
+        partial = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""
+        return HUNG, re.findall(r"^FAILED (\S+)", partial, re.M)
     failed = re.findall(r"^FAILED (\S+)", out.stdout, re.M)
     if out.returncode not in (0, 1):
         sys.stderr.write(out.stdout[-3000:] + out.stderr[-3000:])
@@ -256,6 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--tests", nargs="+", metavar="NODEID", help="run these tests for every chosen mutant"
     )
+    ap.add_argument(
+        "--timeout", type=float, default=600, help="seconds a test run may take (default 600)"
+    )
     args = ap.parse_args(argv)
     chosen = [m for m in MUTANTS if not args.names or m.name in args.names]
     if args.tests:
@@ -276,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_baseline:
             tests = tuple(dict.fromkeys(t for m in chosen for t in m.tests))
             start = time.monotonic()
-            code, failed = run_tests(scratch, shim, tests, stop_first=False)
+            code, failed = run_tests(scratch, shim, tests, False, args.timeout)
             took = time.monotonic() - start
             print(
                 f"{'baseline':28} {'passes' if code == 0 else 'FAILS'} ({took:.0f} s) {' '.join(failed)}"
@@ -286,12 +329,14 @@ def main(argv: list[str] | None = None) -> int:
             original = (scratch / m.path).read_text()
             mutate(scratch, m)
             start = time.monotonic()
-            code, failed = run_tests(scratch, shim, m.tests, stop_first=args.first)
+            code, failed = run_tests(scratch, shim, m.tests, args.first, args.timeout)
             took = time.monotonic() - start
             (scratch / m.path).write_text(original)
-            verdict = {0: "SURVIVED", 1: "killed"}.get(code, f"ERROR (pytest exit {code})")
+            verdict = {0: "SURVIVED", 1: "killed", HUNG: "killed (a test hung)"}.get(
+                code, f"ERROR (pytest exit {code})"
+            )
             print(f"{m.name:28} {verdict} ({took:.0f} s) by {' '.join(failed) or '-'}", flush=True)
-            ok = ok and code == 1
+            ok = ok and code in (1, HUNG)
     return 0 if ok else 1
 
 
