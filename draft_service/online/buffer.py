@@ -30,12 +30,24 @@ import torch
 from specmesh.draft_service.online.settings import OnlineSettings
 
 
+@dataclass(frozen=True)
+class Window:
+    """Consecutive rows of one request."""
+
+    tokens: torch.Tensor  # [n] int64, host
+    features: torch.Tensor  # [n, width], the buffer's dtype and device
+    first_output: int  # index of the first token the target produced (0: all of them)
+
+
 @dataclass
 class Rows:
     """One request's rows in arrival order, in the chunks its extends brought."""
 
     key: int  # arrival order, unique
     limit: int | None = None  # rows kept at most (held-out requests); None = all
+    # Rows of the request's first extend, its prompt: their tokens are the client's, the later
+    # ones the target's (0 for an entry started mid-request)
+    first_output: int = 0
     tokens: list[torch.Tensor] = field(default_factory=list)  # chunks [n] int64, on the host
     features: list[torch.Tensor] = field(default_factory=list)  # chunks [n, width], device
     num_tokens: int = 0
@@ -56,18 +68,21 @@ class Rows:
         return list(self.tokens), list(self.features)
 
 
-def cut(
-    chunks: tuple[list[torch.Tensor], list[torch.Tensor]], start: int, length: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows ``[start, start + length)`` of a request's chunks: (tokens [n], features [n, w])."""
+Span = tuple[tuple[list[torch.Tensor], list[torch.Tensor]], int, int, int]
+
+
+def cut(span: Span) -> Window:
+    """Rows ``[start, start + length)`` of a request's chunks, from ``(chunks, start, length,
+    first_output)``."""
+    (chunk_ids, chunk_feats), start, length, first_output = span
     tokens, features, offset = [], [], 0
-    for ids, feats in zip(*chunks, strict=True):
+    for ids, feats in zip(chunk_ids, chunk_feats, strict=True):
         lo, hi = max(start - offset, 0), min(start + length - offset, len(ids))
         if lo < hi:
             tokens.append(ids[lo:hi])
             features.append(feats[lo:hi])
         offset += len(ids)
-    return torch.cat(tokens), torch.cat(features)
+    return Window(torch.cat(tokens), torch.cat(features), max(first_output - start, 0))
 
 
 class TrafficBuffer:
@@ -94,6 +109,7 @@ class TrafficBuffer:
             rows = None if new else self.open.get(rid)
             if rows is None:
                 rows = self.open[rid] = self._start()
+                rows.first_output = len(ids) if new else 0
             added = rows.add(ids, features, self.dtype)
             self.num_seen_tokens += added
             if rows.limit is None and rows.key in self.train:
@@ -157,7 +173,7 @@ class TrafficBuffer:
             new, self.num_new_tokens = self.num_new_tokens, 0
             return new
 
-    def windows(self, count: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def windows(self, count: int, length: int) -> list[Window]:
         """``count`` windows of at most ``length`` consecutive rows of one training request,
         requests drawn by their row counts, starts uniform."""
         with self.lock:
@@ -168,14 +184,16 @@ class TrafficBuffer:
             spans = []
             for rows in picked:
                 start = self.rng.randrange(max(rows.num_tokens - length, 0) + 1)
-                spans.append((rows.chunks(), start, min(length, rows.num_tokens)))
-        return [cut(chunks, start, n) for chunks, start, n in spans]
+                n = min(length, rows.num_tokens)
+                spans.append((rows.chunks(), start, n, rows.first_output))
+        return [cut(span) for span in spans]
 
-    def heldout(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def heldout(self) -> list[Window]:
         """Every held-out request's rows (recent and reservoir), those of at least 3 rows."""
         with self.lock:
-            spans = [(r.chunks(), r.num_tokens) for r in [*self.recent, *self.reservoir]]
-        return [cut(chunks, 0, n) for chunks, n in spans if n >= 3]
+            held = [*self.recent, *self.reservoir]
+            spans = [(r.chunks(), 0, r.num_tokens, r.first_output) for r in held]
+        return [cut(span) for span in spans if span[2] >= 3]
 
     def sizes(self) -> tuple[int, int]:
         """(training rows, held-out rows) held now."""

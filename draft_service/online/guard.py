@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specmesh.draft_service.online.buffer import Window
 from specmesh.draft_service.online.head import (
     Embed,
     TrainableHead,
@@ -70,7 +71,7 @@ class Guard:
         scratch: TrainableHead,
         served: dict[str, torch.Tensor],
         shipped: dict[str, torch.Tensor],
-        heldout: list[tuple[torch.Tensor, torch.Tensor]],
+        heldout: list[Window],
     ) -> Verdict:
         """Score the three weight sets (``served`` and ``shipped`` loaded into ``scratch``)."""
         after = self.score(candidate, heldout)

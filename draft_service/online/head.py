@@ -7,7 +7,8 @@ features) gives R = n - 1 draft rows, K steps:
     row p, step j:  feature f_p (step 0)   token x_{p+1+j} = step_tokens[p + j]
                     label  x_{p+2+j} = labels[p + j]   (the token the target committed there)
 
-both padded by K - 1 (tokens) and K (labels, -1 = none) columns. Step j's row p attends to
+both padded by K - 1 (tokens) and K (labels, -1 = none) columns; labels at prompt tokens are
+-1 too (the client's text, not the target's: a draft learns to predict the target). Step j's row p attends to
 step 0's rows <= p and to its own steps 1 .. j (`ttt_mask`): what the draft's KV cache holds
 when it drafts from that row. The loss is ``sum_j decay^j CE_j / sum_j decay^j`` against the
 target's tokens, over the draft's hot vocabulary; the simulated chain acceptance feeds each
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specmesh.draft_service.models.eagle3 import Eagle3Draft
+from specmesh.draft_service.online.buffer import Window
 
 IGNORE = -100
 Embed = Callable[[torch.Tensor], torch.Tensor]  # token ids -> the target's embeddings
@@ -38,18 +40,22 @@ class TrainBatch:
 
 
 def make_batch(
-    windows: list[tuple[torch.Tensor, torch.Tensor]], num_steps: int, device: torch.device | str
+    windows: list[Window], num_steps: int, device: torch.device | str, prompt_labels: bool = False
 ) -> TrainBatch:
-    """Windows of (tokens [n], features [n, w]) as one right-padded batch (module docstring)."""
-    num_rows = max(len(ids) for ids, _ in windows) - 1
+    """Windows as one right-padded batch (module docstring). Labels at tokens of a request's
+    prompt are -1 unless ``prompt_labels``: the client wrote them, not the target."""
+    num_rows = max(len(w.tokens) for w in windows) - 1
     width = num_rows + num_steps - 1
-    aux = torch.zeros(len(windows), num_rows, windows[0][1].shape[1], device=device)
+    aux = torch.zeros(len(windows), num_rows, windows[0].features.shape[1], device=device)
     step_tokens = torch.zeros(len(windows), width, dtype=torch.int64)
     labels = torch.full((len(windows), width), -1, dtype=torch.int64)
-    for b, (ids, feats) in enumerate(windows):
-        aux[b, : len(ids) - 1] = feats[:-1].to(device=device, dtype=torch.float32)
-        step_tokens[b, : len(ids) - 1] = ids[1:]
-        labels[b, : len(ids) - 2] = ids[2:]
+    for b, w in enumerate(windows):
+        n = len(w.tokens)
+        aux[b, : n - 1] = w.features[:-1].to(device=device, dtype=torch.float32)
+        step_tokens[b, : n - 1] = w.tokens[1:]
+        labels[b, : n - 2] = w.tokens[2:]
+        if not prompt_labels:  # label column c is token c + 2
+            labels[b, : max(min(w.first_output - 2, n - 2), 0)] = -1
     return TrainBatch(aux, step_tokens.to(device), labels.to(device))
 
 
@@ -172,7 +178,8 @@ def chain_accepted(
         for j, step_logits in enumerate(logits)
     ]
     chain = torch.stack(matches, dim=-1).long().cumprod(dim=-1)  # [B, R, depth]
-    valid = batch.labels[:, depth - 1 : depth - 1 + num_rows] >= 0  # [B, R]
+    labels = batch.labels
+    valid = (labels[:, :num_rows] >= 0) & (labels[:, depth - 1 : depth - 1 + num_rows] >= 0)
     return int(chain.sum(-1)[valid].sum()), int(valid.sum())
 
 

@@ -191,7 +191,7 @@ class OnlineLearner:
 
     def _step(self, windows: list) -> float:
         s = self.settings
-        batch = make_batch(windows, s.num_steps, self.device)
+        batch = make_batch(windows, s.num_steps, self.device, s.prompt_labels)
         loss = ttt_loss(self.head, batch, self.net.embed, s.num_steps, s.decay)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -23,7 +23,7 @@ def refuse_kind(kind: str) -> None:
     """Raise ``ValueError`` naming why ``kind`` cannot learn online, unless it can."""
     if kind not in TRAINABLE_KINDS:
         why = _WHY_NOT.get(kind, f"draft kind {kind!r} is unknown")
-        raise ValueError(f"--online-learning needs --kind eagle3: {why}")
+        raise ValueError(f"--online-learning needs --kind eagle3, not {kind}: {why}")
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,7 @@ class OnlineSettings:
     window_tokens: int = 256  # rows per training window (one request's consecutive rows)
     batch_windows: int = 4  # windows per optimizer step
     num_steps: int = 4  # training-time test depth K (the offline trainer's)
+    prompt_labels: bool = False  # also learn the prompts' tokens (the client's, not the target's)
     decay: float = 0.8  # step j's loss weight decay^j (the offline trainer's)
     lr: float = 2e-4
     weight_decay: float = 0.0

@@ -1,7 +1,7 @@
 """The rows online learning keeps are bounded: training rows under `train_tokens` (oldest
 requests first, an open one too), held-out requests cut and counted, nothing left of a request
 once it ends, short requests (the service's warm-up) dropped, and windows cut from the rows as
-they arrived."""
+they arrived, knowing where the prompt (the first extend) ends."""
 
 from __future__ import annotations
 
@@ -49,8 +49,8 @@ def test_held_out_requests_are_cut_counted_and_never_trained_on() -> None:
     _, heldout = buf.sizes()
     assert len(buf.recent) == 2 and len(buf.reservoir) == 2  # 4 held out in all, 2 + 2
     assert heldout == 4 * 10  # each cut at heldout_sequence_tokens
-    held = {int(ids[0]) for ids, _ in buf.heldout()}
-    assert all(int(ids[0]) not in held for ids, _ in buf.windows(50, 8))
+    held = {int(w.tokens[0]) for w in buf.heldout()}
+    assert all(int(w.tokens[0]) not in held for w in buf.windows(50, 8))
 
 
 def test_nothing_is_held_of_a_request_after_it_ends() -> None:
@@ -69,7 +69,7 @@ def test_rows_are_copied_in_the_buffers_dtype() -> None:
     ids, feats = _rows(10)
     buf.add("a", True, ids, feats)
     feats.zero_()  # the batch tensor the extend came in is reused: the rows kept are not
-    (_, kept), *_ = buf.windows(1, 10)
+    kept = buf.windows(1, 10)[0].features
     assert kept.dtype == torch.bfloat16 and kept[:, 0].tolist() == list(range(10))
 
 
@@ -79,8 +79,13 @@ def test_windows_join_the_chunks_of_several_extends() -> None:
     for start in range(4, 20, 3):
         buf.add("a", False, *_rows(3, start))
     chunks = buf.open["a"].chunks()
-    tokens, feats = cut(chunks, 5, 9)
-    assert tokens.tolist() == list(range(5, 14)) and feats[:, 0].tolist() == list(range(5, 14))
-    for tokens, _ in buf.windows(20, 6):
-        first = int(tokens[0])
-        assert tokens.tolist() == list(range(first, first + 6))
+    w = cut((chunks, 5, 9, 4))
+    assert w.tokens.tolist() == list(range(5, 14)) and w.features[:, 0].tolist() == list(
+        range(5, 14)
+    )
+    assert w.first_output == 0  # rows 0 .. 3 were the prompt (the first extend's): all before
+    assert cut((chunks, 1, 9, 4)).first_output == 3
+    for w in buf.windows(20, 6):
+        first = int(w.tokens[0])
+        assert w.tokens.tolist() == list(range(first, first + 6))
+        assert w.first_output == max(4 - first, 0)

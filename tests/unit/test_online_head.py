@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from specmesh.draft_service.online.buffer import Window
 from specmesh.draft_service.online.head import (
     TrainableHead,
     chain_accepted,
@@ -40,12 +41,17 @@ def _window(width: int, n: int = 24, seed: int = 0) -> tuple[torch.Tensor, torch
 def test_batch_pairs_feature_p_with_the_next_tokens_and_labels() -> None:
     ids = torch.arange(10, 16)  # x_0 .. x_5
     feats = torch.arange(6.0)[:, None].expand(6, 3)
-    batch = make_batch([(ids, feats), (ids[:4], feats[:4])], num_steps=3, device="cpu")
+    windows = [Window(ids, feats, 0), Window(ids[:4], feats[:4], 0)]
+    batch = make_batch(windows, num_steps=3, device="cpu")
     assert batch.aux.shape == (2, 5, 3)  # R = n - 1 rows
     assert batch.aux[0, :, 0].tolist() == [0, 1, 2, 3, 4]
     assert batch.step_tokens[0].tolist() == [11, 12, 13, 14, 15, 0, 0]  # x_{p+1+j} at p + j
     assert batch.labels[0].tolist() == [12, 13, 14, 15, -1, -1, -1]  # x_{p+2+j}
     assert batch.aux[1, 3:].abs().sum() == 0 and batch.labels[1].tolist()[2:] == [-1] * 5
+    # tokens 0 .. 3 were the prompt: labels from x_4 on (column c holds x_{c+2})
+    prompt = make_batch([Window(ids, feats, 4)], num_steps=3, device="cpu")
+    assert prompt.labels[0].tolist() == [-1, -1, 14, 15, -1, -1, -1]
+    assert make_batch([Window(ids, feats, 4)], 3, "cpu", prompt_labels=True).labels[0][0] == 12
 
 
 def test_mask_is_the_offline_trainers() -> None:
@@ -63,7 +69,7 @@ def test_step_zero_is_the_served_extend(runtime) -> None:
     res = runtime.step([ExtendInput("r", ids[:-1].tolist(), int(ids[-1]), feats[:-1], new=True)],
                        propose=False)  # fmt: skip
     assert not res.errors
-    batch = make_batch([(ids, feats)], NUM_STEPS, "cpu")
+    batch = make_batch([Window(ids, feats, 0)], NUM_STEPS, "cpu")
     with torch.no_grad():
         logits = TrainableHead(net)(batch.aux, batch.step_tokens, net.embed, 1)
     # extend row p pairs feature p with token p + 1: the last row is p = n - 2
@@ -92,7 +98,7 @@ def test_every_step_and_the_loss_are_the_offline_trainers(runtime) -> None:
     net = runtime.drafter.net
     offline, head = _offline_draft(net), TrainableHead(net)
     windows = [_window(net.feature_width, n, seed) for n, seed in [(24, 1), (17, 2)]]
-    batch = make_batch(windows, NUM_STEPS, "cpu")
+    batch = make_batch([Window(*w, 0) for w in windows], NUM_STEPS, "cpu")
     weight = runtime.drafter.net.embed(torch.arange(net.config.base.vocab_size))
     with torch.no_grad():
         ours = head(batch.aux, batch.step_tokens, net.embed, NUM_STEPS)
@@ -115,7 +121,7 @@ def test_chain_acceptance_counts_runs_up_to_the_first_miss(runtime) -> None:
     net = runtime.drafter.net
     head = TrainableHead(net)
     ids, feats = _window(net.feature_width, 12)
-    batch = make_batch([(ids, feats)], 3, "cpu")
+    batch = make_batch([Window(ids, feats, 0)], 3, "cpu")
     hot = head.to_target_ids(torch.arange(len(head.d2t)))
     batch.labels[batch.labels >= 0] = hot[0]  # every label the same hot token
     with torch.no_grad():
@@ -124,3 +130,5 @@ def test_chain_acceptance_counts_runs_up_to_the_first_miss(runtime) -> None:
     assert rounds == len(ids) - 1 - 3 and accepted == 3 * rounds  # rows whose chain has labels
     batch.labels[batch.labels >= 0] = hot[1]
     assert chain_accepted(head, batch, net.embed, 3) == (0, rounds)
+    batch.labels[:, :2] = -1  # a prompt's labels: chains starting on them are no rounds
+    assert chain_accepted(head, batch, net.embed, 3) == (0, rounds - 2)

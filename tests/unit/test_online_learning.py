@@ -79,14 +79,18 @@ def test_an_update_that_lowers_held_out_acceptance_is_rolled_back(copy_dir) -> N
 
 
 def _noise(runtime, count: int, seed: int, scale: float) -> None:
-    """Requests of random tokens with random features, through the draft's own step."""
+    """Requests of random tokens with random features, through the draft's own step: a short
+    prompt, then extends of random "output" tokens, as a verify's would come."""
     g = torch.Generator().manual_seed(seed)
     width = runtime.drafter.net.feature_width
     for i in range(count):
-        ids = torch.randint(3, 300, (65,), generator=g).tolist()
-        feats = torch.randn(64, width, generator=g) * scale
-        rid = f"noise-{seed}-{i}"
-        assert not runtime.step([ExtendInput(rid, ids[:-1], ids[-1], feats, new=True)]).errors
+        rid, new = f"noise-{seed}-{i}", True
+        for n in (8, *[4] * 14):
+            ids = torch.randint(3, 300, (n + 1,), generator=g).tolist()
+            feats = torch.randn(n, width, generator=g) * scale
+            extend = ExtendInput(rid, ids[:-1], ids[-1], feats, new=new)
+            assert not runtime.step([extend]).errors
+            new = False
         runtime.release(rid)
 
 
@@ -98,7 +102,7 @@ def _random_stream(copy_dir: Path, guarded: bool) -> tuple[int, int, float]:
     engine, learner = learning_engine(copy_dir, settings)
     engine.generate(prompts(12, seed=5), SamplingParams(max_new_tokens=32))
     real = learner.buffer.heldout()
-    scale = float(torch.cat([f for _, f in real]).float().std())
+    scale = float(torch.cat([w.features for w in real]).float().std())
     scratch, guard = TrainableHead(learner.net), learner.guard
     before = guard.score(scratch, real).accepted
     if not guarded:
