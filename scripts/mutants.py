@@ -79,7 +79,10 @@ MUTANTS = (
         "router/request.py",
         "kept = None if logprobs is None else logprobs[: len(new_ids)]",
         "kept = logprobs",
-        ("tests/unit/test_logprobs.py",),
+        (
+            "tests/unit/test_logprobs.py",
+            "tests/integration/test_logprobs_grpc.py::test_logprobs_and_penalty_over_grpc",
+        ),
     ),
     Mutant(
         "draft-always-fails",
