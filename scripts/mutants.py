@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"unknown mutants {sorted(unknown)}; --list shows them")
     if args.list:
         for m in chosen:
-            print(f"{m.name:28} {m.path}: {m.breaks}\n{'':28} tests: {' '.join(m.tests)}")
+            print(f"{m.name:31} {m.path}: {m.breaks}\n{'':31} tests: {' '.join(m.tests)}")
         return 0
     ok = True
     with tempfile.TemporaryDirectory(prefix="specmesh-mutants-") as tmp:
@@ -325,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
             code, failed = run_tests(scratch, shim, tests, False, args.timeout)
             took = time.monotonic() - start
             print(
-                f"{'baseline':28} {'passes' if code == 0 else 'FAILS'} ({took:.0f} s) {' '.join(failed)}"
+                f"{'baseline':31} {'passes' if code == 0 else 'FAILS'} ({took:.0f} s) {' '.join(failed)}"
             )
             ok = code == 0
         for m in chosen:
@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
             verdict = {0: "SURVIVED", 1: "killed", HUNG: "killed (a test hung)"}.get(
                 code, f"ERROR (pytest exit {code})"
             )
-            print(f"{m.name:28} {verdict} ({took:.0f} s) by {' '.join(failed) or '-'}", flush=True)
+            print(f"{m.name:31} {verdict} ({took:.0f} s) by {' '.join(failed) or '-'}", flush=True)
             ok = ok and code in (1, HUNG)
     return 0 if ok else 1
 
