@@ -88,7 +88,7 @@ def write_eagle3_specforge(out: Path, target_dir: Path) -> dict[str, torch.Tenso
     t = load_model_config(target_dir)
     h = t.hidden_size
     g = torch.Generator().manual_seed(3)
-    rand = lambda *shape: (torch.randn(*shape, generator=g) * 0.1).half()  # noqa: E731
+    rand = lambda *shape: (torch.randn(*shape, generator=g) * 0.1).half()
     used = torch.randperm(t.vocab_size, generator=g)[:DRAFT_VOCAB].sort().values
     tensors = {
         "fc.weight": rand(h, 3 * h),
@@ -110,7 +110,7 @@ def write_eagle1_llama3(out: Path, target_dir: Path) -> dict[str, torch.Tensor]:
     t = load_model_config(target_dir)
     h = t.hidden_size
     g = torch.Generator().manual_seed(4)
-    rand = lambda *shape: (torch.randn(*shape, generator=g) * 0.1).half()  # noqa: E731
+    rand = lambda *shape: (torch.randn(*shape, generator=g) * 0.1).half()
     tensors = {
         "fc.weight": rand(h, 2 * h),
         **_llama_layer(rand, "layers.0.", h, 2, 1, 96, in_width=h, input_norm=False),
