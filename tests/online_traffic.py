@@ -23,7 +23,7 @@ class KeepAll:
 
     def judge(self, *args) -> Verdict:
         nothing = Score(0, 1)
-        return Verdict(nothing, nothing, nothing, keep=True, reset=False)
+        return Verdict(nothing, nothing, nothing, keep=True, rewind=False, reset=False)
 
 
 def learning_engine(copy_dir: Path, settings: OnlineSettings = SETTINGS):

@@ -43,7 +43,7 @@ def attach_learner(
         checkpoints = Checkpoints(
             cfg.online_learning_dir, cfg.draft_dir, dtype, settings.keep_checkpoints
         )
-    learner = OnlineLearner(runtime.drafter.net, settings, checkpoints)
+    learner = OnlineLearner(runtime.drafter.net, settings, checkpoints, cfg.spec.topk)
     runtime.learner = learner
     if start:
         learner.start()

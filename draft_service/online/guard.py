@@ -2,12 +2,16 @@
 traffic.
 
 Three weight sets are scored on the same held-out requests (`TrafficBuffer.heldout`), by the
-draft tokens their greedy chains would have had accepted (`head.chain_accepted`): the
-candidate (the update just trained), the served weights, and the shipped ones (`--model`).
+draft tokens their chains would have had accepted (`head.chain_accepted`, with the tree's top-k):
+the candidate (the trainer's weights after an update), the served weights, and the shipped ones
+(`--model`). With floor = (1 - threshold) x shipped:
 
-    keep    candidate >= served            the update does not lower acceptance
-            candidate >= (1 - threshold) x shipped
-    reset   not keep, and served < (1 - threshold) x shipped: the shipped weights come back
+    keep    candidate >= served and candidate >= floor: the candidate is served
+    refuse  otherwise the served weights stay (the update is rolled back from serving), and
+      rewind  candidate < floor: the trainer, too, goes back to the served weights
+      reset   served < floor (newer traffic): the shipped weights are served again
+            else the trainer goes on from its candidate (fine-tuning first costs a little
+            acceptance, then recovers it: a trainer sent back after every dip never learns)
 
 Counting accepted tokens, not tokens per round, keeps the rule blind to rows no weights predict
 (random tokens): they add nothing to any count, so a stream of them cannot dilute a loss on
@@ -48,20 +52,21 @@ class Verdict:
     candidate: Score
     served: Score
     shipped: Score
-    keep: bool
-    reset: bool  # served back to the shipped weights
+    keep: bool  # the candidate is served
+    rewind: bool  # not kept, and the trainer goes back to the served weights
+    reset: bool  # not kept, and the shipped weights are served again (the trainer with them)
 
 
 class Guard:
-    def __init__(self, threshold: float, depth: int, embed: Embed) -> None:
-        self.threshold, self.depth, self.embed = threshold, depth, embed
+    def __init__(self, threshold: float, depth: int, embed: Embed, topk: int = 1) -> None:
+        self.threshold, self.depth, self.embed, self.topk = threshold, depth, embed, topk
 
     def score(self, head: TrainableHead, heldout: list[tuple[torch.Tensor, torch.Tensor]]) -> Score:
         device = head.fc.weight.device
         accepted = rounds = 0
         for i in range(0, len(heldout), EVAL_WINDOWS):
             batch = make_batch(heldout[i : i + EVAL_WINDOWS], self.depth, device)
-            a, r = chain_accepted(head, batch, self.embed, self.depth)
+            a, r = chain_accepted(head, batch, self.embed, self.depth, self.topk)
             accepted, rounds = accepted + a, rounds + r
         return Score(accepted, rounds)
 
@@ -81,5 +86,6 @@ class Guard:
         base = self.score(scratch, heldout)
         floor = (1.0 - self.threshold) * base.accepted
         keep = after.accepted >= before.accepted and after.accepted >= floor
+        rewind = not keep and after.accepted < floor
         reset = not keep and before.accepted < floor
-        return Verdict(after, before, base, keep, reset)
+        return Verdict(after, before, base, keep, rewind, reset)

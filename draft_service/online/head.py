@@ -167,18 +167,22 @@ def ttt_loss(
 
 @torch.no_grad()
 def chain_accepted(
-    head: TrainableHead, batch: TrainBatch, embed: Embed, depth: int
+    head: TrainableHead, batch: TrainBatch, embed: Embed, depth: int, topk: int = 1
 ) -> tuple[int, int]:
-    """(accepted draft tokens, round starts) of greedy chains of ``depth`` from every row whose
-    whole chain has labels, each accepted up to its first token the target did not commit."""
-    logits = head(batch.aux, batch.step_tokens, embed, depth, feed_drafted=True)
-    num_rows = batch.aux.shape[1]
-    matches = [
-        head.to_target_ids(step_logits.argmax(-1)) == batch.labels[:, j : j + num_rows]
-        for j, step_logits in enumerate(logits)
-    ]
+    """(accepted draft tokens, round starts) of chains of ``depth`` from every row whose whole
+    chain has labels, each accepted up to its first token the target did not commit.
+
+    ``topk`` 1: greedy chains, each step fed the previous step's argmax. ``topk`` k: a step
+    accepts when the committed token is among its k most likely (the children a tree search
+    keeps), and the next step is fed the committed token, the path a tree's accepted branch
+    follows."""
+    logits = head(batch.aux, batch.step_tokens, embed, depth, feed_drafted=topk == 1)
+    num_rows, labels = batch.aux.shape[1], batch.labels
+    matches = []
+    for j, step_logits in enumerate(logits):
+        top = head.to_target_ids(step_logits.topk(topk, dim=-1).indices)  # [B, R, topk]
+        matches.append((top == labels[:, j : j + num_rows, None]).any(-1))
     chain = torch.stack(matches, dim=-1).long().cumprod(dim=-1)  # [B, R, depth]
-    labels = batch.labels
     valid = (labels[:, :num_rows] >= 0) & (labels[:, depth - 1 : depth - 1 + num_rows] >= 0)
     return int(chain.sum(-1)[valid].sum()), int(valid.sum())
 

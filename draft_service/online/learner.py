@@ -50,7 +50,7 @@ WAIT_S = 0.5  # the trainer looks for its stop signal this often while idle
 class LearnerStats:
     version: int = 0  # of the weights the draft serves now (a resumed checkpoint's, or 0)
     num_updates: int = 0  # updates the guard kept
-    num_rollbacks: int = 0  # updates the guard refused
+    num_rollbacks: int = 0  # updates the guard refused to serve
     num_resets: int = 0  # of those, the ones that brought back the shipped weights
     last_loss: float = math.nan  # mean training loss of the last update
     heldout_before: float = math.nan  # accept length on held-out traffic, served weights
@@ -72,7 +72,11 @@ class Published:
 
 class OnlineLearner:
     def __init__(
-        self, net: Eagle3Draft, settings: OnlineSettings, checkpoints: Checkpoints | None = None
+        self,
+        net: Eagle3Draft,
+        settings: OnlineSettings,
+        checkpoints: Checkpoints | None = None,
+        topk: int = 1,  # children per tree node the draft keeps: what the guard's chains count
     ) -> None:
         settings.validate()
         self.net, self.settings, self.checkpoints = net, settings, checkpoints
@@ -80,7 +84,7 @@ class OnlineLearner:
         self.buffer = TrafficBuffer(settings, torch.bfloat16)
         self.head, self.scratch = TrainableHead(net), TrainableHead(net)
         self.shipped = self.served = snapshot(self.head)  # fp32, the trainer's
-        self.guard = Guard(settings.guard_threshold, settings.num_steps, net.embed)
+        self.guard = Guard(settings.guard_threshold, settings.num_steps, net.embed, topk)
         self.info = LearnerStats()
         self.version = 0  # the newest version published (the trainer's count)
         self._ready: Published | None = None
@@ -185,7 +189,7 @@ class OnlineLearner:
             self._publish(snapshot(self.head))
             self.info.num_updates += 1
         else:
-            self._roll_back(verdict.reset)
+            self._refuse(verdict)
         self._record(verdict, sum(losses) / len(losses), time.perf_counter() - started)
         return verdict
 
@@ -212,13 +216,14 @@ class OnlineLearner:
             info = {"tokens_observed": self.buffer.num_seen_tokens}
             self.checkpoints.save(self.version, {**tensors, "d2t": self.net.d2t}, info)
 
-    def _roll_back(self, reset: bool) -> None:
-        """The refused update is dropped with its optimizer moments; ``reset``: the shipped
-        weights are served again (as a new version)."""
-        load_into(self.head, self.shipped if reset else self.served)
-        self.optimizer = self._new_optimizer()
+    def _refuse(self, verdict: Verdict) -> None:
+        """The served weights stay. A rewind sends the trainer back to them (its optimizer
+        moments dropped); a reset serves the shipped weights again, as a new version."""
         self.info.num_rollbacks += 1
-        if reset:
+        if verdict.reset or verdict.rewind:
+            load_into(self.head, self.shipped if verdict.reset else self.served)
+            self.optimizer = self._new_optimizer()
+        if verdict.reset:
             self._publish(self.shipped)
             self.info.num_resets += 1
 

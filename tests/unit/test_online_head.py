@@ -116,8 +116,8 @@ def test_every_step_and_the_loss_are_the_offline_trainers(runtime) -> None:
 
 
 def test_chain_acceptance_counts_runs_up_to_the_first_miss(runtime) -> None:
-    """A head whose every step predicts the label accepts every chain in full; labels moved by
-    one accept none."""
+    """A head whose every step predicts the label accepts every chain in full; another label
+    accepts none, unless the chains keep every token (top-k = the draft vocabulary)."""
     net = runtime.drafter.net
     head = TrainableHead(net)
     ids, feats = _window(net.feature_width, 12)
@@ -132,3 +132,6 @@ def test_chain_acceptance_counts_runs_up_to_the_first_miss(runtime) -> None:
     assert chain_accepted(head, batch, net.embed, 3) == (0, rounds)
     batch.labels[:, :2] = -1  # a prompt's labels: chains starting on them are no rounds
     assert chain_accepted(head, batch, net.embed, 3) == (0, rounds - 2)
+    # top-k chains: a step accepts when the committed token is among its k most likely
+    every = len(head.d2t)
+    assert chain_accepted(head, batch, net.embed, 3, topk=every) == (3 * (rounds - 2), rounds - 2)

@@ -68,7 +68,7 @@ def test_an_update_that_lowers_held_out_acceptance_is_rolled_back(copy_dir) -> N
     before = {k: v.clone() for k, v in learner.net.named_parameters()}
     verdict = learner.update()
     assert verdict.served.accepted > 0 and verdict.candidate.accepted < verdict.served.accepted
-    assert not verdict.keep and not verdict.reset
+    assert not verdict.keep and verdict.rewind and not verdict.reset
     stats = learner.stats()
     assert (stats.num_rollbacks, stats.num_updates, stats.version) == (1, 0, 0)
     assert stats.heldout_after < stats.heldout_before
@@ -124,3 +124,24 @@ def test_the_same_random_stream_unguarded_lowers_it(copy_dir) -> None:
     """The stream above is harmful: without the guard it costs more than the threshold."""
     before, after, threshold = _random_stream(copy_dir, guarded=False)
     assert after < (1 - threshold) * before
+
+
+@pytest.mark.parametrize(
+    ("candidate", "served", "shipped", "outcome"),
+    [
+        (100, 90, 100, "keep"),  # better, and above 0.95 x shipped
+        (95, 100, 100, "hold"),  # lower: not served, the trainer goes on from it
+        (80, 100, 100, "rewind"),  # below the floor: the trainer back to the served weights
+        (92, 93, 100, "reset"),  # the served fell below the floor: the shipped come back
+        (96, 96, 100, "keep"),  # a tie is kept
+    ],
+)
+def test_the_guards_verdicts(candidate, served, shipped, outcome) -> None:
+    from specmesh.draft_service.online.guard import Guard, Score
+
+    guard = Guard(threshold=0.05, depth=4, embed=None, topk=4)
+    scores = iter([Score(candidate, 10), Score(served, 10), Score(shipped, 10)])
+    guard.score = lambda head, heldout: next(scores)
+    v = guard.judge(None, type("Head", (), {"named_parameters": lambda self: []})(), {}, {}, [])
+    got = "keep" if v.keep else "reset" if v.reset else "rewind" if v.rewind else "hold"
+    assert got == outcome
