@@ -185,7 +185,7 @@ def test_mtp_tree_sampling_matches_target_distribution(small_vocab_deepseek: Pat
     prompt = [1, 2, 3]
     engine = Engine(
         target, draft_model=target, draft_kind="mtp", spec=SpecParams(3, 4, 8),
-        router_config=RouterConfig(max_batch_size=256),
+        router_config=RouterConfig(max_batch_size=256, speculation="always"),
     )  # fmt: skip
     accepted = sample_and_check(engine, target, prompt, temp, n)
     assert accepted > n // 3, f"only {accepted} of {n} speculative rounds accepted a draft token"
@@ -200,7 +200,7 @@ def test_speculative_sampling_matches_target_distribution(small_vocab_pair: Path
     prompt = [1, 2, 3]
     engine = Engine(
         target, draft_model=small_vocab_pair / "draft", draft_kind="eagle3",
-        spec=SpecParams(3, 4, 8), router_config=RouterConfig(max_batch_size=256),
+        spec=SpecParams(3, 4, 8), router_config=RouterConfig(max_batch_size=256, speculation="always"),
     )  # fmt: skip
     # The test means something only if drafts were accepted: count rounds that took >= 1 node.
     accepted = sample_and_check(engine, target, prompt, temp, n)

@@ -171,7 +171,7 @@ def test_penalised_sampling_under_speculation_keeps_the_distribution(small_vocab
     )  # fmt: skip
     engine = Engine(
         target, draft_model=small_vocab_pair / "draft", draft_kind="eagle3",
-        spec=SpecParams(3, 4, 8), router_config=RouterConfig(max_batch_size=256),
+        spec=SpecParams(3, 4, 8), router_config=RouterConfig(max_batch_size=256, speculation="always"),
     )  # fmt: skip
     from dataclasses import replace
 
