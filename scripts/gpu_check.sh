@@ -13,6 +13,12 @@
 #     cluster    the same through a gRPC cluster (target, draft and router processes sharing
 #                the GPU), with 1 and 2 router micro-batches and with pre-drafting, to set
 #                against speed's in-process triton + CUDA graphs
+#     timeline   (not in the default list) where a speculative round's time goes, per stage:
+#                the 8B-shaped pair in process and through the cluster at batch 1 and 8
+#                (bench/round_timeline.py: host spans, kernels, graph launches, syncs) ->
+#                OUT/timeline.md, OUT/timeline.json, OUT/timeline-traces.tgz (profiler traces)
+#     ngram      (not in the default list) the cycling target's n-gram drafting, bf16, triton
+#                against flashinfer (scripts/gpu_ngram_diag.py)
 #     train      (not in the default list) a larger demo pair trained on the GPU (`make-demo
 #                --preset gpu`), compared with models/demo by `specmesh.demo.compare`; the
 #                pair comes back as OUT/demo-pair.tar.part-* (cat them | tar x)
@@ -166,6 +172,19 @@ train() {  # step 5: the GPU preset of the demo pair, then both pairs on the sam
   tar -C "$dir" -cf - . | split -b 15m - "$OUT/demo-pair.tar.part-"  # files back: <= 16 MiB
 }
 
+timeline() {  # the round's stages, in process and through the cluster (bench/round_timeline.py)
+  local dir=/tmp/specmesh-timeline rc
+  make_synthetic || return 1
+  "$PY" -m specmesh.bench.round_timeline --target-model "$SYNTH/target" --draft-model \
+    "$SYNTH/draft" --batch-sizes "${SPECMESH_TIMELINE_BATCHES:-1,8}" --max-new-tokens 96 \
+    --cluster --out "$dir"
+  rc=$?
+  cp "$dir"/timeline.md "$dir"/timeline.json "$OUT"/ 2>/dev/null
+  tar -C "$dir" -czf "$OUT/timeline-traces.tgz" traces
+  [ "$(stat -c %s "$OUT/timeline-traces.tgz")" -lt 16000000 ] || rm "$OUT/timeline-traces.tgz"
+  return $rc
+}
+
 merge_json() {
   "$PY" - "$JSON" "$OUT/gpu_results.json" <<'EOF'
 import json, pathlib, sys
@@ -186,13 +205,15 @@ EOF
 }
 
 export PY OUT SYNTH JSON SPEED_RUNS BATCHES
-export -f env_report make_synthetic model_dirs roofline speed cluster train
+export -f env_report make_synthetic model_dirs roofline speed cluster train timeline
 phase env 60 env_report
 phase tests 900 "\"$PY\" -m pytest -q -p no:cacheprovider -rfE ${SPECMESH_TEST_PATHS:-tests/gpu ${KERNEL_SUITES[*]}}"
 phase e2e 600 "\"$PY\" -m pytest -q -p no:cacheprovider -rfE --device cuda ${E2E_SUITES[*]}"
 phase roofline 600 roofline
 phase speed 3600 speed
 phase cluster 1800 cluster
+phase timeline 330 timeline
+phase ngram 150 "\"$PY\" scripts/gpu_ngram_diag.py"
 phase train 540 train
 merge_json
 echo "gpu_check: $([ $STATUS -eq 0 ] && echo passed || echo FAILED); logs in $OUT"

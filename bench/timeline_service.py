@@ -1,0 +1,134 @@
+"""A cluster service of `bench.round_timeline --cluster`: ``specmesh SERVICE_ARGS...`` with the
+round's stages timed (`bench.timeline_spans`) inside one window of requests. SIGUSR1 opens the
+window (and, in a model service on a GPU, starts `torch.profiler` on the device's activity and
+launches the clock anchor); SIGUSR2 closes it and writes ``PREFIX.json`` (the spans, the anchor)
+and ``PREFIX.trace.json`` (the profiler's chrome trace). ``PREFIX.open`` / ``PREFIX.json``
+appearing tell the bench that a window is open / written.
+
+    python -m specmesh.bench.timeline_service PREFIX SERVICE_ARGS...   (started by `TimelineSpawn`)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from specmesh.bench.timeline_spans import Spans, install
+
+MODULE = "specmesh.bench.timeline_service"
+WINDOW_TIMEOUT_S = 60.0
+
+
+def start_device_profile() -> tuple[Any, int]:
+    """`torch.profiler` on the device's activity (kernels, copies, runtime calls), and the clock
+    anchor: the monotonic time at which a `torch.cuda._sleep` kernel was launched."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = profile(activities=[ProfilerActivity.CUDA])
+    prof.start()
+    torch.cuda.synchronize()
+    anchor = time.monotonic_ns()
+    torch.cuda._sleep(1000)
+    torch.cuda.synchronize()
+    return prof, anchor
+
+
+def stop_device_profile(prof: Any, trace_path: Path) -> None:
+    import torch
+
+    torch.cuda.synchronize()
+    prof.stop()
+    prof.export_chrome_trace(str(trace_path))
+
+
+class ServiceWindow:
+    """The SIGUSR1 / SIGUSR2 window of one service process."""
+
+    def __init__(self, prefix: Path, kind: str) -> None:
+        self.prefix, self.kind = prefix, kind
+        self.spans, self.prof, self.anchor = Spans(), None, 0
+        install(self.spans)
+        signal.signal(signal.SIGUSR1, lambda *_: self.open())
+        signal.signal(signal.SIGUSR2, lambda *_: self.close())
+
+    def _uses_device(self) -> bool:
+        import torch
+
+        return self.kind != "router" and torch.cuda.is_available() and torch.cuda.is_initialized()
+
+    def open(self) -> None:
+        self.spans.take()
+        if self._uses_device():
+            self.prof, self.anchor = start_device_profile()
+        self.spans.on = True
+        self.prefix.with_suffix(".open").touch()
+
+    def close(self) -> None:
+        self.spans.on = False
+        trace = None
+        if self.prof is not None:
+            trace = self.prefix.with_suffix(".trace.json")
+            stop_device_profile(self.prof, trace)
+            self.prof = None
+        body = {"process": self.kind, "anchor_ns": self.anchor, "trace": trace and str(trace),
+                "spans": self.spans.take()}  # fmt: skip
+        tmp = self.prefix.with_suffix(".tmp")
+        tmp.write_text(json.dumps(body))
+        tmp.rename(self.prefix.with_suffix(".json"))
+
+
+def run_service(prefix: str, argv: list[str]) -> int:
+    import runpy
+
+    ServiceWindow(Path(prefix), argv[0])
+    sys.argv = ["specmesh", *argv]
+    try:
+        runpy.run_module("specmesh", run_name="__main__", alter_sys=True)
+    except SystemExit as done:
+        return int(done.code or 0)
+    return 0
+
+
+@dataclass
+class TimelineSpawn:
+    """A `bench.stacks.Spawn` that starts each service under `run_service`."""
+
+    out_dir: Path
+    tag: str = "run"
+    started: dict[str, tuple[subprocess.Popen, Path]] = field(default_factory=dict)
+
+    def __call__(self, children: list, kind: str, flags: list[str]) -> str:
+        from specmesh.cluster import LOOPBACK, Child, free_port
+
+        port, prefix = free_port(), self.out_dir / f"{self.tag}-{kind}"
+        service = [kind, "--host", LOOPBACK, "--port", str(port), *flags]
+        proc = subprocess.Popen([sys.executable, "-m", MODULE, str(prefix), *service])
+        children.append(Child(kind, f"{LOOPBACK}:{port}", proc))
+        self.started[kind] = (proc, prefix)
+        return f"{LOOPBACK}:{port}"
+
+    async def window(self, signum: int, suffix: str) -> None:
+        """Signal every service and wait until each has answered with ``PREFIX<suffix>``."""
+        for proc, prefix in self.started.values():
+            prefix.with_suffix(suffix).unlink(missing_ok=True)
+            proc.send_signal(signum)
+        deadline = time.monotonic() + WINDOW_TIMEOUT_S
+        while not all(p.with_suffix(suffix).exists() for _, p in self.started.values()):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"services did not answer the timeline signal {signum}")
+            await asyncio.sleep(0.05)
+
+    def results(self) -> list[dict[str, Any]]:
+        return [json.loads(p.with_suffix(".json").read_text()) for _, p in self.started.values()]
+
+
+if __name__ == "__main__":
+    sys.exit(run_service(sys.argv[1], sys.argv[2:]))
