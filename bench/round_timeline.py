@@ -65,7 +65,7 @@ def in_process(args: argparse.Namespace, spec: SpecParams, traces: Path) -> dict
         spans.on = True
         _, _, accept = run(prompts[:b], True)
         spans.on = False
-        rows = [Span(IN_PROCESS, *r) for r in spans.take()]
+        rows = _kept(spans.take(), traces / f"{IN_PROCESS}-b{b}.spans.json")
         out[f"b{b}"] = {"spans_only": Timeline(rows).summary(accept)}
         if args.device == "cuda":
             path = traces / f"{IN_PROCESS}-b{b}.trace.json"
@@ -74,9 +74,16 @@ def in_process(args: argparse.Namespace, spec: SpecParams, traces: Path) -> dict
             _, _, accept = run(prompts[:b], True)
             spans.on = False
             stop_device_profile(prof, path)
-            rows = [Span(IN_PROCESS, *r) for r in spans.take()]
+            rows = _kept(spans.take(), traces / f"{IN_PROCESS}-b{b}-profiled.spans.json", anchor)
             out[f"b{b}"]["profiled"] = _with_devices(rows, [(path, IN_PROCESS, anchor)], accept)
     return out
+
+
+def _kept(rows: list[tuple], path: Path, anchor_ns: int = 0) -> list[Span]:
+    """The spans as `Span`s, also written to ``path`` (with the trace's anchor) for a later
+    reading of the same run."""
+    path.write_text(json.dumps({"process": IN_PROCESS, "anchor_ns": anchor_ns, "spans": rows}))
+    return [Span(IN_PROCESS, *r) for r in rows]
 
 
 def cluster(args: argparse.Namespace, spec: SpecParams, traces: Path) -> dict[str, Any]:
@@ -104,15 +111,16 @@ async def _cluster(args: argparse.Namespace, spec: SpecParams, traces: Path) -> 
             await spawn.window(signal.SIGUSR2, ".json")
             out[f"b{b}"] = {"profiled" if args.device == "cuda" else "spans_only":
                             _cluster_timeline(spawn.results(), res["mean_accept_len"])}  # fmt: skip
-            for name in traces.glob("cluster-*.trace.json"):  # keep each size's traces
+            for name in traces.glob("cluster-*.json"):  # keep each size's spans and traces
                 name.rename(name.with_name(f"b{b}-{name.name}"))
     return out
 
 
 def _cluster_timeline(results: list[dict[str, Any]], accept: float) -> dict[str, Any]:
     spans = [Span(r["process"], *s) for r in results for s in r["spans"]]
-    traces = [(Path(r["trace"]), r["process"], r["anchor_ns"]) for r in results if r["trace"]]
-    return _with_devices(spans, traces, accept)
+    traces = [(Path(r["trace"]), r["process"], r["anchor_ns"]) for r in results if r.get("trace")]
+    errors = {r["process"]: r["error"] for r in results if r.get("error")}
+    return _with_devices(spans, traces, accept) | ({"service_errors": errors} if errors else {})
 
 
 def _with_devices(spans: list[Span], traces: list[tuple], accept: float) -> dict[str, Any]:

@@ -74,7 +74,7 @@ def load_trace(path: Path, process: str, anchor_ns: int) -> DeviceTrace:
         start, corr = _ns(e["ts"]) + offset, e["args"]["correlation"]
         end = start + _ns(e.get("dur", 0))
         if e.get("cat") == "cuda_runtime":
-            trace.calls[corr] = Call(e["name"], int(e["tid"]), start, end, corr)
+            trace.calls[corr] = Call(e["name"], int(e["tid"]) & 0xFFFFFFFF, start, end, corr)
         elif e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
             trace.kernels.append((start, end, corr))
             if "DtoH" in e["name"]:

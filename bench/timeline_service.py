@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,7 +26,7 @@ from typing import Any
 from specmesh.bench.timeline_spans import Spans, install
 
 MODULE = "specmesh.bench.timeline_service"
-WINDOW_TIMEOUT_S = 60.0
+WINDOW_TIMEOUT_S = 45.0
 
 
 def start_device_profile() -> tuple[Any, int]:
@@ -50,14 +53,30 @@ def stop_device_profile(prof: Any, trace_path: Path) -> None:
 
 
 class ServiceWindow:
-    """The SIGUSR1 / SIGUSR2 window of one service process."""
+    """The SIGUSR1 / SIGUSR2 window of one service process. The signal handlers only queue the
+    command: a control thread of its own opens and closes the window, so that neither the
+    profiler nor an error of it runs inside whatever the main thread was doing."""
 
     def __init__(self, prefix: Path, kind: str) -> None:
         self.prefix, self.kind = prefix, kind
-        self.spans, self.prof, self.anchor = Spans(), None, 0
+        self.spans, self.prof, self.anchor, self.error = Spans(), None, 0, None
+        self.commands: queue.SimpleQueue[str] = queue.SimpleQueue()
         install(self.spans)
-        signal.signal(signal.SIGUSR1, lambda *_: self.open())
-        signal.signal(signal.SIGUSR2, lambda *_: self.close())
+        threading.Thread(target=self._control, name="timeline-control", daemon=True).start()
+        signal.signal(signal.SIGUSR1, lambda *_: self.commands.put("open"))
+        signal.signal(signal.SIGUSR2, lambda *_: self.commands.put("close"))
+
+    def _control(self) -> None:
+        while True:
+            command = self.commands.get()
+            try:
+                self.open() if command == "open" else self.close()
+            except Exception as e:  # reported in the window's files; the service goes on
+                self.error = repr(e)
+                traceback.print_exc()
+                self.prefix.with_suffix(".open" if command == "open" else ".json").write_text(
+                    json.dumps({"process": self.kind, "error": self.error, "spans": []})
+                )
 
     def _uses_device(self) -> bool:
         import torch
@@ -66,20 +85,24 @@ class ServiceWindow:
 
     def open(self) -> None:
         self.spans.take()
-        if self._uses_device():
-            self.prof, self.anchor = start_device_profile()
+        self.error = None
         self.spans.on = True
-        self.prefix.with_suffix(".open").touch()
+        if self._uses_device():
+            try:
+                self.prof, self.anchor = start_device_profile()
+            except Exception as e:  # the spans still count
+                self.error = f"no device profile: {e!r}"
+        self.prefix.with_suffix(".open").write_text(json.dumps({"error": self.error}))
 
     def close(self) -> None:
         self.spans.on = False
         trace = None
         if self.prof is not None:
             trace = self.prefix.with_suffix(".trace.json")
-            stop_device_profile(self.prof, trace)
-            self.prof = None
+            prof, self.prof = self.prof, None
+            stop_device_profile(prof, trace)
         body = {"process": self.kind, "anchor_ns": self.anchor, "trace": trace and str(trace),
-                "spans": self.spans.take()}  # fmt: skip
+                "error": self.error, "spans": self.spans.take()}  # fmt: skip
         tmp = self.prefix.with_suffix(".tmp")
         tmp.write_text(json.dumps(body))
         tmp.rename(self.prefix.with_suffix(".json"))
@@ -123,7 +146,10 @@ class TimelineSpawn:
         deadline = time.monotonic() + WINDOW_TIMEOUT_S
         while not all(p.with_suffix(suffix).exists() for _, p in self.started.values()):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"services did not answer the timeline signal {signum}")
+                silent = [k for k, (_, p) in self.started.items() if not p.with_suffix(suffix).exists()]  # fmt: skip
+                raise TimeoutError(
+                    f"{', '.join(silent)} did not answer the timeline signal {signum}"
+                )
             await asyncio.sleep(0.05)
 
     def results(self) -> list[dict[str, Any]]:

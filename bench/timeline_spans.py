@@ -46,14 +46,15 @@ STAGES: tuple[tuple[str, str, str], ...] = (
 
 @dataclass
 class Spans:
-    """Spans recorded while ``on``: (label, OS thread id, start ns, end ns), monotonic clock."""
+    """Spans recorded while ``on``: (label, thread, start ns, end ns), monotonic clock. The
+    thread is the low 32 bits of its pthread id: what the CUDA profiler's trace names it by."""
 
     on: bool = False
     rows: list[tuple[str, int, int, int]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add(self, label: str, start_ns: int) -> None:
-        row = (label, threading.get_native_id(), start_ns, time.monotonic_ns())
+        row = (label, threading.get_ident() & 0xFFFFFFFF, start_ns, time.monotonic_ns())
         with self.lock:
             self.rows.append(row)
 
