@@ -28,6 +28,7 @@ def _cu_accept(accept_len: torch.Tensor) -> torch.Tensor:  # [B + 1] int64
 def compact_accepted_ref(
     accept_path: torch.Tensor,  # [B, N] int64, -1 padded
     accept_len: torch.Tensor,  # [B] int64
+    num_accepted: int | None = None,  # sum(accept_len) when the caller knows it (unused here)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # flat_index [sum accept_len], cu_accept [B + 1]
     n = accept_path.shape[1]
     parts = [b * n + accept_path[b, : int(length)] for b, length in enumerate(accept_len)]
@@ -63,6 +64,9 @@ def compact_accepted(
     accept_path: torch.Tensor,  # [B, N] int64
     accept_len: torch.Tensor,  # [B] int64
     impl: str = "torch",
+    num_accepted: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # flat_index [sum accept_len], cu_accept [B + 1]
+    """``num_accepted`` (``sum(accept_len)``, known to a caller that read the lengths) spares
+    the Triton path its read of the total: a device sync."""
     fn = pick_impl(impl, compact_accepted_ref, compact_accepted_triton)
-    return fn(accept_path, accept_len)
+    return fn(accept_path, accept_len, num_accepted)

@@ -36,6 +36,7 @@ import torch
 from specmesh.runtime.attention.base import AttentionBackend, AttentionMetadata
 from specmesh.runtime.graph_buffers import GraphBuffers
 from specmesh.runtime.graph_sizes import GraphSizes
+from specmesh.runtime.host_copy import copy_into
 from specmesh.runtime.kv_cache import KVCache
 from specmesh.runtime.model_runner import (
     BatchItem,
@@ -224,8 +225,8 @@ class GraphRunner:
             buf.kv_indptr[: raw_bs + 1].copy_(real.kv_indptr)
             buf.kv_indices[:kv_raw].copy_(real.kv_indices)
             buf.out_slots[:raw].copy_(real.out_slots)
-            buf.input_ids[:raw].copy_(torch.cat([it.input_ids for it in items]))
-            buf.positions[:raw].copy_(batch_positions(items))
+            copy_into(buf.input_ids[:raw], torch.cat([it.input_ids for it in items]))
+            copy_into(buf.positions[:raw], batch_positions(items))
             if buf.custom_mask is not None:
                 buf.custom_mask[:mask_raw].copy_(real.custom_mask)
                 buf.mask_indptr[: raw_bs + 1].copy_(real.mask_indptr)

@@ -21,6 +21,7 @@ import torch
 
 from specmesh.kernels.gumbel import gumbel_argmax, row_keys
 from specmesh.protocol.sampling import SamplingParams
+from specmesh.runtime.host_copy import tensor_on
 
 
 @dataclass
@@ -80,7 +81,7 @@ def apply_history(
             _extend(ban, r, list(h.stop_ids))
     x = logits.float().clone()
     dev = x.device
-    as_t = lambda xs, dtype=torch.int64: torch.tensor(xs, dtype=dtype, device=dev)
+    as_t = lambda xs, dtype=torch.int64: tensor_on(xs, dtype, dev)
     if bias[0]:
         x.index_put_((as_t(bias[0]), as_t(bias[1])), as_t(bias[2], torch.float32), accumulate=True)
     if rep[0]:
@@ -114,7 +115,7 @@ def processed_probs(
     logits = apply_history(logits, params, histories, num_generated).float()
     vocab = logits.shape[-1]
     dev = logits.device
-    col = lambda values, dtype=torch.float32: torch.tensor(values, dtype=dtype, device=dev)[:, None]
+    col = lambda values, dtype=torch.float32: tensor_on(values, dtype, dev)[:, None]
     x = _tempered(logits, params)
     probs = torch.softmax(x, -1)
     if any(0 < p.top_k < vocab for p in params):  # decided on the host: no device sync

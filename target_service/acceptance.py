@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specmesh.kernels.tree_verify import TreeVerifyResult, verify_tree_greedy
+from specmesh.runtime.host_copy import to_device
 from specmesh.runtime.sampling import (
     TokenHistory,
     apply_history,
@@ -60,7 +61,7 @@ def accept_trees(
             inp.tree.next_sibling,
         )
     dev = logits.device  # the trees are built on the host, verified where the logits are
-    tree = [t.to(dev) for t in (tokens, first_child, next_sibling)]
+    tree = [to_device(t, dev) for t in (tokens, first_child, next_sibling)]
     counts = [i.tree.num_nodes for i in inputs]
     padded = pad_rows(logits, counts, n_max).flatten(0, 1)  # [bs * n_max, vocab]
     if any(i.grammar is not None for i in inputs):  # -inf where a node's path forbids a token
