@@ -231,7 +231,7 @@ class GraphRunner:
                 buf.custom_mask[:mask_raw].copy_(real.custom_mask)
                 buf.mask_indptr[: raw_bs + 1].copy_(real.mask_indptr)
             if hidden_in is not None:
-                buf.hidden_in[:raw].copy_(hidden_in)
+                copy_into(buf.hidden_in[:raw], hidden_in)
         else:
             buf.kv_indptr[0] = 0
             if buf.mask_indptr is not None:

@@ -21,7 +21,7 @@ import torch
 
 from specmesh.kernels.gumbel import gumbel_argmax, row_keys
 from specmesh.protocol.sampling import SamplingParams
-from specmesh.runtime.host_copy import tensor_on
+from specmesh.runtime.host_copy import tensor_on, to_device
 
 
 @dataclass
@@ -159,7 +159,7 @@ def processed_logprobs(
 def _tempered(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """fp32 logits divided by each row's temperature (1 for a greedy row): ``[rows, vocab]``."""
     temps = [1.0 if p.greedy else p.temperature for p in params]
-    return logits.float() / torch.tensor(temps, device=logits.device)[:, None]
+    return logits.float() / tensor_on(temps, torch.float32, logits.device)[:, None]
 
 
 def _truncates(p: SamplingParams, vocab: int) -> bool:
@@ -204,5 +204,5 @@ def draw_tokens(
     if rows:
         scores = sampling_scores(logits[rows], [params[i] for i in rows])
         keys = row_keys([params[i].seed or 0 for i in rows], [positions[i] for i in rows])
-        tokens[rows] = gumbel_argmax(scores, keys.to(scores.device), impl)
+        tokens[rows] = gumbel_argmax(scores, to_device(keys, scores.device), impl)
     return tokens

@@ -122,5 +122,5 @@ def _row_index(counts: tuple[int, ...], n_max: int) -> torch.Tensor:
 
 
 def pad_rows(x: torch.Tensor, counts: list[int], n_max: int) -> torch.Tensor:
-    idx = padded_row_index(counts, n_max).to(x.device)
+    idx = to_device(padded_row_index(counts, n_max), x.device)
     return x[idx].view(len(counts), n_max, *x.shape[1:])
