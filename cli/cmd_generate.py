@@ -11,6 +11,7 @@ from specmesh.cli.serve_args import add_model_arg, choose_runtime_from_args
 from specmesh.protocol.config import DRAFT_KINDS
 from specmesh.protocol.sampling import SamplingParams
 from specmesh.router.policy import MODES as SPECULATION_MODES
+from specmesh.router.policy import SpeculationPolicy
 from specmesh.rpc.security import add_api_key_arg, add_tls_args, tls_from_args
 
 DEFAULT_SPEC = {"num_steps": 3, "topk": 4, "num_draft_tokens": 8}
@@ -185,9 +186,11 @@ def generate_in_process(args: argparse.Namespace) -> dict[str, Any]:
     )
     images = [open(f, "rb").read() for f in args.image]  # noqa: SIM115
     res = engine.generate([parse_prompt(args)], sampling_from_args(args), images=[images])[0]
+    speculation = policy_summary(engine.policy, args.speculation if draft else None)
     if not args.json:
         print(
-            f"[{res.finish_reason}, {len(res.token_ids)} tokens, mean accept {res.mean_accept_len:.2f}]",
+            f"[{res.finish_reason}, {len(res.token_ids)} tokens, mean accept {res.mean_accept_len:.2f}"
+            f"; {speculation['note']}]",
             file=sys.stderr,
         )
     return result_dict(
@@ -199,7 +202,42 @@ def generate_in_process(args: argparse.Namespace) -> dict[str, Any]:
         res.num_draft_tokens,
         res.num_predraft_hits,
         res.draft_wait_s,
+        speculation,
     )
+
+
+def policy_summary(policy: SpeculationPolicy, mode: str | None) -> dict[str, Any]:
+    """The speculation policy's plans for this run's one request, and why the latest plain one
+    was plain (``mode`` None: no draft ran)."""
+    if mode is None:
+        return {"mode": "off", "note": "no draft: plain decoding"}
+    if mode != "adaptive":
+        return {"mode": mode, "note": f"--speculation {mode}"}
+    tallies = list(policy.tallies.values())
+    plain, speculative = (
+        sum(t.num_plain for t in tallies),
+        sum(t.num_speculative for t in tallies),
+    )
+    reasons = [t.last_plain for t in tallies if t.last_plain is not None]
+    note = f"the policy planned all {speculative} rounds speculative"
+    if reasons:
+        note = f"plain decoding in {plain} of {plain + speculative} rounds, the latest: "
+        note += reasons[-1].describe()
+    return {"mode": mode, "plain_rounds": plain, "speculative_rounds": speculative, "note": note}
+
+
+def router_summary(accept_lens: list[int], num_draft_tokens: int, disabled: bool) -> dict[str, Any]:
+    """What the router's stats tell of speculation (its policy's reasons stay in its log)."""
+    if disabled:
+        note = "--disable-speculation: plain decoding"
+    elif num_draft_tokens:
+        note = f"{num_draft_tokens} draft tokens verified in {len(accept_lens)} rounds"
+    else:
+        note = (
+            "no round verified a draft token: the router serves without a draft, or its adaptive "
+            "policy planned plain decoding (the router logs why at --log-level INFO)"
+        )
+    return {"mode": "router", "note": note}
 
 
 def result_dict(
@@ -211,6 +249,7 @@ def result_dict(
     num_draft_tokens: int,
     num_predraft_hits: int = 0,
     draft_wait_s: float = 0.0,
+    speculation: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The ``--json`` contract, the same for in-process and router runs."""
     return {
@@ -225,6 +264,8 @@ def result_dict(
         # rounds whose tree was pre-drafted, and the time rounds waited on the draft
         "num_predraft_hits": num_predraft_hits,
         "draft_wait_s": draft_wait_s,
+        # whether rounds speculated and, in process, why the policy planned plain ones
+        "speculation": speculation or {},
     }
 
 
@@ -257,13 +298,15 @@ def generate_via_router(args: argparse.Namespace) -> dict[str, Any]:
                     finish, stats = response.finish_reason, response.stats
         except grpc.RpcError as e:
             raise SystemExit(f"specmesh generate: {e.code().name}: {e.details()}") from None
+    accept_lens = list(stats.accept_lens)
+    speculation = router_summary(accept_lens, stats.num_draft_tokens, args.disable_speculation)
     if not args.json:
         print(
-            f"[{finish}, {len(token_ids)} tokens, mean accept {stats.mean_accept_len:.2f}]",
+            f"[{finish}, {len(token_ids)} tokens, mean accept {stats.mean_accept_len:.2f}"
+            f"; {speculation['note']}]",
             file=sys.stderr,
         )
-    accept_lens = list(stats.accept_lens)
     return result_dict(
         token_ids, text, finish, accept_lens, stats.prompt_tokens, stats.num_draft_tokens,
-        stats.num_predraft_hits, stats.draft_wait_s,
+        stats.num_predraft_hits, stats.draft_wait_s, speculation,
     )  # fmt: skip

@@ -37,16 +37,24 @@ Estimates, all deterministic given the measurements (tests inject them):
   back (not counted), its next two are steady and measured. With one-round probes the draft's
   cost was never measured again once plain decoding won, and with a probe's single measurement
   the window kept a burst of slow calls (another process on the core) as the estimate.
+
+Visible. Each adaptive plan keeps what it compared (`PlanReason`: a plain round against the best
+speculative cut, tokens over measured seconds); `SpeculationPolicy.tallies` counts the plans per
+(target, bucket) with the latest plain one, which `specmesh generate --in-process --json` prints,
+and a change of side is logged at INFO.
 """
 
 from __future__ import annotations
 
-import math
+import logging
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from specmesh.protocol.trees import DraftTree
+from specmesh.router.plan_reason import Option, PlanReason, PlanTally
+
+log = logging.getLogger(__name__)
 
 MODES = ("adaptive", "always", "never")
 COST_WINDOW = 3  # latest measurements a cost estimate is the median of
@@ -131,21 +139,30 @@ def interpolate_costs(measured: dict[int, float], max_nodes: int) -> list[float 
     return costs
 
 
+def tree_options(
+    gains: Sequence[float], verify: Sequence[float | None], draft: float | None
+) -> list[Option]:
+    """Every tree size ``k`` as an `Option`: ``gains[k-1]`` tokens in ``verify[k-1] + draft``."""
+    return [Option(k, gains[k - 1], verify[k - 1], draft) for k in range(1, len(gains) + 1)]
+
+
 def best_tree_size(
     gains: Sequence[float], verify: Sequence[float | None], draft: float | None
 ) -> int:
     """The ``k`` maximizing ``gains[k-1] / (verify[k-1] + draft)`` (no draft cost for k = 1).
     An unknown verify cost is taken as free, so it wins and gets measured; candidates are
     tried full tree first, then plain, then the sizes in between (ties keep the earlier)."""
-    n = len(gains)
-    order = [n, 1, *range(n - 1, 1, -1)] if n > 1 else [1]
-    best, best_rate = order[0], -1.0
-    for k in order:
-        cost = verify[k - 1]
-        seconds = None if cost is None else cost + (draft or 0.0) * (k > 1)
-        rate = math.inf if not seconds else gains[k - 1] / seconds
-        if rate > best_rate:
-            best, best_rate = k, rate
+    return _best(tree_options(gains, verify, draft), range(1, len(gains) + 1)).tree_size
+
+
+def _best(options: Sequence[Option], sizes: Sequence[int]) -> Option:
+    """The fastest of ``options`` of ``sizes``: largest first, then 1, then the rest down."""
+    top = max(sizes)
+    order = sorted(sizes, key=lambda k: (k != top, k != 1, -k))
+    best = options[order[0] - 1]
+    for k in order[1:]:
+        if options[k - 1].tokens_per_s > best.tokens_per_s:
+            best = options[k - 1]
     return best
 
 
@@ -168,6 +185,7 @@ class SpeculationPolicy:
         self.drafts: dict[str, Acceptance] = {}  # per draft replica: the requests' prior
         self.probes: dict[tuple[str, int], _Probe] = {}  # per (target, bucket)
         self.busy_until: dict[str, float] = {}  # per replica: when its last call ended
+        self.tallies: dict[tuple[str, int], PlanTally] = {}  # adaptive plans per (target, bucket)
 
     def service_time(self, replica: str, started: float, ended: float) -> float:
         """What one call cost ``replica`` itself. A service runs its calls one at a time, in
@@ -210,16 +228,29 @@ class SpeculationPolicy:
         key = (target, bucket(batch_size))
         gains = self.expected_tokens(draft, requests, max_nodes, batch_size)
         measured = {k: c.seconds for k, c in self.verify_costs.get(key, {}).items()}
-        verify = interpolate_costs(measured, max_nodes)
         draft_cost = self.draft_costs.get((draft, key[1]))
-        best = best_tree_size(gains, verify, None if draft_cost is None else draft_cost.seconds)
+        draft_s = None if draft_cost is None else draft_cost.seconds
+        options = tree_options(gains, interpolate_costs(measured, max_nodes), draft_s)
+        best = _best(options, range(1, max_nodes + 1)).tree_size
         probe = self.probes.setdefault(key, _Probe(self.probe_every, self.probe_every))
-        if not probe.rounds_left and probe.due() and None not in verify:
+        if not probe.rounds_left and probe.due() and all(o.seconds is not None for o in options):
             probe.rounds_left, probe.speculate = PROBE_ROUNDS, best == 1
-        if probe.rounds_left:
+        size, probing = best, bool(probe.rounds_left)
+        if probing:
             probe.rounds_left -= 1
-            best = max_nodes if probe.speculate else 1
-        return Plan(best)
+            size = max_nodes if probe.speculate else 1
+        speculative = options[size - 1] if size > 1 else _best(options, range(2, max_nodes + 1))
+        self._tally(key, PlanReason(size, options[0], speculative, probing))
+        return Plan(size)
+
+    def _tally(self, key: tuple[str, int], reason: PlanReason) -> None:
+        """Count the plan; log when the side the estimates choose changes (probes aside)."""
+        tally = self.tallies.setdefault(key, PlanTally())
+        tally.add(reason)
+        speculating = reason.tree_size > 1
+        if not reason.probe and tally.speculating != speculating:
+            tally.speculating = speculating
+            log.info("speculation, target %s, batch <= %d: %s", *key, reason.describe())
 
     def expected_tokens(
         self, draft: str, requests: Sequence[Acceptance], max_nodes: int, batch_size: int

@@ -38,6 +38,25 @@ def test_make_tiny_then_generate(tmp_path: Path, capsys, oracle, kind: str) -> N
     assert_speculated([SimpleNamespace(**out)])
 
 
+def test_generate_json_says_when_and_why_the_policy_decoded_plainly(tiny_dir: Path, capsys) -> None:
+    """A random draft head: the adaptive policy soon plans plain rounds, and ``speculation``
+    counts them and gives the costs it compared; without a draft it says so."""
+    target, draft = str(tiny_dir / "target"), str(tiny_dir / "draft")
+    out = _generate(
+        capsys, "--target-model", target, "--draft-model", draft, "--draft-kind", "eagle3",
+        "--prompt-ids", "5,6,7,8", "--max-new-tokens", "40", "--ignore-eos",
+    )  # fmt: skip
+    spec = out["speculation"]
+    assert spec["mode"] == "adaptive" and spec["plain_rounds"] > 0
+    assert spec["plain_rounds"] + spec["speculative_rounds"] >= len(out["accept_lens"])
+    assert spec["note"].startswith(f"plain decoding in {spec['plain_rounds']} of ")
+    assert "a plain step: 1.00 tokens in " in spec["note"] and "-node trees" in spec["note"]
+    out = _generate(
+        capsys, "--target-model", target, "--prompt-ids", "5,6", "--max-new-tokens", "2"
+    )
+    assert out["speculation"] == {"mode": "off", "note": "no draft: plain decoding"}
+
+
 def test_generate_without_a_draft_and_with_a_stop(tiny_dir: Path, capsys, oracle) -> None:
     target = str(tiny_dir / "target")
     ref = oracle(target, [9, 10, 11], 12)

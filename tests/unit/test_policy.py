@@ -4,6 +4,7 @@ verify cost, and explores deterministically."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -12,8 +13,10 @@ from conftest import assert_accepted, make_small_vocab_pair
 from specmesh.protocol.config import SpecParams
 from specmesh.protocol.sampling import SamplingParams
 from specmesh.protocol.trees import DraftTree
+from specmesh.router import policy as policy_module
 from specmesh.router.core import RouterConfig
 from specmesh.router.engine import Engine
+from specmesh.router.plan_reason import PlanReason
 from specmesh.router.policy import (
     Acceptance,
     Cost,
@@ -22,6 +25,7 @@ from specmesh.router.policy import (
     best_tree_size,
     bucket,
     interpolate_costs,
+    tree_options,
 )
 
 N = 8  # the draft's tree size
@@ -198,6 +202,42 @@ def test_a_probe_of_speculation_ends_where_plain_pays() -> None:
     policy, records = _slow_draft_policy([0.117])
     sizes = [policy.plan("t", "d", 1, records, N).tree_size for _ in range(20)]
     assert sizes == [1] * 3 + [N] * 3 + [1] * 7 + [N] * 3 + [1] * 4  # probes after 4, then 8
+
+
+def test_a_plan_says_what_it_compared_and_a_change_of_side_is_logged(caplog) -> None:
+    """A draft with one token accepted per round: 2 tokens in draft 10 + verify 14.3 ms (a
+    2-node tree, verify interpolated between 10 and 40 ms) lose to a plain 10 ms step. The
+    tally counts the plans and keeps why the latest plain one was plain; the log says it once."""
+    policy = _policy({1: 0.010, N: 0.040}, draft=0.010)
+    records = _records(policy, accepted=1)
+    with caplog.at_level(logging.INFO, logger=policy_module.__name__):
+        assert [policy.plan("t", "d", 1, records, N) for _ in range(3)] == [Plan(1)] * 3
+    tally = policy.tallies[("t", 1)]
+    assert (tally.num_plain, tally.num_speculative) == (3, 0) and tally.speculating is False
+    reason = tally.last_plain
+    assert reason is not None and not reason.probe and reason.speculative.tree_size == 2
+    assert reason.plain.tokens_per_s == pytest.approx(100.0)
+    assert reason.speculative.tokens_per_s == pytest.approx(2 / (0.010 + 0.010 + 0.030 / 7))
+    assert reason.describe() == (
+        "a plain step: 1.00 tokens in 10.0 ms = 100 tokens/s, "
+        "against 2-node trees: 2.00 tokens in draft 10.0 + verify 14.3 ms = 82 tokens/s"
+    )
+    assert [r.getMessage() for r in caplog.records] == [
+        f"speculation, target t, batch <= 1: {reason.describe()}"
+    ]
+
+
+def test_a_probe_is_told_apart_and_unmeasured_options_say_so() -> None:
+    policy = SpeculationPolicy("adaptive", probe_every=1)
+    policy.observe_verify("t", 1, 1, 0.010)  # the full tree never measured: tried first
+    assert policy.plan("t", "d", 1, [Acceptance()], N) == Plan(N)
+    tally = policy.tallies[("t", 1)]
+    assert (tally.num_plain, tally.num_speculative, tally.last_plain) == (0, 1, None)
+    reason = PlanReason(1, *tree_options([1.0, 3.0], [0.01, None], None), probe=True)
+    assert reason.describe() == (
+        "probe of a plain step: 1.00 tokens in 10.0 ms = 100 tokens/s "
+        "(the estimates chose 2-node trees (not measured yet))"
+    )
 
 
 def test_modes_always_and_never_ignore_the_measurements() -> None:
