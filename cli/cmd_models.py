@@ -22,11 +22,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("out_dir", metavar="OUT_DIR")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--time-budget", type=float, default=900.0, help="seconds for the whole run, data included"
-    )
+        "--time-budget", type=float, default=14400.0,
+        help="seconds for the whole run, data included: the gpu preset trains until they are "
+        "spent, full and quick end on their steps (~2 h on 2 CPU cores for full) or on this cap",
+    )  # fmt: skip
     p.add_argument(
-        "--preset", choices=["full", "quick", "gpu"], default="full",
+        "--preset", choices=["full", "full-more", "full-draft", "quick", "gpu"], default="full",
         help="full: the CPU pair; quick: a seconds-long smoke run; gpu: a larger pair on more text",
+    )  # fmt: skip
+    p.add_argument(
+        "--init-from", metavar="DIR",
+        help="an earlier run of the same preset: train its target (and tokenizer) again, then a "
+        "new draft (the shipped pair is two runs of full, the second --init-from the first)",
     )  # fmt: skip
     p.add_argument(
         "--quick", dest="preset", action="store_const", const="quick", help="= --preset quick"
@@ -63,7 +70,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
     report = make_demo(
         Path(args.out_dir), seed=args.seed, time_budget_s=args.time_budget,
-        preset=args.preset, device=args.device,
+        preset=args.preset, device=args.device, init_from=args.init_from,
     )  # fmt: skip
     print(json.dumps(asdict(report), indent=1))
     return 0

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from specmesh.demo.config import DemoConfig
 from specmesh.demo.corpus import EVAL_ONLY_PACKAGES, SourceStats
 
+SPEED_SECTION = "## Speed on this machine"  # `demo.speed --card` replaces this section
+
 CARD_PACKAGES = 30  # installed packages listed by name on the card, largest first
 
 
@@ -20,6 +22,7 @@ class DemoReport:
     total_seconds: float
     device: str  # "cpu" or "cuda"
     device_name: str  # e.g. "CPU (2 threads)", "NVIDIA H100 80GB HBM3"
+    init_from: str | None  # the earlier run whose target this one trained further
     # Data (set by the corpus / tokenizer stage).
     python_version: str
     data_seconds: float  # corpus read + tokenizer + encoding
@@ -58,6 +61,9 @@ class DemoReport:
     chain_conditional_acceptance: list[float]  # greedy chain, per step, given earlier accepted
     chain_mean_accept_length: float  # tokens per target forward, chain of num_draft_steps
     chain_rounds: int
+    # The target's greedy continuations of the README's prompts (`text.greedy_continuations`):
+    # (prompt, text, back-to-back copies of its most repeated n-gram).
+    readme_continuations: list[tuple[str, str, int]]
 
 
 def _pct(values: list[float]) -> str:
@@ -81,9 +87,12 @@ def _command(r: DemoReport) -> str:
     flags = (
         f"--preset {r.preset} --device {r.device} --time-budget {r.time_budget_s:g} --seed {r.seed}"
     )
+    init = "" if r.init_from is None else f" --init-from {r.init_from}"
+    init_arg = "" if r.init_from is None else f", init_from={r.init_from!r}"
     return (
-        f"specmesh make-demo OUT_DIR {flags}\n    # == specmesh.demo.make_demo(OUT_DIR, "
-        f"seed={r.seed}, time_budget_s={r.time_budget_s:g}, preset={r.preset!r}, device={r.device!r})"
+        f"specmesh make-demo OUT_DIR {flags}{init}\n    # == specmesh.demo.make_demo(OUT_DIR, "
+        f"seed={r.seed}, time_budget_s={r.time_budget_s:g}, preset={r.preset!r}, device={r.device!r}"
+        f"{init_arg})"
     )
 
 
@@ -112,9 +121,45 @@ under {cap} for all training text, files taken in path-hash order.
 Installed packages in the training text (MB): {packages}."""
 
 
+def _continuations(r: DemoReport) -> str:
+    """Each README prompt and what the target wrote after it (greedy, fp32)."""
+    fence = "`" * 3
+    return "\n\n".join(
+        f"{prompt!r} (at most {repeats} back-to-back copies of one n-gram):\n\n"
+        f"{fence}python\n{prompt}{text.replace(fence, chr(39) * 3)}\n{fence}"
+        for prompt, text, repeats in r.readme_continuations
+    )
+
+
+def _target_training(r: DemoReport, c: DemoConfig, schedule: str) -> str:
+    """The card's target bullet: this run's steps, after the run it started from if any."""
+    lineage = f" ({c.lineage})" if c.lineage else ""
+    if r.init_from is not None and r.target_steps == 0:
+        return f"- Target: the target of `{r.init_from}`{lineage}, not trained further in this run."
+    origin = (
+        "" if r.init_from is None else f"the target of `{r.init_from}`{lineage} trained again: "
+    )
+    return f"""- Target: {origin}{r.target_steps} AdamW steps of {c.batch_tokens} tokens ({r.target_train_tokens:,} in all,
+  {r.target_seconds:.0f} s), random windows of the training files concatenated as
+  `<|bos|>` file `<|eos|>`, peak lr {c.target_lr:g}, warm-up then cosine over {schedule},
+  bf16 autocast; last training loss {r.target_train_loss:.3f}."""
+
+
+def _steps_note(cfg: DemoConfig) -> str:
+    if cfg.target_max_steps is None or cfg.draft_max_steps is None:
+        return "The number of steps depends on the machine's speed (the schedule follows the time budget)."  # fmt: skip
+    stages = f"Each stage runs {cfg.target_max_steps} and {cfg.draft_max_steps} steps"
+    if cfg.target_max_steps == 0:
+        stages = f"The draft stage runs {cfg.draft_max_steps} steps"
+    return f"{stages} (the time budget only caps them): a busy machine makes the run longer, not the pair worse."  # fmt: skip
+
+
 def render_card(report: DemoReport, cfg: DemoConfig, heldout_files: list[str]) -> str:
-    r = report
+    r, c = report, cfg
     heldout = "\n".join(f"- `{p}`" for p in heldout_files)
+    by_steps = cfg.target_max_steps is not None and cfg.draft_max_steps is not None
+    schedule = "the run's steps" if by_steps else "the time budget"
+    steps_note = _steps_note(cfg)
     tokenizer_text = (
         "all training text"
         if cfg.tokenizer_train_bytes is None
@@ -132,9 +177,20 @@ def render_card(report: DemoReport, cfg: DemoConfig, heldout_files: list[str]) -
 
 Trained from scratch on {r.device_name} by `specmesh.demo.make_demo`, preset `{r.preset}`.
 For exercising the serving system end to end (target, EAGLE-3 draft, tree verification)
-without downloads; it writes plausible Python, not good Python.
+without downloads.
 
     {_command(r)}
+
+What to expect of a model this small ({r.target_params / 1e6:.1f}M parameters, trained on
+{r.target_train_tokens / 1e6:.1f}M tokens of Python): it continues Python in the standard
+library's style (imports, classes, functions with docstrings, plausible names and calls) and
+keeps indentation and syntax mostly right, but it does not know what a name means: `def
+fib(n):` gets a body, not Fibonacci. It drifts from one definition to the next, and greedy
+decoding can fall into loops on long outputs. Sampling reads best (temperature 0.7, top-p
+0.95); greedy output is the most predictable, so speculation accepts most there.
+
+The target is {c.num_layers} layers deep: on a CPU a forward of these sizes costs about the same
+per layer whatever the width, so depth is what makes the one-layer draft cheap beside it.
 
 ## Files
 
@@ -170,17 +226,14 @@ data ready in {r.data_seconds:.0f} s. Vocabulary {r.vocab_size}: byte-level BPE 
 
 ## Training (seed {r.seed}, {r.total_seconds:.0f} s in all)
 
-- Target: {r.target_steps} AdamW steps of {cfg.batch_tokens} tokens ({r.target_train_tokens:,} in all,
-  {r.target_seconds:.0f} s), random windows of the training files concatenated as
-  `<|bos|>` file `<|eos|>`, peak lr {cfg.target_lr:g}, warm-up then cosine over the time
-  budget, bf16 autocast; last training loss {r.target_train_loss:.3f}.
+{_target_training(r, c, schedule)}
 - Draft: {r.draft_steps} steps, {r.draft_train_tokens:,} tokens, {r.draft_seconds:.0f} s;
   training-time test over {len(r.draft_step_accuracy)} steps (step j weighted
   {cfg.step_loss_decay:g}^j), peak lr {cfg.draft_lr:g},
   cross-entropy against the frozen bf16 target's greedy next token; last loss
   {r.draft_train_loss:.3f}.
 
-The number of steps depends on the machine's speed (the schedule follows the time budget).
+{steps_note}
 
 ## Results
 
@@ -197,6 +250,14 @@ The number of steps depends on the machine's speed (the schedule follows the tim
 
 `python -m specmesh.demo.compare PAIR_DIR ...` measures pairs side by side on the held-out
 files of the running Python.
+
+## Greedy continuations of the README's prompts
+
+{_continuations(r)}
+
+{SPEED_SECTION}
+
+Not measured yet: `python -m specmesh.demo.speed PAIR_DIR --card` writes it here.
 
 ## Held-out files ({r.num_heldout_files})
 

@@ -9,7 +9,9 @@ For each pair (`target/` and `draft/`, as `make_demo` writes them), on the same 
   windows of the model's context that overlap by one token, so every token is predicted once;
   the summed loss over the UTF-8 bytes of the files does not depend on the tokenizer;
 - greedy chain speculation (`draft_train.chain_acceptance`) from prompts made of the first
-  `prompt_len` tokens of evenly spaced held-out files, the same files for every pair.
+  `prompt_len` tokens of evenly spaced held-out files, the same files for every pair;
+- the target's greedy continuations of the README's prompts: the most back-to-back copies of
+  one n-gram in each (`text.longest_repeat`; the shipped pair stays within `text.MAX_REPEATS`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from specmesh.demo.data import covering_windows, encode_stream, token_byte_lengt
 from specmesh.demo.draft_train import aux_layer_ids, chain_acceptance
 from specmesh.demo.eagle3 import load_draft
 from specmesh.demo.target import HeldoutLoss, eval_loss, load_target_fp32
+from specmesh.demo.text import greedy_continuations
 
 MIN_PROMPT_FILE_BYTES_PER_TOKEN = 16  # a prompt file has at least this many bytes per token
 
@@ -60,6 +63,7 @@ class PairScore:
     chain_conditional_acceptance: list[float]  # P(step j accepted | earlier steps accepted)
     chain_mean_accept_length: float  # tokens per target forward
     chain_rounds: int
+    readme_repeats: list[int]  # per README prompt: back-to-back copies of one n-gram, greedy
     seconds: float
 
 
@@ -109,10 +113,11 @@ def score_pair(
         raise ValueError(f"{pair_dir}: a prompt file is shorter than {settings.prompt_len} tokens")
     prompt_batch = torch.stack(prompt_ids).to(device)  # [num_prompts, prompt_len]
     chain = chain_acceptance(draft, target, prompt_batch, settings.new_tokens, settings.depth)
+    readme = [c.repeat.count for c in greedy_continuations(str(pair_dir / "target"))]
     return PairScore(
         str(pair_dir), len(tokenizer), sum(p.numel() for p in target.parameters()), context,
         loss.num_tokens, loss.num_bytes, loss.nats_per_token, loss.bits_per_byte,
-        chain.conditional_acceptance, chain.mean_accept_length, chain.num_rounds,
+        chain.conditional_acceptance, chain.mean_accept_length, chain.num_rounds, readme,
         time.monotonic() - start,
     )  # fmt: skip
 
@@ -138,14 +143,14 @@ def compare(pair_dirs: list[Path], settings: CompareSettings, device: str = "cpu
 def render_table(comparison: Comparison) -> str:
     lines = [
         f"{'pair':<32} {'vocab':>6} {'params':>8} {'bits/byte':>9} {'nats/tok':>8} "
-        f"{'accept':>6}  per-step acceptance"
+        f"{'accept':>6} {'loops':>5}  per-step acceptance"
     ]
     for s in comparison.pairs:
         steps = ", ".join(f"{a * 100:.1f}%" for a in s.chain_conditional_acceptance)
         lines.append(
             f"{s.pair_dir[-32:]:<32} {s.vocab_size:>6} {s.target_params / 1e6:>7.2f}M "
             f"{s.bits_per_byte:>9.4f} {s.nats_per_token:>8.4f} "
-            f"{s.chain_mean_accept_length:>6.2f}  {steps}"
+            f"{s.chain_mean_accept_length:>6.2f} {max(s.readme_repeats):>5}  {steps}"
         )
     return "\n".join(lines)
 

@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import LlamaForCausalLM
+from transformers import AutoTokenizer, LlamaForCausalLM
 from transformers.utils import logging as hf_logging
 
 from specmesh.demo import data as demo_data
@@ -32,13 +32,25 @@ from specmesh.demo.target import (
     save_target,
     target_loss,
 )
+from specmesh.demo.text import greedy_continuations
 
 
 def train_target(
-    cfg: DemoConfig, prepared: PreparedData, seed: int, budget_s: float, show: bool
-) -> tuple[LlamaForCausalLM, LoopStats]:
+    cfg: DemoConfig, prepared: PreparedData, seed: int, budget_s: float, show: bool,
+    init_from: Path | None = None,
+) -> tuple[LlamaForCausalLM, LoopStats]:  # fmt: skip
+    """A fresh target, or ``init_from``'s (an earlier run's pair dir) trained further."""
     torch.manual_seed(seed)
-    model = build_target(cfg, prepared.tokenizer).to(prepared.train_stream.device)
+    device = prepared.train_stream.device
+    if init_from is None:
+        model = build_target(cfg, prepared.tokenizer).to(device)
+    else:
+        model = load_target_fp32(init_from / "target", device).requires_grad_(True).train()
+        shape = (model.config.num_hidden_layers, model.config.hidden_size)
+        if shape != (cfg.num_layers, cfg.hidden_size):
+            raise ValueError(f"{init_from}: a target of {shape} (layers, hidden), not the preset's")
+    if cfg.target_max_steps == 0:  # the earlier run's target as it is: a new draft only
+        return model.eval(), LoopStats(0, 0, 0.0, float("nan"))
     generator = torch.Generator().manual_seed(seed)
     stats = train_timed(
         [p for p in model.parameters() if p.requires_grad],
@@ -120,18 +132,20 @@ def evaluate_target(
 
 
 def train_pair(
-    cfg: DemoConfig, out_dir: Path, seed: int, deadline: float, device: torch.device, show: bool
-) -> TrainedPair:
+    cfg: DemoConfig, out_dir: Path, seed: int, deadline: float, device: torch.device, show: bool,
+    init_from: Path | None = None,
+) -> TrainedPair:  # fmt: skip
     """Every stage, in order, writing `out_dir/target` and `out_dir/draft` on the way."""
     log = Progress("demo", show)
-    prepared = prepare_data(cfg, device, log)
+    tokenizer = None if init_from is None else AutoTokenizer.from_pretrained(init_from / "target")
+    prepared = prepare_data(cfg, device, log, tokenizer=tokenizer)
     corpus = prepared.corpus
     log.note(
         f"{len(corpus.train.files)} train / {len(corpus.heldout.files)} held-out files, "
         f"{prepared.train_stream.numel():,} train tokens"
     )
     budget_s = (deadline - time.monotonic() - cfg.eval_reserve_s) * cfg.target_time_share
-    model, target_stats = train_target(cfg, prepared, seed, max(budget_s, 1.0), show)
+    model, target_stats = train_target(cfg, prepared, seed, max(budget_s, 1.0), show, init_from)
     save_target(model, prepared.tokenizer, out_dir / "target")
     target = load_target_fp32(out_dir / "target", device)
     target_eval, eval_only_eval = evaluate_target(cfg, target, prepared)
@@ -186,18 +200,22 @@ def make_demo(
     out_dir: Path,
     *,
     seed: int = 0,
-    time_budget_s: float = 900.0,
+    time_budget_s: float = 14400.0,
     preset: str | None = None,
     quick: bool = False,
     device: str = "cpu",
     progress: bool = True,
+    init_from: Path | None = None,
 ) -> DemoReport:
     """Train the demo target and its EAGLE-3 draft into `out_dir/{target,draft}` + README.md.
 
     `time_budget_s` is the whole run's wall-clock budget from the call, data preparation
-    included (the full and gpu runs train until it is spent); `preset` names a configuration
+    included (the gpu run trains until it is spent, full and quick end on their steps or on
+    it); `preset` names a configuration
     of `config.PRESETS` ("full" by default; "quick", or `quick=True`, is a tiny seconds-long
-    run on a slice of the corpus, for tests); `device` is "cpu" or "cuda".
+    run on a slice of the corpus, for tests); `device` is "cpu" or "cuda". ``init_from``: the
+    dir of an earlier run of the same preset, whose target (tokenizer and weights) this run
+    trains for its own schedule again, from warm-up (a restart), before training a new draft.
     """
     if time_budget_s <= 0:
         raise ValueError(f"time_budget_s must be positive, got {time_budget_s}")
@@ -208,14 +226,20 @@ def make_demo(
     bars_were_on = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # transformers' own save/load bars
     try:
-        pair = train_pair(cfg, out_dir, seed, start + time_budget_s, torch_device, progress)
+        pair = train_pair(
+            cfg, out_dir, seed, start + time_budget_s, torch_device, progress,
+            None if init_from is None else Path(init_from),
+        )  # fmt: skip
     finally:
         if bars_were_on:
             hf_logging.enable_progress_bar()
+    readme = greedy_continuations(str(out_dir / "target"))
     report = build_report(
         pair, out_dir, preset=name, seed=seed, time_budget_s=time_budget_s,
         total_seconds=time.monotonic() - start, device=torch_device.type,
         device_name=describe_device(torch_device),
+        init_from=None if init_from is None else str(init_from),
+        readme_continuations=[(c.prompt, c.text, c.repeat.count) for c in readme],
     )  # fmt: skip
     heldout = pair.prepared.corpus.heldout.files
     (out_dir / "heldout_files.txt").write_text("\n".join(heldout) + "\n")

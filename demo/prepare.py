@@ -32,20 +32,17 @@ def prepare_data(
     log: Progress,
     stdlib_dir: Path | None = None,
     package_roots: list[Path] | None = None,
+    tokenizer: PreTrainedTokenizerFast | None = None,
 ) -> PreparedData:
+    """``tokenizer``: an earlier run's, whose target this run continues (none is learned)."""
     start = time.monotonic()
     corpus = load_corpus(cfg, stdlib_dir, package_roots)
     sizes = ", ".join(
         f"{s.name} {s.num_files} files {s.num_bytes / 1e6:.1f} MB" for s in corpus.sources
     )
     log.note(f"corpus read in {time.monotonic() - start:.1f}s: {sizes}")
-    mark = time.monotonic()
-    tokenizer_texts = corpus.train.sample(cfg.tokenizer_train_bytes)
-    tokenizer = demo_data.train_tokenizer(
-        tokenizer_texts, cfg.vocab_size, cfg.max_position_embeddings
-    )
-    num_chars = sum(len(t) for t in tokenizer_texts)
-    log.note(f"tokenizer trained on {num_chars / 1e6:.1f}M chars in {time.monotonic() - mark:.1f}s")
+    if tokenizer is None:
+        tokenizer = learn_tokenizer(cfg, corpus, log)
     mark = time.monotonic()
     streams = [
         demo_data.encode_stream(tokenizer, text.texts).to(device)
@@ -57,6 +54,15 @@ def prepare_data(
     )
     byte_lengths = demo_data.token_byte_lengths(tokenizer).to(device)
     return PreparedData(corpus, tokenizer, *streams, byte_lengths, time.monotonic() - start)
+
+
+def learn_tokenizer(cfg: DemoConfig, corpus: Corpus, log: Progress) -> PreTrainedTokenizerFast:
+    mark = time.monotonic()
+    texts = corpus.train.sample(cfg.tokenizer_train_bytes)
+    tokenizer = demo_data.train_tokenizer(texts, cfg.vocab_size, cfg.max_position_embeddings)
+    num_chars = sum(len(t) for t in texts)
+    log.note(f"tokenizer trained on {num_chars / 1e6:.1f}M chars in {time.monotonic() - mark:.1f}s")
+    return tokenizer
 
 
 def hot_vocab(cfg: DemoConfig, prepared: PreparedData) -> tuple[torch.Tensor, float]:

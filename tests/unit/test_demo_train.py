@@ -3,6 +3,7 @@ and the pair comparison on the quick pair."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sysconfig
@@ -189,6 +190,33 @@ def test_compare_scores_the_quick_pair(quick_demo, tmp_path, capsys):
     assert first["bits_per_byte"] == pytest.approx(oracle, rel=1e-4)
     assert len(first["chain_conditional_acceptance"]) == 3 and first["chain_rounds"] > 0
     assert 1.0 <= first["chain_mean_accept_length"] <= 4.0
+
+
+def test_a_run_from_an_earlier_target_trains_it_further_or_keeps_it(
+    quick_demo, tmp_path, monkeypatch
+):
+    """``init_from``: the earlier run's tokenizer and weights; with no target steps the target
+    is saved as it was and only a new draft is trained (the shipped pair's last run)."""
+    from specmesh.demo import make as demo_make
+
+    earlier, _ = quick_demo
+    kept = dataclasses.replace(QUICK, target_max_steps=0, lineage="RUN1 then RUN2")
+    monkeypatch.setitem(demo_make.PRESETS, "quick-draft", kept)
+    report = make_demo(tmp_path, preset="quick-draft", init_from=earlier, progress=False)
+    assert report.target_steps == 0 and report.draft_steps == QUICK.draft_max_steps
+    before = read_safetensors(earlier / "target" / "model.safetensors")
+    after = read_safetensors(tmp_path / "target" / "model.safetensors")
+    assert sorted(before) == sorted(after)
+    assert all(torch.equal(before[name], after[name]) for name in before)
+    assert (earlier / "target" / "tokenizer.json").read_text() == (
+        tmp_path / "target" / "tokenizer.json"
+    ).read_text()
+    card = (tmp_path / "README.md").read_text()
+    assert f"--init-from {earlier}" in card
+    assert f"the target of `{earlier}` (RUN1 then RUN2), not trained further" in card
+    more = make_demo(tmp_path / "more", preset="quick", init_from=earlier, progress=False)
+    assert more.target_steps == QUICK.target_max_steps
+    assert more.target_eval_loss < report.target_eval_loss  # trained again from there
 
 
 def test_make_demo_cli_flags():
