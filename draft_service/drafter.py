@@ -33,7 +33,6 @@ from specmesh.protocol.errors import KVCacheFullError
 from specmesh.protocol.trees import DraftTree
 from specmesh.runtime.attention.base import AttentionBackend
 from specmesh.runtime.draft_sizes import DraftSizes
-from specmesh.runtime.host_copy import tensor_on
 from specmesh.runtime.kv_cache import KVCache
 from specmesh.runtime.model_runner import BatchItem, run_batch
 from specmesh.runtime.models.layers import KVPair
@@ -208,7 +207,7 @@ class TreeDrafter:
                 self.step_forward if eager else self.run_step,
             )  # fmt: skip
         tree = build_tree(
-            tensor_on(roots, torch.int64, dev),
+            torch.tensor(roots, dtype=torch.int64, device=dev),
             torch.cat(pool_scores, 1),
             torch.cat(pool_tokens, 1),
             torch.cat(pool_parents, 1),

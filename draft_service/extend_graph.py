@@ -23,7 +23,6 @@ import torch
 
 from specmesh.runtime.graph_runner import GraphRunner
 from specmesh.runtime.graph_sizes import draft_extend_sizes
-from specmesh.runtime.host_copy import tensor_on
 from specmesh.runtime.model_runner import BatchItem
 
 if TYPE_CHECKING:
@@ -64,7 +63,7 @@ class DraftExtendGraph:
         real = torch.cat([torch.arange(it.q_len, device=dev) + b * w for b, it in enumerate(items)])
         feats[real] = features
         hidden, logits = self.runner.run(padded, feats)
-        last = tensor_on([b * w + it.q_len - 1 for b, it in enumerate(items)], torch.int64, dev)
+        last = torch.tensor([b * w + it.q_len - 1 for b, it in enumerate(items)], device=dev)
         return hidden[last], logits[last]
 
 

@@ -18,7 +18,6 @@ from specmesh.protocol.errors import InvalidRequestError
 from specmesh.protocol.features import Feature, FeatureSpec
 from specmesh.protocol.steps import ExtendInput
 from specmesh.runtime.attention.base import AttentionBackend
-from specmesh.runtime.host_copy import to_device
 from specmesh.runtime.kv_cache import KVCache
 from specmesh.runtime.model_runner import BatchItem
 
@@ -111,7 +110,7 @@ class FeatureDrafter(TreeDrafter):
         hidden, logits = forward_draft(
             self.net, self.cache, self.backend, items, self.pools_for_step(0), feats
         )
-        last = to_device(torch.tensor([it.q_len for it in items]).cumsum(0) - 1, hidden.device)
+        last = torch.tensor([it.q_len for it in items]).cumsum(0) - 1
         return hidden[last], logits[last]
 
     def step_forward(

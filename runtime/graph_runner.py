@@ -36,7 +36,6 @@ import torch
 from specmesh.runtime.attention.base import AttentionBackend, AttentionMetadata
 from specmesh.runtime.graph_buffers import GraphBuffers
 from specmesh.runtime.graph_sizes import GraphSizes
-from specmesh.runtime.host_copy import copy_into
 from specmesh.runtime.kv_cache import KVCache
 from specmesh.runtime.model_runner import (
     BatchItem,
@@ -225,13 +224,13 @@ class GraphRunner:
             buf.kv_indptr[: raw_bs + 1].copy_(real.kv_indptr)
             buf.kv_indices[:kv_raw].copy_(real.kv_indices)
             buf.out_slots[:raw].copy_(real.out_slots)
-            copy_into(buf.input_ids[:raw], torch.cat([it.input_ids for it in items]))
-            copy_into(buf.positions[:raw], batch_positions(items))
+            buf.input_ids[:raw].copy_(torch.cat([it.input_ids for it in items]))
+            buf.positions[:raw].copy_(batch_positions(items))
             if buf.custom_mask is not None:
                 buf.custom_mask[:mask_raw].copy_(real.custom_mask)
                 buf.mask_indptr[: raw_bs + 1].copy_(real.mask_indptr)
             if hidden_in is not None:
-                copy_into(buf.hidden_in[:raw], hidden_in)
+                buf.hidden_in[:raw].copy_(hidden_in)
         else:
             buf.kv_indptr[0] = 0
             if buf.mask_indptr is not None:

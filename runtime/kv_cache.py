@@ -36,7 +36,6 @@ from dataclasses import dataclass, field
 import torch
 
 from specmesh.protocol.errors import DuplicateRequestError, KVCacheFullError, UnknownRequestError
-from specmesh.runtime.host_copy import tensor_on, to_device
 from specmesh.runtime.models.layers import KVPair
 
 
@@ -171,8 +170,8 @@ class KVCache:
         if ps > 1:
             slots = (slots[:, None] * ps + torch.arange(ps)).flatten()
         dev = self.req_to_slot.device
-        index = tensor_on(flat_index, torch.int64, dev)
-        self.req_to_slot.view(-1).index_copy_(0, index, to_device(slots, dev))
+        index = torch.tensor(flat_index, dtype=torch.int64).to(dev)
+        self.req_to_slot.view(-1).index_copy_(0, index, slots.to(dev))
 
     def release(self, rid: str) -> None:
         """Free ``rid``'s row and its own pages, then drop its prefix references."""
@@ -251,7 +250,7 @@ class KVCache:
         on_path = set(path)
         order = [*path, *(i for i in range(num_nodes) if i not in on_path)]  # host-side
         row = self.req_to_slot[req.row, base : base + num_nodes]
-        row.copy_(row[tensor_on(order, torch.int64, row.device)])
+        row.copy_(row[torch.tensor(order, dtype=torch.int64, device=row.device)])
         req.committed_len = base + len(path)
 
     def move_entries(self, rid: str, src: int, dst: int, num: int) -> None:

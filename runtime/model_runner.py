@@ -15,7 +15,6 @@ import torch
 
 from specmesh.protocol.errors import KVCacheFullError
 from specmesh.runtime.attention.base import AttentionBackend, AttentionMetadata
-from specmesh.runtime.host_copy import tensor_on, to_device
 from specmesh.runtime.kv_cache import KVCache
 from specmesh.runtime.models.causal_lm import ModelOutput
 from specmesh.runtime.models.layers import KVPair
@@ -56,7 +55,7 @@ def build_metadata(
     custom_mask = mask_indptr = None
     if any(it.mask is not None for it in items):
         masks = [_full_mask(it) for it in items]
-        custom_mask = to_device(torch.cat([m.flatten() for m in masks]), dev)
+        custom_mask = torch.cat([m.flatten() for m in masks]).to(dev)
         mask_indptr = _indptr([m.numel() for m in masks], dev)
     return AttentionMetadata(
         qo_indptr=_indptr(q_lens, dev),
@@ -83,7 +82,7 @@ def _row_slots(cache: KVCache, rows: list[int], starts: list[int], ends: list[in
     first = torch.tensor([r * table.shape[1] + s for r, s in zip(rows, starts, strict=True)])
     seg_start = lens.cumsum(0) - lens
     flat = torch.arange(int(lens.sum())) + (first - seg_start).repeat_interleave(lens)
-    return table.view(-1)[to_device(flat, table.device)]
+    return table.view(-1)[flat.to(table.device)]
 
 
 def _full_mask(it: BatchItem) -> torch.Tensor:
@@ -94,7 +93,7 @@ def _full_mask(it: BatchItem) -> torch.Tensor:
 
 
 def _indptr(lens: list[int], device: torch.device) -> torch.Tensor:
-    return tensor_on([0, *itertools.accumulate(lens)], torch.int64, device)
+    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int64).to(device)
 
 
 def batch_positions(items: list[BatchItem]) -> torch.Tensor:
@@ -133,8 +132,8 @@ def run_batch(
     reserve_batch(cache, items)
     dev = cache.req_to_slot.device
     backend.prepare(build_metadata(cache, items, with_cpu=backend.needs_cpu_metadata))
-    positions = to_device(batch_positions(items), dev)
-    input_ids = to_device(torch.cat([it.input_ids for it in items]), dev)
+    positions = batch_positions(items).to(dev)
+    input_ids = torch.cat([it.input_ids for it in items]).to(dev)
     embeds = None
     if any(it.input_embeds is not None for it in items):
         embeds = torch.cat(

@@ -21,7 +21,6 @@ import torch
 
 from specmesh.kernels.gumbel import gumbel_argmax, row_keys
 from specmesh.protocol.sampling import SamplingParams
-from specmesh.runtime.host_copy import tensor_on, to_device
 
 
 @dataclass
@@ -81,7 +80,7 @@ def apply_history(
             _extend(ban, r, list(h.stop_ids))
     x = logits.float().clone()
     dev = x.device
-    as_t = lambda xs, dtype=torch.int64: tensor_on(xs, dtype, dev)
+    as_t = lambda xs, dtype=torch.int64: torch.tensor(xs, dtype=dtype, device=dev)
     if bias[0]:
         x.index_put_((as_t(bias[0]), as_t(bias[1])), as_t(bias[2], torch.float32), accumulate=True)
     if rep[0]:
@@ -115,7 +114,7 @@ def processed_probs(
     logits = apply_history(logits, params, histories, num_generated).float()
     vocab = logits.shape[-1]
     dev = logits.device
-    col = lambda values, dtype=torch.float32: tensor_on(values, dtype, dev)[:, None]
+    col = lambda values, dtype=torch.float32: torch.tensor(values, dtype=dtype, device=dev)[:, None]
     x = _tempered(logits, params)
     probs = torch.softmax(x, -1)
     if any(0 < p.top_k < vocab for p in params):  # decided on the host: no device sync
@@ -159,7 +158,7 @@ def processed_logprobs(
 def _tempered(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """fp32 logits divided by each row's temperature (1 for a greedy row): ``[rows, vocab]``."""
     temps = [1.0 if p.greedy else p.temperature for p in params]
-    return logits.float() / tensor_on(temps, torch.float32, logits.device)[:, None]
+    return logits.float() / torch.tensor(temps, device=logits.device)[:, None]
 
 
 def _truncates(p: SamplingParams, vocab: int) -> bool:
@@ -204,5 +203,5 @@ def draw_tokens(
     if rows:
         scores = sampling_scores(logits[rows], [params[i] for i in rows])
         keys = row_keys([params[i].seed or 0 for i in rows], [positions[i] for i in rows])
-        tokens[rows] = gumbel_argmax(scores, to_device(keys, scores.device), impl)
+        tokens[rows] = gumbel_argmax(scores, keys.to(scores.device), impl)
     return tokens

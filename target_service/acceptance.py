@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from specmesh.kernels.tree_verify import TreeVerifyResult, verify_tree_greedy
-from specmesh.runtime.host_copy import to_device
 from specmesh.runtime.sampling import (
     TokenHistory,
     apply_history,
@@ -61,7 +60,7 @@ def accept_trees(
             inp.tree.next_sibling,
         )
     dev = logits.device  # the trees are built on the host, verified where the logits are
-    tree = [to_device(t, dev) for t in (tokens, first_child, next_sibling)]
+    tree = [t.to(dev) for t in (tokens, first_child, next_sibling)]
     counts = [i.tree.num_nodes for i in inputs]
     padded = pad_rows(logits, counts, n_max).flatten(0, 1)  # [bs * n_max, vocab]
     if any(i.grammar is not None for i in inputs):  # -inf where a node's path forbids a token
@@ -122,5 +121,5 @@ def _row_index(counts: tuple[int, ...], n_max: int) -> torch.Tensor:
 
 
 def pad_rows(x: torch.Tensor, counts: list[int], n_max: int) -> torch.Tensor:
-    idx = to_device(padded_row_index(counts, n_max), x.device)
+    idx = padded_row_index(counts, n_max).to(x.device)
     return x[idx].view(len(counts), n_max, *x.shape[1:])

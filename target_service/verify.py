@@ -19,7 +19,6 @@ from specmesh.protocol.features import Feature
 from specmesh.protocol.sampling import SamplingParams
 from specmesh.protocol.steps import Logprob, StepOutput, VerifyInput
 from specmesh.protocol.trees import DraftTree
-from specmesh.runtime.host_copy import to_device
 from specmesh.runtime.model_runner import BatchItem, run_batch
 from specmesh.runtime.sampling import TokenHistory
 from specmesh.runtime.tree import Tree
@@ -148,13 +147,13 @@ def decide(
     n_max = max(r.tree.num_nodes for r in rows)
     acceptance = accept_trees(rows, logits, n_max, rt.kernel_impl)
     result = acceptance.result
-    # One device-to-host copy for the batch (each row's path, its length, its bonus token): the
-    # round's one wait on the device here; the per-request bookkeeping below is host-side.
+    # One device-to-host copy for the batch (each row's path, its length, its bonus token);
+    # the per-request bookkeeping below is host-side.
     fields = (result.accept_path, result.accept_len[:, None], result.bonus[:, None])
     host = torch.cat([f.to(torch.int64) for f in fields], 1).tolist()
     paths, lens, bonuses = [h[:-2] for h in host], [h[-2] for h in host], [h[-1] for h in host]
     flat, _ = compact_accepted(result.accept_path, result.accept_len, rt.kernel_impl, sum(lens))
-    row_of = to_device(padded_row_index([r.tree.num_nodes for r in rows], n_max), flat.device)
+    row_of = padded_row_index([r.tree.num_nodes for r in rows], n_max).to(flat.device)
     feats = rt.select_feature(res.select(row_of[flat]), feature)
     decided, start = [], 0
     for b, (row, full_path, n, bonus) in enumerate(zip(rows, paths, lens, bonuses, strict=True)):
