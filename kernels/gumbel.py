@@ -47,9 +47,10 @@ _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _SPLIT1, _SPLIT2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 # The 32-bit mixer's multipliers: odd (so each step is a bijection of [0, 2**32)) and below
 # 2**31 (so a product of a 32-bit value with one stays below 2**63 in int64).
-_MUL1: tl.constexpr = 0x7FEB352D
-_MUL2: tl.constexpr = 0x2C1B3C6D
-_MASK32: tl.constexpr = 0xFFFFFFFF
+MUL1, MUL2, MASK32 = 0x7FEB352D, 0x2C1B3C6D, 0xFFFFFFFF
+# The same for the Triton kernels: a compiled kernel reads only globals made `tl.constexpr`
+# (the interpreter, which the CPU tests run, reads any).
+_MUL1, _MUL2, _MASK32 = tl.constexpr(MUL1), tl.constexpr(MUL2), tl.constexpr(MASK32)
 _REF_BLOCK_ELEMS = 1 << 20  # scores the torch reference races at once
 
 
@@ -73,17 +74,17 @@ def _mix32_ref(x: torch.Tensor) -> torch.Tensor:
     """A bijection of [0, 2**32) in int64 lanes, in place: xor-shift, multiply, xor-shift,
     multiply, xor-shift."""
     x ^= x >> 16
-    x.mul_(_MUL1).bitwise_and_(_MASK32)
+    x.mul_(MUL1).bitwise_and_(MASK32)
     x ^= x >> 15
-    x.mul_(_MUL2).bitwise_and_(_MASK32)
+    x.mul_(MUL2).bitwise_and_(MASK32)
     x ^= x >> 16
     return x
 
 
 def gumbel_noise_ref(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     """``G(k, t)`` for every row key and token id: ``[rows, vocab]`` float32."""
-    lo = (keys & _MASK32)[:, None]  # [rows, 1]
-    hi = ((keys >> 32) & _MASK32)[:, None]
+    lo = (keys & MASK32)[:, None]  # [rows, 1]
+    hi = ((keys >> 32) & MASK32)[:, None]
     tokens = torch.arange(vocab, dtype=torch.int64, device=keys.device)[None, :]
     h = _mix32_ref(tokens ^ lo)  # [rows, vocab], values in [0, 2**32)
     h ^= hi
