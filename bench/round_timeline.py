@@ -98,7 +98,7 @@ async def _cluster(args: argparse.Namespace, spec: SpecParams, traces: Path) -> 
     models = ModelChoice(args.target_model, args.draft_model, args.draft_kind)
     runtime = {"device": args.device, "dtype": args.dtype, "attention_backend": args.attention_backend}  # fmt: skip
     router_args = ["--max-batch-size", str(max(args.sizes)), "--num-micro-batches", "1"]
-    spawn = TimelineSpawn(traces, "cluster")
+    spawn = TimelineSpawn(traces, "cluster", device=args.device == "cuda")
     prompts = _prompts(args.target_model, max(args.sizes), args.prompt_len)
     out = {}
     async with local_deployment(models, spec, runtime, "always", router_args, spawn=spawn) as c:
@@ -109,8 +109,9 @@ async def _cluster(args: argparse.Namespace, spec: SpecParams, traces: Path) -> 
             await spawn.window(signal.SIGUSR1, ".open")
             res = await c.run(rs, prompts[:b])
             await spawn.window(signal.SIGUSR2, ".json")
-            out[f"b{b}"] = {"profiled" if args.device == "cuda" else "spans_only":
-                            _cluster_timeline(spawn.results(), res["mean_accept_len"])}  # fmt: skip
+            results = spawn.results()  # the services' profiles cover their first window only
+            kind = "profiled" if any(r.get("trace") for r in results) else "spans_only"
+            out[f"b{b}"] = {kind: _cluster_timeline(results, res["mean_accept_len"])}
             for name in traces.glob("cluster-*.json"):  # keep each size's spans and traces
                 name.rename(name.with_name(f"b{b}-{name.name}"))
     return out

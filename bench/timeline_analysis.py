@@ -5,7 +5,8 @@ split per round.
 A round is a router ``round`` span. Every other span belongs to the round it starts in (all
 processes share the monotonic clock); a kernel belongs to the innermost span, on the thread
 that launched it, that was open at its launch (a CUDA graph's kernels to its replay's launch).
-Per round and stage: calls, host time, device time and kernels launched, graph launches, and the
+The profiler names threads its own way: each of its threads is matched to the spans' thread
+whose stage was most often open, innermost, at its calls. Per round and stage: calls, host time, device time and kernels launched, graph launches, and the
 syncs the host waited on (stream / device / event synchronizations and device-to-host copies)
 with the time it waited. Per round: wall time and the device's busy time (the union of its
 kernels and copies), the rest being the device idle while the host works or waits.
@@ -16,7 +17,7 @@ from __future__ import annotations
 import bisect
 import json
 import statistics
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -118,7 +119,7 @@ class Timeline:
             thread.sort(key=lambda s: s.start)
         self._thread_starts = {k: [s.start for s in v] for k, v in self._by_thread.items()}
         self.busy_ns = [0] * len(rounds)
-        self.by_time_only = 0  # device calls not matched to a thread that ran a stage
+        self.by_time_only = 0  # device calls of a thread no stage was seen to make
         for trace in traces:
             self._add_device(trace)
         self._add_busy([k for t in traces for k in t.kernels])
@@ -128,27 +129,44 @@ class Timeline:
         return i if i >= 0 and t <= self.rounds[i][1] else None
 
     def innermost(self, process: str, tid: int, t: int) -> str:
-        """The label of the innermost stage open at ``t`` on that thread; where the thread ran
-        no stage (a trace naming threads otherwise), the latest-opened one of the process."""
-        known = (process, tid) in self._by_thread
-        threads = [tid] if known else [k[1] for k in self._by_thread if k[0] == process]
+        """The label of the innermost stage open at ``t`` on that thread (a thread of the
+        spans; `_thread_map` names the trace's threads so)."""
+        span = self._open_at(process, [tid], t)
+        return NO_STAGE if span is None else span.label
+
+    def _open_at(self, process: str, threads: list[int], t: int) -> Span | None:
+        """The latest-opened stage of those threads still open at ``t``."""
         best: Span | None = None
         for thread in threads:
-            spans = self._by_thread[(process, thread)]
-            i = bisect.bisect_right(self._thread_starts[(process, thread)], t)
+            spans = self._by_thread.get((process, thread), [])
+            i = bisect.bisect_right(self._thread_starts.get((process, thread), []), t)
             for s in reversed(spans[:i]):
                 if s.end >= t and s.label != ROUND:
                     best = s if best is None or s.start > best.start else best
                     break
-        self.by_time_only += not known
-        return NO_STAGE if best is None else best.label
+        return best
+
+    def _thread_map(self, trace: DeviceTrace) -> dict[int, int]:
+        """The spans' thread of each of the trace's threads. The profiler numbers threads its
+        own way, so each of its threads is the one whose stage was most often the latest
+        opened (of any thread) at its calls: the stage that made them."""
+        threads = [k[1] for k in self._by_thread if k[0] == trace.process]
+        votes: dict[int, Counter] = defaultdict(Counter)
+        for call in trace.calls.values():
+            if self.round_of(call.start) is not None:
+                span = self._open_at(trace.process, threads, call.start)
+                if span is not None:
+                    votes[call.tid][span.tid] += 1
+        return {tid: c.most_common(1)[0][0] for tid, c in votes.items()}
 
     def _add_device(self, trace: DeviceTrace) -> None:
-        stage_of = {
-            corr: self.innermost(trace.process, call.tid, call.start)
-            for corr, call in trace.calls.items()
-            if self.round_of(call.start) is not None
-        }
+        names = self._thread_map(trace)
+        stage_of = {}
+        for corr, call in trace.calls.items():
+            if self.round_of(call.start) is None:
+                continue
+            self.by_time_only += call.tid not in names
+            stage_of[corr] = self.innermost(trace.process, names.get(call.tid, -1), call.start)
         for start, end, corr in trace.kernels:
             if corr in stage_of:
                 t = self.totals[(trace.process, stage_of[corr])]
@@ -206,7 +224,7 @@ class Timeline:
             "round_ms": {"min": min(wall), "median": statistics.median(wall), "max": max(wall),
                          "mean": statistics.fmean(wall)},
             "device_busy_ms_per_round": sum(self.busy_ns) / 1e6 / n,
-            "device_calls_matched_by_time_only": self.by_time_only,
+            "device_calls_of_unmatched_threads": self.by_time_only,
             "hops": self.hops(),
             "tokens_per_round": tokens_per_round,
             "stages": stages,

@@ -11,7 +11,9 @@ appearing tell the bench that a window is open / written.
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import json
+import os
 import queue
 import signal
 import subprocess
@@ -29,19 +31,30 @@ MODULE = "specmesh.bench.timeline_service"
 WINDOW_TIMEOUT_S = 45.0
 
 
+PROFILE_ENV = "SPECMESH_TIMELINE_DEVICE"  # set: model services record device activity
+HANG_DUMP_S = 15.0  # a window step that takes longer dumps every thread's stack to stderr
+
+
 def start_device_profile() -> tuple[Any, int]:
     """`torch.profiler` on the device's activity (kernels, copies, runtime calls), and the clock
-    anchor: the monotonic time at which a `torch.cuda._sleep` kernel was launched."""
-    import torch
+    anchor (`anchor`)."""
     from torch.profiler import ProfilerActivity, profile
 
     prof = profile(activities=[ProfilerActivity.CUDA])
     prof.start()
+    return prof, anchor()
+
+
+def anchor() -> int:
+    """The monotonic time at which a `torch.cuda._sleep` kernel was launched: the trace's
+    ``spin_kernel`` puts the profiler's clock on the spans' clock."""
+    import torch
+
     torch.cuda.synchronize()
-    anchor = time.monotonic_ns()
+    now = time.monotonic_ns()
     torch.cuda._sleep(1000)
     torch.cuda.synchronize()
-    return prof, anchor
+    return now
 
 
 def stop_device_profile(prof: Any, trace_path: Path) -> None:
@@ -55,13 +68,20 @@ def stop_device_profile(prof: Any, trace_path: Path) -> None:
 class ServiceWindow:
     """The SIGUSR1 / SIGUSR2 window of one service process. The signal handlers only queue the
     command: a control thread of its own opens and closes the window, so that neither the
-    profiler nor an error of it runs inside whatever the main thread was doing."""
+    profiler nor an error of it runs inside whatever the main thread was doing. A model service
+    told to record the device (``SPECMESH_TIMELINE_DEVICE``) starts the profiler before the
+    service loads anything: started in a service already serving, on a GPU, it never returned."""
 
     def __init__(self, prefix: Path, kind: str) -> None:
         self.prefix, self.kind = prefix, kind
         self.spans, self.prof, self.anchor, self.error = Spans(), None, 0, None
         self.commands: queue.SimpleQueue[str] = queue.SimpleQueue()
         install(self.spans)
+        if kind != "router" and os.environ.get(PROFILE_ENV):
+            from torch.profiler import ProfilerActivity, profile
+
+            self.prof = profile(activities=[ProfilerActivity.CUDA])
+            self.prof.start()
         threading.Thread(target=self._control, name="timeline-control", daemon=True).start()
         signal.signal(signal.SIGUSR1, lambda *_: self.commands.put("open"))
         signal.signal(signal.SIGUSR2, lambda *_: self.commands.put("close"))
@@ -69,6 +89,7 @@ class ServiceWindow:
     def _control(self) -> None:
         while True:
             command = self.commands.get()
+            faulthandler.dump_traceback_later(HANG_DUMP_S)
             try:
                 self.open() if command == "open" else self.close()
             except Exception as e:  # reported in the window's files; the service goes on
@@ -77,21 +98,15 @@ class ServiceWindow:
                 self.prefix.with_suffix(".open" if command == "open" else ".json").write_text(
                     json.dumps({"process": self.kind, "error": self.error, "spans": []})
                 )
-
-    def _uses_device(self) -> bool:
-        import torch
-
-        return self.kind != "router" and torch.cuda.is_available() and torch.cuda.is_initialized()
+            finally:
+                faulthandler.cancel_dump_traceback_later()
 
     def open(self) -> None:
         self.spans.take()
         self.error = None
+        if self.prof is not None:
+            self.anchor = anchor()
         self.spans.on = True
-        if self._uses_device():
-            try:
-                self.prof, self.anchor = start_device_profile()
-            except Exception as e:  # the spans still count
-                self.error = f"no device profile: {e!r}"
         self.prefix.with_suffix(".open").write_text(json.dumps({"error": self.error}))
 
     def close(self) -> None:
@@ -126,6 +141,7 @@ class TimelineSpawn:
 
     out_dir: Path
     tag: str = "run"
+    device: bool = False  # the model services record the device's activity too
     started: dict[str, tuple[subprocess.Popen, Path]] = field(default_factory=dict)
 
     def __call__(self, children: list, kind: str, flags: list[str]) -> str:
@@ -133,7 +149,8 @@ class TimelineSpawn:
 
         port, prefix = free_port(), self.out_dir / f"{self.tag}-{kind}"
         service = [kind, "--host", LOOPBACK, "--port", str(port), *flags]
-        proc = subprocess.Popen([sys.executable, "-m", MODULE, str(prefix), *service])
+        env = {**os.environ, PROFILE_ENV: "1"} if self.device else None
+        proc = subprocess.Popen([sys.executable, "-m", MODULE, str(prefix), *service], env=env)
         children.append(Child(kind, f"{LOOPBACK}:{port}", proc))
         self.started[kind] = (proc, prefix)
         return f"{LOOPBACK}:{port}"

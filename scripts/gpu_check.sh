@@ -172,15 +172,25 @@ train() {  # step 5: the GPU preset of the demo pair, then both pairs on the sam
   tar -C "$dir" -cf - . | split -b 15m - "$OUT/demo-pair.tar.part-"  # files back: <= 16 MiB
 }
 
-timeline() {  # the round's stages, in process and through the cluster (bench/round_timeline.py)
-  local dir=/tmp/specmesh-timeline rc
+timeline() {  # the round's stages, in process and through the cluster (bench/round_timeline.py);
+  # with SPECMESH_BASELINE_SITE (another install of specmesh, `pip install --target`), that
+  # install's in-process timeline first, side by side (scripts/run_site.py)
+  local dir=/tmp/specmesh-timeline rc base=/tmp/specmesh-timeline-baseline
+  local args=(--target-model "$SYNTH/target" --draft-model "$SYNTH/draft" --max-new-tokens 96
+              --batch-sizes "${SPECMESH_TIMELINE_BATCHES:-1,8}")
   make_synthetic || return 1
-  "$PY" -m specmesh.bench.round_timeline --target-model "$SYNTH/target" --draft-model \
-    "$SYNTH/draft" --batch-sizes "${SPECMESH_TIMELINE_BATCHES:-1,8}" --max-new-tokens 96 \
-    --cluster --out "$dir"
+  if [ -n "${SPECMESH_BASELINE_SITE:-}" ]; then
+    "$PY" scripts/run_site.py "$SPECMESH_BASELINE_SITE" specmesh.bench.round_timeline \
+      "${args[@]}" --out "$base" >/dev/null
+    cp "$base/timeline.md" "$OUT/timeline-baseline.md"
+  fi
+  # shellcheck disable=SC2086  # SPECMESH_TIMELINE_ARGS: more flags, e.g. --no-in-process
+  "$PY" -m specmesh.bench.round_timeline "${args[@]}" --cluster ${SPECMESH_TIMELINE_ARGS:-} \
+    --out "$dir"
   rc=$?
   cp "$dir"/timeline.md "$dir"/timeline.json "$OUT"/ 2>/dev/null
-  tar -C "$dir" -czf "$OUT/timeline-traces.tgz" traces
+  (cd "$dir/traces" && shopt -s nullglob && files=(./*.spans.json ./*b1*) \
+    && tar -czf "$OUT/timeline-traces.tgz" "${files[@]}")
   [ "$(stat -c %s "$OUT/timeline-traces.tgz")" -lt 16000000 ] || rm "$OUT/timeline-traces.tgz"
   return $rc
 }

@@ -14,14 +14,14 @@ from specmesh.bench.timeline_analysis import NO_STAGE, Span, Timeline, load_trac
 MS = 1_000_000  # ns
 
 
-def _x(cat: str, name: str, ts_us: float, dur_us: float, corr: int, tid: int = 7) -> dict:
+def _x(cat: str, name: str, ts_us: float, dur_us: float, corr: int, tid: int = 1007) -> dict:
     return {"ph": "X", "cat": cat, "name": name, "ts": ts_us, "dur": dur_us, "tid": tid,
             "args": {"correlation": corr}}  # fmt: skip
 
 
 def _trace(tmp_path: Path) -> Path:
-    """Kineto's times are its own (here: 5,000 us behind the spans' clock); the anchor kernel
-    is launched at monotonic 0."""
+    """Kineto's times and thread numbers are its own (here: 5,000 us behind the spans' clock,
+    threads 1007 and 99 for the spans' 7 and 8); the anchor kernel is launched at monotonic 0."""
     base = -5000.0
     events = [
         _x("cuda_runtime", "cudaLaunchKernel", base + 0, 1, 1),
@@ -32,7 +32,7 @@ def _trace(tmp_path: Path) -> Path:
         _x("kernel", "attn", base + 15_100, 1_000, 2, tid=1),
         _x("cuda_runtime", "cudaMemcpyAsync", base + 12_000, 4_200, 3),
         _x("gpu_memcpy", "Memcpy DtoH (Device -> Pageable)", base + 16_150, 50, 3, tid=1),
-        # launched by a thread that ran no stage: given to the stage open at that time
+        # another thread: the profiler's threads are matched to the spans' by their stages
         _x("cuda_runtime", "cudaLaunchKernel", base + 18_000, 5, 4, tid=99),
         _x("kernel", "topk", base + 18_010, 500, 4, tid=1),
         # outside any round: not counted
@@ -60,8 +60,8 @@ def test_trace_attribution_and_busy_time(tmp_path: Path) -> None:
     verify = s["target.verify"]  # the copy waited on: a sync, and its device time
     assert verify["syncs_per_round"] == 1 and verify["sync_wait_ms_per_round"] == pytest.approx(4.2)
     assert verify["device_ms_per_round"] == pytest.approx(0.05)
-    assert s["draft.propose"]["kernels_per_round"] == 1  # matched by time, not thread
-    assert timeline.by_time_only == 1
+    assert s["draft.propose"]["kernels_per_round"] == 1  # its thread, not the verify's
+    assert timeline.by_time_only == 0
     assert NO_STAGE not in s
     summary = timeline.summary()
     assert summary["rounds"] == 1 and summary["round_ms"]["median"] == pytest.approx(10.0)
