@@ -11,7 +11,8 @@ target stages as spans on the monotonic clock), and on a GPU one more under `tor
 (device activity only: kernels, copies, CUDA runtime calls; `bench.timeline_analysis` puts them
 on the spans' clock and gives each kernel to the stage that launched it). ``--cluster`` runs the
 same through target, draft and router processes (one router micro-batch, speculation always),
-each service timing its own stages inside the same window of requests (`bench.timeline_service`).
+each service timing its own stages inside the same window of requests (`bench.timeline_service`;
+on a GPU the services' device traces cover the first batch size only).
 Speculation is always on: every round drafts and verifies a full tree.
 
 Writes ``OUT/timeline.json`` and ``OUT/timeline.md``; the profiler traces stay in
@@ -25,7 +26,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import signal
 import sys
 import tempfile
 import time
@@ -106,9 +106,9 @@ async def _cluster(args: argparse.Namespace, spec: SpecParams, traces: Path) -> 
             rs = RunSpec("cluster", "code", b, 0.0, spec, args.max_new_tokens, b, args.dtype,
                          args.draft_kind)  # fmt: skip
             await c.run(rs, prompts[:b])  # warm-up at this size
-            await spawn.window(signal.SIGUSR1, ".open")
+            await spawn.window("open", ".open")
             res = await c.run(rs, prompts[:b])
-            await spawn.window(signal.SIGUSR2, ".json")
+            await spawn.window("close", ".json")
             results = spawn.results()  # the services' profiles cover their first window only
             kind = "profiled" if any(r.get("trace") for r in results) else "spans_only"
             out[f"b{b}"] = {kind: _cluster_timeline(results, res["mean_accept_len"])}

@@ -1,9 +1,10 @@
 """A cluster service of `bench.round_timeline --cluster`: ``specmesh SERVICE_ARGS...`` with the
-round's stages timed (`bench.timeline_spans`) inside one window of requests. SIGUSR1 opens the
-window (and, in a model service on a GPU, starts `torch.profiler` on the device's activity and
-launches the clock anchor); SIGUSR2 closes it and writes ``PREFIX.json`` (the spans, the anchor)
-and ``PREFIX.trace.json`` (the profiler's chrome trace). ``PREFIX.open`` / ``PREFIX.json``
-appearing tell the bench that a window is open / written.
+round's stages timed (`bench.timeline_spans`) inside one window of requests. The bench writes
+``open`` or ``close`` into ``PREFIX.cmd``; a control thread of the service reads it. Open
+starts the spans (and, in a model service on a GPU, launches the clock anchor of the profiler
+it started before loading anything) and writes ``PREFIX.open``; close writes ``PREFIX.json``
+(the spans, the anchor) and ``PREFIX.trace.json`` (the profiler's chrome trace, first window
+only). A file, not a signal: on the H200 the model services never answered SIGUSR1 (three runs).
 
     python -m specmesh.bench.timeline_service PREFIX SERVICE_ARGS...   (started by `TimelineSpawn`)
 """
@@ -14,8 +15,6 @@ import asyncio
 import faulthandler
 import json
 import os
-import queue
-import signal
 import subprocess
 import sys
 import threading
@@ -29,6 +28,7 @@ from specmesh.bench.timeline_spans import Spans, install
 
 MODULE = "specmesh.bench.timeline_service"
 WINDOW_TIMEOUT_S = 45.0
+POLL_S = 0.02  # how often a service looks for a command
 
 
 PROFILE_ENV = "SPECMESH_TIMELINE_DEVICE"  # set: model services record device activity
@@ -66,16 +66,15 @@ def stop_device_profile(prof: Any, trace_path: Path) -> None:
 
 
 class ServiceWindow:
-    """The SIGUSR1 / SIGUSR2 window of one service process. The signal handlers only queue the
-    command: a control thread of its own opens and closes the window, so that neither the
-    profiler nor an error of it runs inside whatever the main thread was doing. A model service
-    told to record the device (``SPECMESH_TIMELINE_DEVICE``) starts the profiler before the
-    service loads anything: started in a service already serving, on a GPU, it never returned."""
+    """The window of one service process, opened and closed by commands in ``PREFIX.cmd`` that
+    a control thread of its own carries out, so that neither the profiler nor an error of it
+    runs inside whatever the service's threads were doing. A model service told to record the
+    device (``SPECMESH_TIMELINE_DEVICE``) starts the profiler before the service loads
+    anything: started in a service already serving, on a GPU, it never returned."""
 
     def __init__(self, prefix: Path, kind: str) -> None:
         self.prefix, self.kind = prefix, kind
         self.spans, self.prof, self.anchor, self.error = Spans(), None, 0, None
-        self.commands: queue.SimpleQueue[str] = queue.SimpleQueue()
         install(self.spans)
         if kind != "router" and os.environ.get(PROFILE_ENV):
             from torch.profiler import ProfilerActivity, profile
@@ -83,12 +82,15 @@ class ServiceWindow:
             self.prof = profile(activities=[ProfilerActivity.CUDA])
             self.prof.start()
         threading.Thread(target=self._control, name="timeline-control", daemon=True).start()
-        signal.signal(signal.SIGUSR1, lambda *_: self.commands.put("open"))
-        signal.signal(signal.SIGUSR2, lambda *_: self.commands.put("close"))
 
     def _control(self) -> None:
+        cmd = self.prefix.with_suffix(".cmd")
         while True:
-            command = self.commands.get()
+            time.sleep(POLL_S)
+            if not cmd.exists():
+                continue
+            command = cmd.read_text().strip()
+            cmd.unlink()
             faulthandler.dump_traceback_later(HANG_DUMP_S)
             try:
                 self.open() if command == "open" else self.close()
@@ -155,18 +157,19 @@ class TimelineSpawn:
         self.started[kind] = (proc, prefix)
         return f"{LOOPBACK}:{port}"
 
-    async def window(self, signum: int, suffix: str) -> None:
-        """Signal every service and wait until each has answered with ``PREFIX<suffix>``."""
-        for proc, prefix in self.started.values():
+    async def window(self, command: str, suffix: str) -> None:
+        """Tell every service to ``open`` or ``close`` its window and wait until each has
+        answered with ``PREFIX<suffix>``."""
+        for _, prefix in self.started.values():
             prefix.with_suffix(suffix).unlink(missing_ok=True)
-            proc.send_signal(signum)
+            tmp = prefix.with_suffix(".cmd-tmp")
+            tmp.write_text(command)
+            tmp.rename(prefix.with_suffix(".cmd"))
         deadline = time.monotonic() + WINDOW_TIMEOUT_S
         while not all(p.with_suffix(suffix).exists() for _, p in self.started.values()):
             if time.monotonic() > deadline:
                 silent = [k for k, (_, p) in self.started.items() if not p.with_suffix(suffix).exists()]  # fmt: skip
-                raise TimeoutError(
-                    f"{', '.join(silent)} did not answer the timeline signal {signum}"
-                )
+                raise TimeoutError(f"{', '.join(silent)} did not {command} the timeline window")
             await asyncio.sleep(0.05)
 
     def results(self) -> list[dict[str, Any]]:

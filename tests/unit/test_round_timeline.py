@@ -100,3 +100,20 @@ def test_in_process_run_on_the_tiny_pair(tmp_path: Path) -> None:
     # a stage runs inside its round: no stage takes longer per round than the round itself
     assert max(r["host_ms_per_round"] for r in summary["stages"]) <= summary["round_ms"]["mean"]
     assert "### in-process, b2, spans only" in (tmp_path / "timeline.md").read_text()
+
+
+def test_cluster_run_times_every_process(tmp_path: Path) -> None:
+    """Through target, draft and router processes: each service's stages inside the router's
+    rounds, and what each call took beyond the service's handling of it."""
+    from specmesh.bench.round_timeline import main
+
+    args = ["--batch-sizes", "1", "--max-new-tokens", "8", "--cluster", "--no-in-process"]
+    assert main([*args, "--out", str(tmp_path)]) == 0
+    summary = json.loads((tmp_path / "timeline.json").read_text())["results"]["cluster"]["b1"]
+    summary = summary["spans_only"]
+    seen = {(row["process"], row["stage"]) for row in summary["stages"]}
+    assert {("draft", "draft.rpc_batch"), ("target", "target.rpc_batch"),
+            ("router", "router.verify_call"), ("draft", "draft.propose")} <= seen  # fmt: skip
+    assert set(summary["hops"]) == {"router.draft_call beyond draft.rpc_batch",
+                                    "router.verify_call beyond target.rpc_batch"}  # fmt: skip
+    assert all(ms > 0 for ms in summary["hops"].values())
