@@ -11,6 +11,7 @@ names the numbers.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,7 @@ class DraftSizes:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
-    @property
+    @cached_property
     def spec_tokens_per_req(self) -> int:
         """Speculative KV slots a request writes per round: the pending row plus topk nodes per
         decode step."""
@@ -35,16 +36,16 @@ class DraftSizes:
     def max_query_rows(self) -> int:
         return self.max_bs * self.topk
 
-    @property
+    @cached_property
     def max_kv_per_req(self) -> int:
         return self.max_context_len + self.spec_tokens_per_req
 
-    @property
+    @cached_property
     def kv_indices_capacity(self) -> int:
         """Upper bound on kv entries one decode step reads: ``max_bs * max_kv_per_req``."""
         return self.max_bs * self.max_kv_per_req
 
-    @property
+    @cached_property
     def mask_capacity(self) -> int:
         """Upper bound on custom-mask entries one decode step needs: every one of the
         ``max_bs * topk`` query rows against its request's kv."""
@@ -57,7 +58,9 @@ class DraftSizes:
         return seq_lens_sum + bs * (1 + topk * step)
 
     def check_kv_entries(self, seq_lens_sum: int, bs: int, step: int) -> None:
-        used_kv = self.kv_entries(seq_lens_sum, bs, self.topk, step)
+        """Raise unless step ``step`` of ``bs`` requests fits the buffers (called every step: the
+        capacities are computed once)."""
+        used_kv = seq_lens_sum + bs * (1 + self.topk * step)  # `kv_entries`
         used_mask = used_kv * self.topk
         if bs > self.max_bs or used_kv > self.kv_indices_capacity or used_mask > self.mask_capacity:
             raise ValueError(

@@ -9,7 +9,7 @@ from specmesh.bench.round_trace import trace_rounds
 
 # Named functions (comprehensions and lambdas aside) and files of one round; the round's goal
 # is 150 in 35 files. Lower these when the path gets shorter; never raise them for a feature.
-MAX_FUNCTIONS, MAX_FILES = 175, 42
+MAX_FUNCTIONS, MAX_FILES = 170, 42
 OFF = ("PreDrafter", "PredraftBudget", "PredraftRuntime", "DraftGrammars", "RunAhead",
        "TensorParallel", "_send_ahead")  # fmt: skip
 
