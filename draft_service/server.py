@@ -142,7 +142,7 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServicer):
                     ExtendInput(
                         r.request_id, list(r.token_ids), r.next_token_id, cut(features), cut(mm),
                         is_multimodal=r.multimodal, new=r.starts_request, constraint=constraint,
-                        output_start=r.output_start,
+                        output_start=r.output_start, learn=not r.exclude_from_learning,
                     )
                 )  # fmt: skip
             start += n

@@ -121,6 +121,7 @@ class ExtendInput:
     # expanded) are not the grammar's; a replay's context ends with output it emitted before.
     constraint: Constraint | None = None
     output_start: int = 0
+    learn: bool = True  # False: the client kept the request out of the draft's online learning
 
 
 @dataclass

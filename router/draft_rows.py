@@ -53,6 +53,7 @@ def with_backlog(slot: Slot, extend: ExtendInput) -> ExtendInput:
         new=not slot.on_draft,
         constraint=parts[0].constraint,  # a starting extend's, counted from its first id
         output_start=parts[0].output_start,
+        learn=extend.learn,
     )
 
 

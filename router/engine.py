@@ -89,13 +89,15 @@ class Engine:
         *,
         disable_speculation: bool = False,
         images: list[list[bytes]] | None = None,
+        exclude_from_learning: bool = False,
     ) -> list[GenerationResult]:
         """Run every prompt to completion (continuous batching); results in prompt order.
-        ``images[i]`` are the encoded images of prompt i (multimodal targets)."""
+        ``images[i]`` are the encoded images of prompt i (multimodal targets);
+        ``exclude_from_learning`` keeps the prompts out of the draft's online learning."""
         n = len(prompts)
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n
         reqs = [
-            self.make_request(p, sp, not disable_speculation, imgs)
+            self.make_request(p, sp, not disable_speculation, imgs, not exclude_from_learning)
             for p, sp, imgs in zip(prompts, params, images or [[]] * n, strict=True)
         ]
         return asyncio.run(self._generate_all(reqs))
@@ -115,6 +117,7 @@ class Engine:
         params: SamplingParams,
         speculate: bool = True,
         images: list[bytes] | None = None,
+        learn: bool = True,
     ) -> Request:
         if isinstance(prompt, list):
             ids = list(prompt)
@@ -126,6 +129,7 @@ class Engine:
             replace(params, seed=resolve_seed(params.seed)),
             self.target.model_config.eos_token_ids,
             speculate and self.draft is not None,
+            learn,
             images=list(images or []),
             detok=Detokenizer(self.tokenizer, ids),
         )

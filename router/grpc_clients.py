@@ -305,6 +305,7 @@ class GrpcDraftClient(_GrpcClient):
                 multimodal=e.is_multimodal and e.new,
                 constraint=constraint_to_pb(e.constraint if e.new else None),
                 output_start=e.output_start if e.new else 0,
+                exclude_from_learning=not e.learn,
             )
             for e in extends
         ]

@@ -175,6 +175,7 @@ class OpenAIService:
                 index = i * body.n + j
                 seed = None if params.seed is None else choice_seed(params.seed, j)
                 msg = _message(f"{rid}-{index}", prompt, params, max_tokens, images)
+                msg.exclude_from_learning = body.exclude_from_learning
                 req = await self.request(msg, replace(params, seed=seed), body)
                 if j == 0:
                     shown = self.shown(msg.prompt, req.prompt_ids) if echo else None

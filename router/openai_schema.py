@@ -95,6 +95,8 @@ class SamplingBody(BaseModel):
     # specmesh's: this request's speculative figures in the response (`openai_spec`); None:
     # the router's --per-request-spec-decode-metrics
     spec_decode_metrics: Literal["none", "summary", "detailed"] | None = None
+    # specmesh's: keep this request out of the draft's online learning (GenerateRequest's field)
+    exclude_from_learning: bool = False
 
     @property
     def stop_list(self) -> list[str]:

@@ -49,7 +49,7 @@ class Proposer:
             if s.placement.draft is not None:
                 feats, mm = rows.get(s.rid, (None, None))
                 extend = ExtendInput(s.rid, ids[s.rid], out.tokens[s.rid][-1], feats, mm,
-                                     bool(s.request.images))  # fmt: skip
+                                     bool(s.request.images), learn=s.request.learn)  # fmt: skip
                 if not s.on_draft and not s.draft_backlog:  # it starts: the whole context
                     _constrain(extend, s, len(ids[s.rid]) - s.request.num_generated)
                 groups[s.placement.draft].append((s, extend))
@@ -67,7 +67,8 @@ class Proposer:
             if not s.request.finished and s.placement.draft is not None:
                 feats, mm = rows[s.rid]
                 extend = ExtendInput(s.rid, pieces[s.rid].input_ids, next_context_token(s),
-                                     feats, mm, False, new=not s.on_draft)  # fmt: skip
+                                     feats, mm, False, new=not s.on_draft,
+                                     learn=s.request.learn)  # fmt: skip
                 if extend.new:  # a first piece: the output starts after the prompt
                     _constrain(extend, s, len(s.request.prompt_ids))
                 groups[s.placement.draft].append((s, extend))

@@ -40,6 +40,7 @@ class Request:
     params: SamplingParams  # seed always resolved, so a replay samples identically
     eos_token_ids: tuple[int, ...] = ()
     speculate: bool = True  # asked for; the scheduler may turn it off (`Slot.speculate`)
+    learn: bool = True  # False: kept out of the draft's online learning (client's choice)
     images: list[bytes] = field(default_factory=list)
     detok: Detokenizer | None = None
     output_ids: list[int] = field(default_factory=list)

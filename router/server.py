@@ -188,6 +188,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             replace(params, seed=resolve_seed(params.seed)),
             core.info.eos_token_ids,
             speculate=not msg.disable_speculation,
+            learn=not msg.exclude_from_learning,
             images=list(msg.images),
             detok=Detokenizer(self.tokenizer, ids) if self.tokenizer is not None else None,
         )

@@ -49,6 +49,7 @@ class GenerationClient:
         images: Sequence[bytes] = (),
         request_id: str = "",
         timeout: float | None = None,
+        exclude_from_learning: bool = False,
     ):  # -> grpc call, an iterator of GenerateResponse
         if isinstance(sampling, SamplingParams):
             sampling = sampling_to_pb(sampling)
@@ -59,6 +60,7 @@ class GenerationClient:
             sampling=sampling,
             disable_speculation=disable_speculation,
             images=list(images),
+            exclude_from_learning=exclude_from_learning,
         )
         return self.stub.Generate(request, timeout=timeout)
 

@@ -112,7 +112,7 @@ class OnlineLearner:
         embedding to train on (DESIGN.md invariant 1)."""
         try:
             for inp in extends:
-                if inp.features is not None and not (inp.new and inp.is_multimodal):
+                if inp.learn and inp.features is not None and not (inp.new and inp.is_multimodal):
                     self.buffer.add(inp.rid, inp.new, inp.committed_ids, inp.features)
         except Exception:
             log.exception("online learning: rows not kept")

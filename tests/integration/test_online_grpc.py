@@ -99,3 +99,20 @@ def test_the_drafts_metrics_carry_the_learners_series(online) -> None:
     version = online.learner.stats().version
     assert f'specmesh_online_weight_version{{service="draft"}} {float(version)}' in text
     assert "specmesh_online_updates_total" in text and "specmesh_online_tokens_observed" in text
+
+
+def test_a_request_kept_out_of_learning_leaves_no_rows(online) -> None:
+    """GenerateRequest.exclude_from_learning reaches the draft on every extend: the learner
+    keeps none of that request's rows, and the same request without it is kept."""
+    learner, prompt = online.learner, prompts(1, seed=7)[0]
+
+    def served(exclude: bool) -> int:
+        before = learner.stats().tokens_observed
+        call = online.client.generate(prompt_token_ids=prompt, sampling=greedy(16),
+                                      exclude_from_learning=exclude)  # fmt: skip
+        assert len(collect(iter(call))[0]) == 16
+        assert wait_until(lambda: not online.draft.runtime.live)
+        return learner.stats().tokens_observed - before
+
+    assert served(exclude=True) == 0
+    assert served(exclude=False) > len(prompt)

@@ -124,3 +124,25 @@ def test_every_seed_works_with_any_n(oa: openai.OpenAI) -> None:
         assert error["param"] == "seed", error
         bound = "less than 9223372036854775808" if seed > 0 else "greater than or equal to 0"
         assert bound in error["message"], error
+
+
+# -- exclude_from_learning ---------------------------------------------------------------------
+@pytest.mark.parametrize("exclude", [True, False])
+def test_exclude_from_learning_reaches_every_extend(oa: openai.OpenAI, stack, exclude) -> None:
+    """specmesh's body field travels router -> draft on each of the request's extends (the
+    learner keeps no row of an extend marked so: tests/integration/test_online_grpc.py)."""
+    runtime, seen = stack.draft.runtime, []
+    step = runtime.step
+
+    def spy(extends, *args, **kwargs):
+        seen.extend(e.learn for e in extends)
+        return step(extends, *args, **kwargs)
+
+    runtime.step = spy
+    try:
+        out = oa.completions.create(model="target", prompt=[5, 6, 7], max_tokens=8,
+                                    extra_body={"exclude_from_learning": exclude})  # fmt: skip
+    finally:
+        runtime.step = step
+    assert out.choices[0].text is not None
+    assert seen and set(seen) == {not exclude}

@@ -91,7 +91,7 @@ class ExtendBatch(_message.Message):
     def __init__(self, requests: _Optional[_Iterable[_Union[ExtendRequest, _Mapping]]] = ..., states: _Optional[_Union[_common_pb2.HiddenStates, _Mapping]] = ..., propose_after: _Optional[bool] = ..., propose_params: _Optional[_Union[ProposeParams, _Mapping]] = ...) -> None: ...
 
 class ExtendRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "starts_request", "next_token_id", "multimodal", "constraint", "output_start")
+    __slots__ = ("request_id", "token_ids", "starts_request", "next_token_id", "multimodal", "constraint", "output_start", "exclude_from_learning")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     STARTS_REQUEST_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +99,7 @@ class ExtendRequest(_message.Message):
     MULTIMODAL_FIELD_NUMBER: _ClassVar[int]
     CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_START_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDE_FROM_LEARNING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     starts_request: bool
@@ -106,7 +107,8 @@ class ExtendRequest(_message.Message):
     multimodal: bool
     constraint: _generation_pb2.Constraint
     output_start: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., starts_request: _Optional[bool] = ..., next_token_id: _Optional[int] = ..., multimodal: _Optional[bool] = ..., constraint: _Optional[_Union[_generation_pb2.Constraint, _Mapping]] = ..., output_start: _Optional[int] = ...) -> None: ...
+    exclude_from_learning: bool
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., starts_request: _Optional[bool] = ..., next_token_id: _Optional[int] = ..., multimodal: _Optional[bool] = ..., constraint: _Optional[_Union[_generation_pb2.Constraint, _Mapping]] = ..., output_start: _Optional[int] = ..., exclude_from_learning: _Optional[bool] = ...) -> None: ...
 
 class ProposeBatch(_message.Message):
     __slots__ = ("requests", "params")

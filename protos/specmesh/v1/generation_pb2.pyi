@@ -78,20 +78,22 @@ class TopLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "prompt_token_ids", "sampling", "disable_speculation", "images")
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "sampling", "disable_speculation", "images", "exclude_from_learning")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DISABLE_SPECULATION_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDE_FROM_LEARNING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     disable_speculation: bool
     images: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., disable_speculation: _Optional[bool] = ..., images: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    exclude_from_learning: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., disable_speculation: _Optional[bool] = ..., images: _Optional[_Iterable[bytes]] = ..., exclude_from_learning: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finish_reason", "stats", "logprobs", "prompt_logprobs")
