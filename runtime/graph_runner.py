@@ -212,7 +212,7 @@ class GraphRunner:
         """Reserve the real requests' KV and copy the padded batch into the static buffers."""
         q, buf = self.sizes.tokens_per_req, self.buffers
         raw_bs, num_pad = len(items), bs - len(items)
-        raw, n = raw_bs * q, bs * q
+        raw = raw_bs * q
         kv_lens = [it.start + q for it in items]  # host-side: no device sync
         kv_raw = sum(kv_lens)
         mask_raw = kv_raw * q if self.sizes.has_mask else 0
@@ -235,7 +235,18 @@ class GraphRunner:
             buf.kv_indptr[0] = 0
             if buf.mask_indptr is not None:
                 buf.mask_indptr[0] = 0
-        # Padding requests: q rows each, their K/V in pad_slot, seeing only pad_slot.
+        if num_pad:
+            self._fill_padding(raw_bs, num_pad, kv_raw, mask_raw)
+        cpu = [*kv_lens, *[q] * num_pad] if self.backend.needs_cpu_metadata else None
+        return buf.metadata(bs, q, cpu)
+
+    def _fill_padding(self, raw_bs: int, num_pad: int, kv_raw: int, mask_raw: int) -> None:
+        """Padding requests after the ``raw_bs`` real ones: q rows each, their K/V in pad_slot,
+        seeing only pad_slot. (A batch that fills its bucket has none: none of these ops runs,
+        each a dispatch, and on a GPU a launch, in every draft step.)"""
+        q, buf = self.sizes.tokens_per_req, self.buffers
+        bs, raw = raw_bs + num_pad, raw_bs * q
+        n = bs * q
         buf.kv_indptr[raw_bs + 1 : bs + 1].copy_(buf.pad_rows[:num_pad] + kv_raw)
         buf.kv_indices[kv_raw : kv_raw + num_pad * q].fill_(self.pad_slot)
         buf.out_slots[raw:n].fill_(self.pad_slot)
@@ -244,7 +255,6 @@ class GraphRunner:
         if buf.hidden_in is not None:
             buf.hidden_in[raw:n].zero_()
         if buf.custom_mask is not None:
+            pad_mask = num_pad * q * q
             buf.custom_mask[mask_raw : mask_raw + pad_mask].copy_(buf.pad_mask[:pad_mask])
             buf.mask_indptr[raw_bs + 1 : bs + 1].copy_(buf.pad_rows[:num_pad] * q + mask_raw)
-        cpu = [*kv_lens, *[q] * num_pad] if self.backend.needs_cpu_metadata else None
-        return buf.metadata(bs, q, cpu)
