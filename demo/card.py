@@ -145,6 +145,17 @@ def _target_training(r: DemoReport, c: DemoConfig, schedule: str) -> str:
   bf16 autocast; last training loss {r.target_train_loss:.3f}."""
 
 
+def _trained_on(r: DemoReport) -> str:
+    """How much text the target saw, for the card's opening."""
+    if r.init_from is None:
+        return f"trained from scratch on {r.target_train_tokens / 1e6:.1f}M tokens of Python"
+    if r.target_steps == 0:
+        return "trained by the earlier runs under Training"
+    return (
+        f"trained on {r.target_train_tokens / 1e6:.1f}M more tokens of Python after an earlier run"
+    )
+
+
 def _steps_note(cfg: DemoConfig) -> str:
     if cfg.target_max_steps is None or cfg.draft_max_steps is None:
         return "The number of steps depends on the machine's speed (the schedule follows the time budget)."  # fmt: skip
@@ -175,22 +186,27 @@ def render_card(report: DemoReport, cfg: DemoConfig, heldout_files: list[str]) -
     eval_only_tokens = f", {r.eval_only_tokens:,} eval-only" if r.eval_only_tokens else ""
     return f"""# specmesh demo pair: a tiny Python-code Llama and its EAGLE-3 draft
 
-Trained from scratch on {r.device_name} by `specmesh.demo.make_demo`, preset `{r.preset}`.
+Trained on {r.device_name} by `specmesh.demo.make_demo`, preset `{r.preset}`.
 For exercising the serving system end to end (target, EAGLE-3 draft, tree verification)
 without downloads.
 
     {_command(r)}
 
-What to expect of a model this small ({r.target_params / 1e6:.1f}M parameters, trained on
-{r.target_train_tokens / 1e6:.1f}M tokens of Python): it continues Python in the standard
-library's style (imports, classes, functions with docstrings, plausible names and calls) and
-keeps indentation and syntax mostly right, but it does not know what a name means: `def
-fib(n):` gets a body, not Fibonacci. It drifts from one definition to the next, and greedy
-decoding can fall into loops on long outputs. Sampling reads best (temperature 0.7, top-p
-0.95); greedy output is the most predictable, so speculation accepts most there.
+What to expect of a model this small ({r.target_params / 1e6:.1f}M parameters, {_trained_on(r)}):
+it continues Python in the style of what it read (docstrings with sections, `if` / `return`,
+`os.path` calls) and keeps indentation mostly right, but it does not know what a name means
+(`def read_lines(path):` gets a docstring and a body, not code that reads lines), and it
+repeats itself: greedy decoding loops on many prompts (`import os` and a newline gives `import
+os` over and over, below), which is why the README's examples use prompts where it does not.
+Sampling (temperature 0.7, top-p 0.95) loops less and reads as Python-shaped text, not
+programs. Greedy text is the most predictable, so speculation accepts most there; sampled, the
+draft agrees less and the adaptive policy mostly decodes plainly on a CPU (the speed table).
 
-The target is {c.num_layers} layers deep: on a CPU a forward of these sizes costs about the same
-per layer whatever the width, so depth is what makes the one-layer draft cheap beside it.
+Traded for speculation on a CPU: the target is {c.num_layers} layers deep ({r.target_mb:.1f} MB in
+bf16, of the ~20 MB the repository holds for the pair), since a forward of these sizes costs
+about the same per layer whatever the width, so depth is what makes the one-layer draft cheap
+beside it; the price is a slower plain step. Less repetitive text is also harder to predict:
+the draft accepts less than it did beside the earlier, loopier 8-layer target.
 
 ## Files
 
@@ -251,7 +267,7 @@ data ready in {r.data_seconds:.0f} s. Vocabulary {r.vocab_size}: byte-level BPE 
 `python -m specmesh.demo.compare PAIR_DIR ...` measures pairs side by side on the held-out
 files of the running Python.
 
-## Greedy continuations of the README's prompts
+## Greedy continuations of the README's prompts (the last two: prompts it no longer uses)
 
 {_continuations(r)}
 

@@ -32,7 +32,7 @@ from specmesh.demo.target import (
     save_target,
     target_loss,
 )
-from specmesh.demo.text import greedy_continuations
+from specmesh.demo.text import LOOPING_PROMPTS, README_PROMPTS, greedy_continuations
 
 
 def train_target(
@@ -233,7 +233,7 @@ def make_demo(
     finally:
         if bars_were_on:
             hf_logging.enable_progress_bar()
-    readme = greedy_continuations(str(out_dir / "target"))
+    readme = greedy_continuations(str(out_dir / "target"), README_PROMPTS + LOOPING_PROMPTS)
     report = build_report(
         pair, out_dir, preset=name, seed=seed, time_budget_s=time_budget_s,
         total_seconds=time.monotonic() - start, device=torch_device.type,

@@ -13,8 +13,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-# The prompts the README's examples send (in process, Python API, gRPC, OpenAI HTTP).
-README_PROMPTS = ("def fib(n):", "import os\n", "def fibonacci(n):")
+# The prompts the README's examples send (in process, Python API, gRPC, OpenAI HTTP): chosen
+# for the demo pair, whose greedy text loops on `def fib(n):` and `import os\n` (its card shows).
+README_PROMPTS = ("def read_lines(path):", "def list_files(path):")
+LOOPING_PROMPTS = ("def fib(n):", "import os\n")  # the README's earlier prompts, on the card
 NEW_TOKENS = 64  # the longest continuation the README's examples ask for (generate's default)
 MAX_REPEATS = 3  # back-to-back copies of one n-gram a greedy continuation may hold
 MAX_NGRAM = 16  # longest n-gram (tokens) looked for
