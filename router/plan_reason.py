@@ -29,9 +29,9 @@ class Option:
         return self.tokens / self.seconds if self.seconds else math.inf
 
     def describe(self) -> str:
-        if self.seconds is None:
-            return f"{self.tree_size}-node trees (not measured yet)"
         what = "a plain step" if self.tree_size == 1 else f"{self.tree_size}-node trees"
+        if self.seconds is None:
+            return f"{what} (not measured yet)"
         cost = f"{self.verify_s * 1e3:.1f} ms"
         if self.tree_size > 1:
             draft = "?" if self.draft_s is None else f"{self.draft_s * 1e3:.1f}"
