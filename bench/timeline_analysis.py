@@ -206,6 +206,13 @@ class Timeline:
                 out[f"{call} beyond {service}.rpc_batch"] = (
                     (outer.host_ns - inner.host_ns) / 1e6 / n
                 )
+        # The router's waits on its streams beyond the services' steps (a step's own handling,
+        # worker hand-off included): the wire, the streams' reading and both event loops.
+        waits = self.totals.get(("router", "router.stream_wait"))
+        steps = [self.totals.get((p, "service.step")) for p in ("draft", "target")]
+        if waits and all(steps):
+            beyond = waits.host_ns - sum(t.host_ns for t in steps)
+            out["router.stream_wait beyond the services' steps"] = beyond / 1e6 / n
         return out
 
     def summary(self, tokens_per_round: float | None = None) -> dict[str, Any]:
