@@ -8,13 +8,12 @@ import sys
 from typing import Any
 
 from specmesh.cli.serve_args import add_model_arg, choose_runtime_from_args
+from specmesh.defaults import DEFAULT_SPEC
 from specmesh.protocol.config import DRAFT_KINDS
 from specmesh.protocol.sampling import SamplingParams
 from specmesh.router.policy import MODES as SPECULATION_MODES
 from specmesh.router.policy import SpeculationPolicy
 from specmesh.rpc.security import add_api_key_arg, add_tls_args, tls_from_args
-
-DEFAULT_SPEC = {"num_steps": 3, "topk": 4, "num_draft_tokens": 8}
 
 
 def add_model_args(p: argparse.ArgumentParser, auto_runtime: bool = True) -> None:

@@ -26,7 +26,7 @@ from specmesh.bench.session import WORKER_TIMEOUT_S
 from specmesh.bench.spawn import run_worker
 from specmesh.bench.suite import interleave
 from specmesh.bench.worker import Job
-from specmesh.cli.cmd_generate import DEFAULT_SPEC
+from specmesh.defaults import DEFAULT_SPEC
 from specmesh.demo.card import SPEED_SECTION as SECTION
 from specmesh.demo.text import README_PROMPTS
 from specmesh.protocol.config import SpecParams

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO_MODELS = Path(__file__).resolve().parents[1] / "models" / "demo"
+# The tree shape `specmesh generate`, `specmesh up` and the demo's speed table run by default.
+DEFAULT_SPEC = {"num_steps": 3, "topk": 4, "num_draft_tokens": 8}
 
 
 @dataclass(frozen=True)
