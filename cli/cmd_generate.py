@@ -225,18 +225,20 @@ def policy_summary(policy: SpeculationPolicy, mode: str | None) -> dict[str, Any
     return {"mode": mode, "plain_rounds": plain, "speculative_rounds": speculative, "note": note}
 
 
-def router_summary(accept_lens: list[int], num_draft_tokens: int, disabled: bool) -> dict[str, Any]:
-    """What the router's stats tell of speculation (its policy's reasons stay in its log)."""
+def router_summary(stats: Any, disabled: bool) -> dict[str, Any]:
+    """What the router's stats (`RequestStats`) tell of speculation: its plain and speculative
+    rounds and why its adaptive policy last planned one plain."""
+    rounds, plain = len(stats.accept_lens), stats.num_plain_rounds
+    out = {"mode": "router", "plain_rounds": plain, "speculative_rounds": rounds - plain}
     if disabled:
         note = "--disable-speculation: plain decoding"
-    elif num_draft_tokens:
-        note = f"{num_draft_tokens} draft tokens verified in {len(accept_lens)} rounds"
+    elif stats.plain_reason:
+        note = f"plain decoding in {plain} of {rounds} rounds, the latest: {stats.plain_reason}"
+    elif stats.num_draft_tokens:
+        note = f"{stats.num_draft_tokens} draft tokens verified in {rounds} rounds"
     else:
-        note = (
-            "no round verified a draft token: the router serves without a draft, or its adaptive "
-            "policy planned plain decoding (the router logs why at --log-level INFO)"
-        )
-    return {"mode": "router", "note": note}
+        note = "no round verified a draft token: the router has no draft, or it failed"
+    return {**out, "note": note}
 
 
 def result_dict(
@@ -298,7 +300,7 @@ def generate_via_router(args: argparse.Namespace) -> dict[str, Any]:
         except grpc.RpcError as e:
             raise SystemExit(f"specmesh generate: {e.code().name}: {e.details()}") from None
     accept_lens = list(stats.accept_lens)
-    speculation = router_summary(accept_lens, stats.num_draft_tokens, args.disable_speculation)
+    speculation = router_summary(stats, args.disable_speculation)
     if not args.json:
         print(
             f"[{finish}, {len(token_ids)} tokens, mean accept {stats.mean_accept_len:.2f}"

@@ -67,6 +67,8 @@ DRAFT_PRIOR_WEIGHT = 1.0  # rounds of "every draft token accepted" the draft's r
 @dataclass(frozen=True)
 class Plan:
     tree_size: int  # nodes each request's tree is cut to, root included; 1 = plain decoding
+    # What an adaptive plan compared (None: a fixed mode); not part of the plan's identity.
+    reason: PlanReason | None = field(default=None, compare=False)
 
     @property
     def speculate(self) -> bool:
@@ -240,8 +242,9 @@ class SpeculationPolicy:
             probe.rounds_left -= 1
             size = max_nodes if probe.speculate else 1
         speculative = options[size - 1] if size > 1 else _best(options, range(2, max_nodes + 1))
-        self._tally(key, PlanReason(size, options[0], speculative, probing))
-        return Plan(size)
+        reason = PlanReason(size, options[0], speculative, probing)
+        self._tally(key, reason)
+        return Plan(size, reason)
 
     def _tally(self, key: tuple[str, int], reason: PlanReason) -> None:
         """Count the plan; log when the side the estimates choose changes (probes aside)."""

@@ -82,6 +82,9 @@ class Proposer:
         plan = self.policy.plan(target.name, draft.name, batch, [s.acceptance for s, _ in group],
                                 draft.info.num_draft_tokens)  # fmt: skip
         self.core.metrics.on_plan(target.name, plan.tree_size)
+        if not plan.speculate and plan.reason is not None:
+            for s, _ in group:  # why, for the request's stats (`RequestStats.plain_reason`)
+                s.request.last_plain = plan.reason
         send = []
         for s, extend in group:
             extend = with_backlog(s, extend)

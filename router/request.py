@@ -16,6 +16,7 @@ from specmesh.router.detokenizer import Detokenizer
 
 if TYPE_CHECKING:
     from specmesh.protocol.steps import Logprob
+    from specmesh.router.plan_reason import PlanReason
 
 
 @dataclass
@@ -52,6 +53,7 @@ class Request:
     # accept_lens entry (the HTTP API's per-request speculative figures, `openai_spec`)
     round_drafts: list[int] = field(default_factory=list)
     num_draft_tokens: int = 0  # draft tree nodes its rounds verified, roots excluded
+    last_plain: PlanReason | None = None  # why the adaptive policy last planned it plain
     num_predraft_hits: int = 0  # trees its draft had ready (pre-drafted) when asked
     cached_tokens: int = 0  # prompt tokens the target's prefix cache had (its last prefill)
     draft_wait_s: float = 0.0  # time its rounds waited on the draft for a tree
