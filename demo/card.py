@@ -83,12 +83,14 @@ def _size_table(r: DemoReport, c: DemoConfig) -> str:
 | bf16 safetensors | {r.target_mb:.2f} MB | {r.draft_mb:.2f} MB |"""
 
 
-def _command(r: DemoReport) -> str:
+def _command(r: DemoReport, c: DemoConfig) -> str:
+    """The run's command; an earlier run it started from by the name the card gives it (its
+    path was the machine's own)."""
     flags = (
         f"--preset {r.preset} --device {r.device} --time-budget {r.time_budget_s:g} --seed {r.seed}"
     )
-    init = "" if r.init_from is None else f" --init-from {r.init_from}"
-    init_arg = "" if r.init_from is None else f", init_from={r.init_from!r}"
+    init = "" if r.init_from is None else f" --init-from {c.init_from_name}"
+    init_arg = "" if r.init_from is None else f", init_from={c.init_from_name!r}"
     return (
         f"specmesh make-demo OUT_DIR {flags}{init}\n    # == specmesh.demo.make_demo(OUT_DIR, "
         f"seed={r.seed}, time_budget_s={r.time_budget_s:g}, preset={r.preset!r}, device={r.device!r}"
@@ -135,9 +137,11 @@ def _target_training(r: DemoReport, c: DemoConfig, schedule: str) -> str:
     """The card's target bullet: this run's steps, after the run it started from if any."""
     lineage = f" ({c.lineage})" if c.lineage else ""
     if r.init_from is not None and r.target_steps == 0:
-        return f"- Target: the target of `{r.init_from}`{lineage}, not trained further in this run."
+        return f"- Target: the target of `{c.init_from_name}`{lineage}, not trained further in this run."
     origin = (
-        "" if r.init_from is None else f"the target of `{r.init_from}`{lineage} trained again: "
+        ""
+        if r.init_from is None
+        else f"the target of `{c.init_from_name}`{lineage} trained again: "
     )
     return f"""- Target: {origin}{r.target_steps} AdamW steps of {c.batch_tokens} tokens ({r.target_train_tokens:,} in all,
   {r.target_seconds:.0f} s), random windows of the training files concatenated as
@@ -190,7 +194,7 @@ Trained on {r.device_name} by `specmesh.demo.make_demo`, preset `{r.preset}`.
 For exercising the serving system end to end (target, EAGLE-3 draft, tree verification)
 without downloads.
 
-    {_command(r)}
+    {_command(r, c)}
 
 What to expect of a model this small ({r.target_params / 1e6:.1f}M parameters, {_trained_on(r)}):
 it continues Python in the style of what it read (docstrings with sections, `if` / `return`,

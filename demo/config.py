@@ -47,6 +47,7 @@ class DemoConfig:
     draft_max_steps: int | None = None
     eval_reserve_s: float = 45.0  # kept back from the budget for evaluation and saving
     lineage: str = ""  # the earlier runs an init_from run builds on, for the model card
+    init_from_name: str = "EARLIER_RUN"  # how the card names the init_from run (not its path)
     # Evaluation.
     eval_windows: int = 48  # held-out windows of short_context for loss / step accuracy
     chain_prompts: int = 8  # held-out prompts for the greedy chain simulation
@@ -117,6 +118,7 @@ FULL_DRAFT = replace(
     FULL_MORE,
     target_max_steps=0,
     draft_max_steps=1200,
+    init_from_name="RUN2",
     lineage="`make-demo RUN1 --preset full` trained it from scratch on the standard library (1800 "
     "steps, 3.69M tokens, 3100 s; held-out 1.618 bits/byte), then `make-demo RUN2 --preset "
     "full-more --init-from RUN1` for 1800 more steps on the standard library and a sample of the "

@@ -212,8 +212,8 @@ def test_a_run_from_an_earlier_target_trains_it_further_or_keeps_it(
         tmp_path / "target" / "tokenizer.json"
     ).read_text()
     card = (tmp_path / "README.md").read_text()
-    assert f"--init-from {earlier}" in card
-    assert f"the target of `{earlier}` (RUN1 then RUN2), not trained further" in card
+    assert "--init-from EARLIER_RUN" in card and str(earlier) not in card  # the name, not a path
+    assert "the target of `EARLIER_RUN` (RUN1 then RUN2), not trained further" in card
     more = make_demo(tmp_path / "more", preset="quick", init_from=earlier, progress=False)
     assert more.target_steps == QUICK.target_max_steps
     assert more.target_eval_loss < report.target_eval_loss  # trained again from there
