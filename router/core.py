@@ -255,7 +255,11 @@ class RouterCore:
         held_kv = slot.prefill_sent > 0  # else refused before it held any: a wait, no preemption
         placement = slot.unplaced()
         if placement is not None:
-            await asyncio.gather(*(r.release([slot.rid]) for r in placement.replicas()))
+            releases = [r.release([slot.rid]) for r in placement.replicas()]
+            for error in await asyncio.gather(*releases, return_exceptions=True):
+                if isinstance(error, Exception):  # its places are freed all the same, and the
+                    # request ends: a release that fails must not leave the client waiting
+                    log.error("request %r: release failed: %r", slot.rid, error)
             self.replicas.unplace(placement)
             self.wakeup.set()  # its places are free (its release is on the way, in-band)
         if requeue and held_kv and not slot.request.finished:
