@@ -68,3 +68,16 @@ class FeatureSpec:
         if self.feature is not Feature.AUX_HIDDEN or self.aux is None:
             return self.feature.value
         return f"aux_hidden of layers {list(self.aux.layer_ids)} ({self.aux.convention} numbering)"
+
+
+def draft_needs(needs: list[FeatureSpec]) -> FeatureSpec:
+    """What every target must return per token for these drafts: one thing, or a refusal that
+    says why (a target captures one set of aux layers and returns one feature per stream)."""
+    distinct = list(dict.fromkeys(needs))
+    if len(distinct) > 1:
+        raise ValueError(
+            "the draft replicas read different target features ("
+            + "; ".join(n.describe() for n in distinct)
+            + "); serve one kind of draft per router"
+        )
+    return distinct[0] if distinct else FeatureSpec()

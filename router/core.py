@@ -39,7 +39,7 @@ from specmesh.protocol.errors import (
     ServiceDownError,
     SpecmeshError,
 )
-from specmesh.protocol.features import FeatureSpec
+from specmesh.protocol.features import FeatureSpec, draft_needs
 from specmesh.protocol.steps import TargetInfo
 from specmesh.router.clients import DraftClient, TargetClient
 from specmesh.router.faults import StepDeadline
@@ -255,11 +255,8 @@ class RouterCore:
         held_kv = slot.prefill_sent > 0  # else refused before it held any: a wait, no preemption
         placement = slot.unplaced()
         if placement is not None:
-            releases = [r.release([slot.rid]) for r in placement.replicas()]
-            for error in await asyncio.gather(*releases, return_exceptions=True):
-                if isinstance(error, Exception):  # its places are freed all the same, and the
-                    # request ends: a release that fails must not leave the client waiting
-                    log.error("request %r: release failed: %r", slot.rid, error)
+            for error in await placement.release(slot.rid):  # freed all the same: it ends
+                log.error("request %r: release failed: %r", slot.rid, error)
             self.replicas.unplace(placement)
             self.wakeup.set()  # its places are free (its release is on the way, in-band)
         if requeue and held_kv and not slot.request.finished:
@@ -400,16 +397,3 @@ class RouterCore:
             self.metrics.on_admit(slot.request)
             new.append(slot)
         return new
-
-
-def draft_needs(needs: list[FeatureSpec]) -> FeatureSpec:
-    """What every target must return per token for these drafts: one thing, or a refusal that
-    says why (a target captures one set of aux layers and returns one feature per stream)."""
-    distinct = list(dict.fromkeys(needs))
-    if len(distinct) > 1:
-        raise ValueError(
-            "the draft replicas read different target features ("
-            + "; ".join(n.describe() for n in distinct)
-            + "); serve one kind of draft per router"
-        )
-    return distinct[0] if distinct else FeatureSpec()

@@ -13,6 +13,7 @@ room is not placed (`place` answers None): it waits for admission, never fails f
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 from specmesh.protocol.errors import ServiceDownError
@@ -29,6 +30,14 @@ class Placement:
 
     def replicas(self) -> list[Replica]:
         return [self.target] if self.draft is None else [self.target, self.draft]
+
+    async def release(self, rid: str) -> list[Exception]:
+        """Release the request in every replica, each whatever the others answer; returns
+        the failures (a release that fails must not keep the request from ending)."""
+        answers = await asyncio.gather(
+            *(r.release([rid]) for r in self.replicas()), return_exceptions=True
+        )
+        return [a for a in answers if isinstance(a, Exception)]
 
 
 PLACEMENTS = ("cache-aware", "least-loaded")

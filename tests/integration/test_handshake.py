@@ -25,8 +25,7 @@ from grpc_harness import (
 from specmesh.client import GenerationClient
 from specmesh.draft_service.runtime import load_draft
 from specmesh.protocol.config import DraftConfig, SpecParams, TargetConfig
-from specmesh.protocol.features import AuxLayers, Feature, FeatureSpec
-from specmesh.router.core import draft_needs
+from specmesh.protocol.features import AuxLayers, Feature, FeatureSpec, draft_needs
 from specmesh.router.engine import Engine
 from specmesh.rpc.wire import needs_to_pb
 from specmesh.runtime.tiny import make_tiny_eagle3, make_tiny_target
