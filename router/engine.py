@@ -103,8 +103,10 @@ class Engine:
         return asyncio.run(self._generate_all(reqs))
 
     async def _generate_all(self, reqs: list[Request]) -> list[GenerationResult]:
-        drafts = [InProcessDraft(self.draft)] if self.draft else []
-        core = RouterCore([InProcessTarget(self.target)], drafts, self.router_config, self.policy)
+        threaded = self.router_config.micro_batches(remote=False) > 1  # see `in_process`
+        drafts = [InProcessDraft(self.draft, threaded=threaded)] if self.draft else []
+        target = InProcessTarget(self.target, threaded=threaded)
+        core = RouterCore([target], drafts, self.router_config, self.policy)
         await core.start()
         try:
             return list(await asyncio.gather(*(self._collect(core, r) for r in reqs)))

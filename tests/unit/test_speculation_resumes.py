@@ -28,6 +28,19 @@ class FlakyDraft(InProcessDraft):
         return await super().step(extends, propose)
 
 
+class PacedTarget(InProcessTarget):
+    """Yields the loop a few ms before each verify while ``paced``: the request that lost its
+    draft is still decoding when the breaker's cooldown has passed and the probe has run (an
+    in-process step runs inline and would otherwise race through its tokens)."""
+
+    paced = True
+
+    async def verify(self, inputs, rows=True):
+        if self.paced:
+            await asyncio.sleep(0.005)
+        return await super().verify(inputs, rows)
+
+
 def test_speculation_resumes_after_the_draft_recovers(tiny_dir: Path, oracle) -> None:
     engine = Engine(
         tiny_dir / "target", draft_model=tiny_dir / "target", draft_kind="standalone",
@@ -37,7 +50,8 @@ def test_speculation_resumes_after_the_draft_recovers(tiny_dir: Path, oracle) ->
 
     async def scenario() -> tuple[list[int], list[int], int]:
         draft = FlakyDraft(engine.draft)
-        core = RouterCore([InProcessTarget(engine.target)], [draft], cfg)
+        target = PacedTarget(engine.target)
+        core = RouterCore([target], [draft], cfg)
         await core.start()
         req = engine.make_request([5, 6, 7], SamplingParams(max_new_tokens=150, ignore_eos=True))
         main = asyncio.create_task(_collect(core, req))
@@ -47,6 +61,7 @@ def test_speculation_resumes_after_the_draft_recovers(tiny_dir: Path, oracle) ->
             # A new request gets the draft; its successful step closes the breaker.
             probe = engine.make_request([9, 9], SamplingParams(max_new_tokens=2))
             await within(_collect(core, probe), "a request after the outage")
+            target.paced = False
             tokens = await within(main, "the request that lost its draft")
         finally:
             main.cancel()
