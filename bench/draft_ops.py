@@ -8,7 +8,8 @@ microseconds of it, a kernel launch for most. This counts them on the CPU, where
 the same and deterministic: the tiny EAGLE-3 pair of `bench.hop`, the draft's steps through its
 static-shape runners (the GPU path; each runner's forward, a graph replay there, is not
 counted), one extend of 3 tokens and a 5/4/8 tree per request per round, per stage (extend,
-propose, each expand step) and operator.
+propose, each expand step) and operator. Reads of a tensor's values on the host (``tolist``,
+``item``: a device-to-host copy and a sync on a GPU) are counted beside them.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 SPEC = (5, 4, 8)
+HOST_READS = ("tolist", "item")
 STAGES = (
     ("specmesh.draft_service.runtime", "DraftRuntime", "_extend", "extend"),
     ("specmesh.draft_service.runtime", "DraftRuntime", "_propose", "propose"),
@@ -74,7 +76,17 @@ def _patched(count: OpCount) -> Iterator[None]:
 
         return run
 
+    def host_read(fn, label: str):
+        def read(self, *args, **kwargs):
+            if count.on:
+                count.counts[(count.stage, label)] += 1
+            return fn(self, *args, **kwargs)
+
+        return read
+
     targets = [(GraphRunner, "_forward", quiet)]
+    for name in HOST_READS:  # no operator on CPU, a device-to-host copy and sync on a GPU
+        targets.append((torch.Tensor, name, lambda fn, n=name: host_read(fn, f"{n} (host read)")))
     for module, cls, name, label in STAGES:
         owner = getattr(importlib.import_module(module), cls)
         targets.append((owner, name, lambda fn, label=label: tagged(fn, label)))
@@ -111,6 +123,17 @@ def count_round_ops(models_dir: Path, batch_size: int, rounds: int) -> collectio
     return collections.Counter({k: v / rounds for k, v in count.counts.items()})
 
 
+def split_reads(counts: collections.Counter) -> tuple[collections.Counter, collections.Counter]:
+    """(operators, host reads by stage) of `count_round_ops`' counts."""
+    ops, reads = collections.Counter(), collections.Counter()
+    for (stage, op), n in counts.items():
+        if op.endswith("(host read)"):
+            reads[stage] += n
+        else:
+            ops[(stage, op)] += n
+    return ops, reads
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m specmesh.bench.draft_ops", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -120,11 +143,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", help="where the tiny pair is built (default: a temp dir)")
     args = p.parse_args(argv)
     counts = count_round_ops(Path(args.models or tempfile.mkdtemp()), args.batch_size, args.rounds)
+    ops, reads = split_reads(counts)
     stages = collections.Counter()
-    for (stage, _), n in counts.items():
+    for (stage, _), n in ops.items():
         stages[stage] += n
-    print(f"batch {args.batch_size}: {sum(counts.values()):.0f} operators a round outside the "
-          f"captured forwards ({', '.join(f'{s} {n:.0f}' for s, n in stages.most_common())})")  # fmt: skip
+    print(f"batch {args.batch_size}: {sum(ops.values()):.0f} operators a round outside the "
+          f"captured forwards ({', '.join(f'{s} {n:.0f}' for s, n in stages.most_common())}); "
+          f"host reads: {dict(reads) or 'none'}")  # fmt: skip
     for (stage, op), n in counts.most_common(args.top):
         print(f"  {stage:8s} {op:44s} {n:6.1f}")
     return 0

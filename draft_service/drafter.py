@@ -16,10 +16,19 @@ prefix plus its own ancestors (tree mask), expands every frontier node to ``topk
 by cumulative log-probability, keeps the best ``topk`` as the next frontier, and reranks the whole
 pool to ``num_draft_tokens - 1`` nodes (`specmesh.kernels.tree_build`). A constrained request's
 nodes are masked by its grammar before each top-k (`specmesh.draft_service.grammar`).
+
+What a frontier node sees of the speculative region is one device tensor for the batch,
+``seen [bs, topk, S]`` (S = topk * (num_steps - 1) columns, column c = KV token index
+``spec_base + c``): its forwarded ancestors and itself. A step marks the frontier's own columns,
+forwards, and the next frontier takes its parents' rows: no per-node Python, and nothing read
+back to the host until the finished trees. Through the static-shape runners
+(`specmesh.draft_service.step_batch`) a step writes only its tokens, positions, KV slots, input
+hidden and those columns of the mask; everything else is laid out once per search.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -40,6 +49,12 @@ from specmesh.runtime.models.layers import KVPair
 if TYPE_CHECKING:
     from specmesh.draft_service.grammar import BatchGrammar, FrontierGrammar
     from specmesh.draft_service.step_graphs import DraftStepGraphs
+
+# forward(step, frontier tokens [bs, k], input hidden [bs * k, H], seen [bs, k, S]) -> (hidden
+# out [bs * k, H], logits [bs * k, draft_vocab])
+StepForward = Callable[
+    [int, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]
+]
 
 
 @dataclass
@@ -85,23 +100,14 @@ class TreeDrafter:
         self.cache.release(rid)
         self.roots.pop(rid, None)
 
-    def enable_step_graphs(self, mode: str, max_bs: int) -> None:
+    def enable_step_graphs(self, mode: str, max_bs: int, *, extend: bool = True) -> None:
         """Run decode steps through static-shape runners (``"cuda-graph"``: captured now, before
-        the service reports ready; ``"eager-static"``: the same buffers, run eagerly)."""
+        the service reports ready; ``"eager-static"``: the same buffers, run eagerly), and with
+        ``extend`` the extends of drafters that have an extend runner."""
         from specmesh.draft_service.step_graphs import DraftStepGraphs
 
         if self.spec.num_steps > 1:
             self.step_graphs = DraftStepGraphs(self, mode=mode, max_bs=max_bs)
-
-    def run_step(
-        self, step: int, items: list[BatchItem], hidden_in: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`step_forward`, through a step graph when one is enabled and fits the batch."""
-        graphs = self.step_graphs
-        runner = graphs.runner_for(step, items, hidden_in) if graphs is not None else None
-        if runner is None:
-            return self.step_forward(step, items, hidden_in)
-        return graphs.run(runner, items, hidden_in)
 
     def check_context(self, rid: str, num_new_tokens: int) -> None:
         """Raise unless ``rid`` fits ``num_new_tokens`` more committed tokens plus one tree on
@@ -131,27 +137,36 @@ class TreeDrafter:
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids
 
+    def position_offset(self, step: int) -> int:
+        """A node forwarded at ``step`` has position ``last_pos + position_offset(step)``."""
+        return step
+
+    def prefix_columns(self, step: int, st: RootState, width: int) -> torch.Tensor:
+        """``[width]`` bool: the KV token indices below ``spec_base`` a node forwarded at
+        ``step`` sees (the committed prefix, or a pre-drafted tree's prefix and path)."""
+        cols = torch.zeros(width, dtype=torch.bool)
+        cols[: st.spec_base if st.prefix_len is None else st.prefix_len] = True
+        if st.visible:
+            cols[list(st.visible)] = True
+        return cols
+
+    def seen_columns(self, step: int, width: int) -> torch.Tensor | None:
+        """``[width]`` bool: the speculative columns a node forwarded at ``step`` may see of its
+        ancestors (None: all of them)."""
+        return None
+
     def step_item(
-        self,
-        step: int,
-        rid: str,
-        st: RootState,
-        tokens: torch.Tensor,  # [topk] the request's frontier tokens
-        ancestors: list[list[int]],  # per frontier node: KV token indices of forwarded ancestors
+        self, step: int, rid: str, st: RootState, tokens: torch.Tensor, seen: torch.Tensor
     ) -> BatchItem:
-        """One request's ``topk`` frontier nodes at draft step ``step``: KV token indices
-        ``spec_base + (step - 1) * topk + i``, position ``last_pos + step``, each seeing the
-        committed prefix, its forwarded ancestors and itself."""
+        """One request's ``topk`` frontier nodes at draft step ``step`` as a ragged item: KV token
+        indices ``spec_base + (step - 1) * topk + i``, each seeing the prefix and, of the
+        speculative region, ``seen [topk, S]`` (its forwarded ancestors and itself)."""
         k = self.spec.topk
         start = st.spec_base + (step - 1) * k
-        mask = torch.zeros(k, start + k, dtype=torch.bool)
-        mask[:, : st.spec_base if st.prefix_len is None else st.prefix_len] = True
-        if st.visible:
-            mask[:, list(st.visible)] = True
-        rows = [i for i in range(k) for _ in range(len(ancestors[i]) + 1)]
-        cols = [c for i in range(k) for c in (*ancestors[i], start + i)]
-        mask[rows, cols] = True  # each node's forwarded ancestors and itself, in one write
-        return BatchItem(rid, tokens, start, torch.full((k,), st.last_pos + step), mask)
+        mask = self.prefix_columns(step, st, start + k).repeat(k, 1)
+        mask[:, st.spec_base :] = seen[:, : step * k]
+        position = torch.full((k,), st.last_pos + self.position_offset(step))
+        return BatchItem(rid, tokens, start, position, mask)
 
     # -- propose -------------------------------------------------------------------------------
     def propose(
@@ -190,21 +205,24 @@ class TreeDrafter:
                    zip(states, cand_ids, cand_logp, strict=True)] if record else None  # fmt: skip
         pool_tokens, pool_scores = [tokens], [top_logp]
         pool_parents = [torch.full((bs, k), -1, dtype=torch.int64, device=dev)]
+        width = k * (steps - 1)
         frontier = _Frontier(
             tokens,
             top_logp,
             torch.arange(k, device=dev).expand(bs, k).clone(),
             torch.stack([s.hidden for s in states])[:, None].expand(bs, k, -1).clone(),
-            [[[] for _ in range(k)] for _ in range(bs)],
+            torch.zeros(bs, k, width, dtype=torch.bool, device=dev),
             [[(t,) for t in row] for row in tokens.tolist()] if record else [],
             None if masks is None else masks.descend(torch.zeros_like(tokens), tokens, top_logp),
         )
+        if steps > 1 and not eager:
+            self.sizes.check_kv_entries(sum(s.spec_base for s in states), bs, steps - 1)
+        forward = self.stepper(rids, states, steps, eager, frontier.hidden.flatten(0, 1))
+        own = torch.eye(width, dtype=torch.bool, device=dev).view(steps - 1, k, width)
         for step in range(1, steps):
-            if not eager:
-                self.sizes.check_kv_entries(sum(s.spec_base for s in states), bs, step)
             frontier = self._expand(
-                step, rids, states, frontier, (pool_tokens, pool_scores, pool_parents), records,
-                self.step_forward if eager else self.run_step,
+                step, states, frontier, own[step - 1], (pool_tokens, pool_scores, pool_parents),
+                records, forward,
             )  # fmt: skip
         tree = build_tree(
             torch.tensor(roots, dtype=torch.int64, device=dev),
@@ -220,15 +238,33 @@ class TreeDrafter:
         trees = [DraftTree(tuple(t), tuple(p)) for t, p in zip(tokens, parents, strict=True)]
         return (trees if grammar is None else grammar.on_grammar(trees)), records
 
-    def _expand(self, step, rids, states, fr, pool, records, forward):
+    def stepper(
+        self, rids: list[str], states: list[RootState], steps: int, eager: bool, hidden: torch.Tensor
+    ) -> StepForward:
+        """How this search forwards a step: through the static-shape runners when they take the
+        batch (`StepBatch`), else eagerly as ragged items."""
+        graphs = None if eager else self.step_graphs
+        if graphs is not None and steps > 1:
+            batch = graphs.batch(self, rids, states, steps, hidden)
+            if batch is not None:
+                return batch.forward
+
+        def ragged(step: int, tokens: torch.Tensor, hidden_in: torch.Tensor, seen: torch.Tensor):
+            seen_cpu = seen.cpu()
+            items = [self.step_item(step, r, st, tokens[b], seen_cpu[b])
+                     for b, (r, st) in enumerate(zip(rids, states, strict=True))]  # fmt: skip
+            return self.step_forward(step, items, hidden_in)
+
+        return ragged
+
+    def _expand(self, step, states, fr, own, pool, records, forward):
         k = self.spec.topk
-        bs = len(rids)
+        bs = len(states)
         pool_tokens, pool_scores, pool_parents = pool
-        items = [
-            self.step_item(step, rid, st, fr.tokens[b], fr.ancestors[b])
-            for b, (rid, st) in enumerate(zip(rids, states, strict=True))
-        ]
-        hidden_out, logits = forward(step, items, fr.hidden.flatten(0, 1))
+        seen = fr.seen | own  # each frontier node's forwarded ancestors and itself
+        cols = self.seen_columns(step, seen.shape[-1])
+        visible = seen if cols is None else seen & cols
+        hidden_out, logits = forward(step, fr.tokens, fr.hidden.flatten(0, 1), visible)
         logp = _log_probs(logits, fr.grammar)
         cand_logp, cand_ids = logp.topk(min(k + EXTRA_CANDIDATES, logp.shape[-1]), dim=-1)
         child_logp, child_ids = cand_logp[:, :k], cand_ids[:, :k]  # [bs * k, k]
@@ -241,29 +277,25 @@ class TreeDrafter:
         best_scores, best = cum.topk(k, dim=-1)  # next frontier: [bs, k] indices into k * k
         parent = best // k
         hidden = hidden_out.view(bs, k, -1)
+        paths = fr.paths  # kept only for records (pre-drafting), off the plain propose path
         if records is not None:
             cands = (self.to_target_ids(cand_ids).view(bs, k, -1).tolist(),
                      cand_logp.view(bs, k, -1).tolist())  # fmt: skip
-            _record_frontier(records, step, items, states, fr, hidden, cands)
-        ancestors = [
-            [fr.ancestors[b][p] + [items[b].start + p] for p in row]
-            for b, row in enumerate(parent.tolist())  # one copy for the batch
-        ]
-        paths = fr.paths  # kept only for records (pre-drafting), off the plain propose path
-        if records is not None:
+            _record_frontier(records, step, self.spec.topk, states, fr, hidden, cands)
             child_list = child_tokens.tolist()
             paths = [
                 [fr.paths[b][i // k] + (child_list[b][i],) for i in row]
                 for b, row in enumerate(best.tolist())
             ]
+        next_tokens = child_tokens.gather(1, best)
         return _Frontier(
-            child_tokens.gather(1, best),
+            next_tokens,
             best_scores,
             base + best,
             hidden.gather(1, parent[..., None].expand(-1, -1, hidden.shape[-1])),
-            ancestors,
+            seen.gather(1, parent[..., None].expand(-1, -1, seen.shape[-1])),
             paths,
-            fr.grammar and fr.grammar.descend(parent, child_tokens.gather(1, best), best_scores),
+            fr.grammar and fr.grammar.descend(parent, next_tokens, best_scores),
         )
 
 
@@ -278,7 +310,7 @@ class _Frontier:
     scores: torch.Tensor  # [bs, k] cumulative log-probabilities
     pool_idx: torch.Tensor  # [bs, k] index in the candidate pool
     hidden: torch.Tensor  # [bs, k, hidden] input hidden for each node's forward
-    ancestors: list[list[list[int]]]  # KV token indices of each node's forwarded ancestors
+    seen: torch.Tensor  # [bs, k, S] bool: each node's forwarded ancestors (speculative columns)
     paths: list[list[tuple[int, ...]]]  # each node's tokens below the root (recording only)
     grammar: FrontierGrammar | None = None  # each node's grammar state (constrained requests)
 
@@ -305,14 +337,17 @@ def _root_record(st: RootState, cand_ids: torch.Tensor, cand_logp: torch.Tensor)
     return {(): rec}
 
 
-def _record_frontier(records, step, items, states, fr, hidden, cands) -> None:
+def _record_frontier(records, step, k, states, fr, hidden, cands) -> None:
     """Each request's frontier nodes just forwarded at ``step``, into its records."""
     cand_ids, cand_logp = cands
-    scores = fr.scores.tolist()
+    scores, seen = fr.scores.tolist(), fr.seen.tolist()
     for b, rec in enumerate(records):
+        st = states[b]
+        start = st.spec_base + (step - 1) * k
         for i, path in enumerate(fr.paths[b]):
+            ancestors = [st.spec_base + c for c, on in enumerate(seen[b][i]) if on]
             rec[path] = NodeRecord(
-                items[b].start + i, fr.ancestors[b][i], states[b].last_pos + step, hidden[b, i],
+                start + i, ancestors, st.last_pos + step, hidden[b, i],
                 cand_ids[b][i], cand_logp[b][i], scores[b][i],
             )  # fmt: skip
 

@@ -70,12 +70,14 @@ class FeatureDrafter(TreeDrafter):
         self.net, self.needs = net, needs
         self.extend_graph: DraftExtendGraph | None = None  # see enable_step_graphs
 
-    def enable_step_graphs(self, mode: str, max_bs: int) -> None:
-        """Decode steps and the extend after each verify through static-shape runners."""
+    def enable_step_graphs(self, mode: str, max_bs: int, *, extend: bool = True) -> None:
+        """Decode steps and (``extend``) the extend after each verify through static-shape
+        runners."""
         from specmesh.draft_service.extend_graph import DraftExtendGraph
 
         super().enable_step_graphs(mode, max_bs)
-        self.extend_graph = DraftExtendGraph(self, mode=mode, max_bs=max_bs)
+        if extend:
+            self.extend_graph = DraftExtendGraph(self, mode=mode, max_bs=max_bs)
 
     @torch.inference_mode()
     def extend(self, inputs: list[ExtendInput]) -> None:

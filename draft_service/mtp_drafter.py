@@ -69,6 +69,7 @@ class MTPDrafter(TreeDrafter):
         # Layer l's row t reads token t + l + 1; the last layers' last rows hold guesses, which
         # a block keyed this far ahead never covers (`prefix_rows`).
         self.prefix_lookahead = len(cache.pools)
+        self._seen_columns: dict[tuple[int, int], torch.Tensor] = {}
 
     @staticmethod
     def num_active_layers(num_layers: int, spec: SpecParams) -> int:
@@ -145,30 +146,24 @@ class MTPDrafter(TreeDrafter):
         return BatchItem(it.rid, ids, it.start, input_embeds=embeds)
 
     # -- propose -------------------------------------------------------------------------------
-    def step_item(
-        self,
-        step: int,
-        rid: str,
-        st: RootState,
-        tokens: torch.Tensor,
-        ancestors: list[list[int]],
-    ) -> BatchItem:
-        k, layer = self.spec.topk, self.layer_of(step)
-        start = st.spec_base + (step - 1) * k
-        mask = torch.zeros(k, start + k, dtype=torch.bool)
-        mask[:, : st.spec_base] = True
-        if layer > 0:
-            mask[:, st.last_pos] = False  # the extend's greedy guess of this node's step-l row
-        for i in range(k):
-            same_pool = [a for a in ancestors[i] if self._layer_at(a, st) == layer]
-            mask[i, same_pool] = True
-            mask[i, start + i] = True
-        position = st.last_pos + self.num_layers * (step // self.num_layers)
-        return BatchItem(rid, tokens, start, torch.full((k,), position), mask)
+    def position_offset(self, step: int) -> int:
+        return self.num_layers * (step // self.num_layers)
 
-    def _layer_at(self, kv_index: int, st: RootState) -> int:
-        """The layer that wrote speculative KV index ``kv_index``."""
-        return self.layer_of((kv_index - st.spec_base) // self.spec.topk + 1)
+    def prefix_columns(self, step: int, st: RootState, width: int) -> torch.Tensor:
+        cols = torch.zeros(width, dtype=torch.bool)
+        cols[: st.spec_base] = True
+        if self.layer_of(step) > 0:
+            cols[st.last_pos] = False  # the extend's greedy guess of this node's step-l row
+        return cols
+
+    def seen_columns(self, step: int, width: int) -> torch.Tensor:
+        """Only ancestors forwarded through this step's layer (its pool); made once per layer."""
+        key = (self.layer_of(step), width)
+        if key not in self._seen_columns:
+            k, dev = self.spec.topk, self.cache.req_to_slot.device
+            same = [self.layer_of(c // k + 1) == key[0] for c in range(width)]
+            self._seen_columns[key] = torch.tensor(same, device=dev)
+        return self._seen_columns[key]
 
     def step_forward(
         self, step: int, items: list[BatchItem], hidden_in: torch.Tensor

@@ -246,10 +246,13 @@ def load_draft(cfg: DraftConfig, target_model: torch.nn.Module | None = None) ->
     drafter = kinds.build_drafter(cfg, target_model)
     if cfg.prefix_cache_tokens > 0 and isinstance(drafter, TreeDrafter):
         drafter.enable_prefix_cache(cfg.prefix_cache_tokens, cfg.prefix_block_size)
-    if isinstance(drafter, TreeDrafter) and graphs_enabled(
-        cfg.cuda_graph, cfg.device, cfg.attention_backend
-    ):
-        drafter.enable_step_graphs("cuda-graph", cfg.cuda_graph_max_bs)
+    if isinstance(drafter, TreeDrafter) and cfg.cuda_graph:
+        # CUDA graphs where the device and backend take them; elsewhere the decode steps still
+        # run the same static layout, eagerly (`step_batch`), and extends stay ragged
+        if graphs_enabled(cfg.cuda_graph, cfg.device, cfg.attention_backend):
+            drafter.enable_step_graphs("cuda-graph", cfg.cuda_graph_max_bs)
+        else:
+            drafter.enable_step_graphs("eager-static", cfg.cuda_graph_max_bs, extend=False)
     if cfg.predraft and isinstance(drafter, TreeDrafter) and drafter.supports_predraft:
         from specmesh.draft_service.predraft_runtime import PredraftRuntime
 

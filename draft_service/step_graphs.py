@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
-from specmesh.draft_service.drafter import TreeDrafter
+from specmesh.draft_service.drafter import RootState, TreeDrafter
+from specmesh.draft_service.step_batch import StepBatch
 from specmesh.runtime.draft_sizes import DraftSizes
 from specmesh.runtime.graph_runner import GraphRunner
 from specmesh.runtime.graph_sizes import draft_step_sizes
-from specmesh.runtime.model_runner import BatchItem
 from specmesh.runtime.models.layers import KVPair
 
 
@@ -78,17 +78,21 @@ class DraftStepGraphs:
                 shared[net.key].capture()
             self.runners[step] = shared[net.key]
 
-    def runner_for(
-        self, step: int, items: list[BatchItem], hidden_in: torch.Tensor | None
-    ) -> GraphRunner | None:
-        runner = self.runners.get(step)
-        ok = runner is not None and runner.can_run(items, _input_hidden(runner, hidden_in))
-        return runner if ok else None
-
-    @staticmethod
-    def run(runner: GraphRunner, items: list[BatchItem], hidden_in: torch.Tensor | None):
-        hidden, logits = runner.run(items, _input_hidden(runner, hidden_in))
-        return hidden, logits
+    def batch(
+        self,
+        drafter: TreeDrafter,
+        rids: list[str],
+        states: list[RootState],
+        num_steps: int,
+        hidden_in: torch.Tensor,
+    ) -> StepBatch | None:
+        """The search's steps laid out in the runners (`StepBatch`), or None where a runner does
+        not take the batch (too many requests; the search then runs its steps eagerly)."""
+        runners = {step: self.runners[step] for step in range(1, num_steps)}
+        for runner in runners.values():
+            if not runner.fits(len(rids), _input_hidden(runner, hidden_in)):
+                return None
+        return StepBatch(drafter, rids, states, num_steps, runners)
 
 
 def _input_hidden(runner: GraphRunner, hidden_in: torch.Tensor | None) -> torch.Tensor | None:

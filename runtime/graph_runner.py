@@ -129,14 +129,22 @@ class GraphRunner:
 
     # -- ask -----------------------------------------------------------------------------------
     def can_run(self, items: list[BatchItem], hidden_in: torch.Tensor | None = None) -> bool:
-        q, buf = self.sizes.tokens_per_req, self.buffers
+        q = self.sizes.tokens_per_req
         return (
-            0 < len(items) <= max(self.batch_sizes)
-            and (self.mode == "eager-static" or bool(self.graphs))
+            self.fits(len(items), hidden_in)
             and all(it.q_len == q and it.input_embeds is None for it in items)
             and (self.sizes.has_mask or all(it.mask is None for it in items))
+        )
+
+    def fits(self, bs: int, hidden_in: torch.Tensor | None = None) -> bool:
+        """Whether a batch of ``bs`` requests of ``tokens_per_req`` rows each (and this input
+        hidden) can run: captured (or eager-static), within the largest bucket."""
+        q, buf = self.sizes.tokens_per_req, self.buffers
+        return (
+            0 < bs <= max(self.batch_sizes)
+            and (self.mode == "eager-static" or bool(self.graphs))
             and (hidden_in is None) == (buf.hidden_in is None)
-            and (hidden_in is None or hidden_in.shape == (len(items) * q, buf.hidden_in.shape[1]))
+            and (hidden_in is None or hidden_in.shape == (bs * q, buf.hidden_in.shape[1]))
         )
 
     # -- act -----------------------------------------------------------------------------------
@@ -151,6 +159,11 @@ class GraphRunner:
             )
         bs = bucket_size(len(items), self.batch_sizes)
         meta = self._fill(items, hidden_in, bs)
+        return self.replay(meta, bs, len(items) * self.sizes.tokens_per_req)
+
+    def replay(self, meta: AttentionMetadata, bs: int, num_rows: int) -> Selectable:
+        """Forward bucket ``bs`` over the buffers as filled (by `run`, or by a caller that
+        fills them itself, as a draft search's steps do), cut back to ``num_rows`` rows."""
         if self.mode == "cuda-graph":
             self.backend.prepare_for_replay(meta, bs)
             self.graphs[bs].replay()
@@ -158,7 +171,7 @@ class GraphRunner:
         else:
             self._prepare(meta, bs)
             out = self._forward(bs)
-        return unpad(out, len(items) * self.sizes.tokens_per_req)
+        return unpad(out, num_rows)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -236,11 +249,11 @@ class GraphRunner:
             if buf.mask_indptr is not None:
                 buf.mask_indptr[0] = 0
         if num_pad:
-            self._fill_padding(raw_bs, num_pad, kv_raw, mask_raw)
+            self.fill_padding(raw_bs, num_pad, kv_raw, mask_raw)
         cpu = [*kv_lens, *[q] * num_pad] if self.backend.needs_cpu_metadata else None
         return buf.metadata(bs, q, cpu)
 
-    def _fill_padding(self, raw_bs: int, num_pad: int, kv_raw: int, mask_raw: int) -> None:
+    def fill_padding(self, raw_bs: int, num_pad: int, kv_raw: int, mask_raw: int) -> None:
         """Padding requests after the ``raw_bs`` real ones: q rows each, their K/V in pad_slot,
         seeing only pad_slot. (A batch that fills its bucket has none: none of these ops runs,
         each a dispatch, and on a GPU a launch, in every draft step.)"""

@@ -50,16 +50,16 @@ def build_metadata(
     kv_lens = [it.start + it.q_len for it in items]
     dev = cache.req_to_slot.device
     rows = [cache.get(it.rid).row for it in items]
-    kv_indices = _row_slots(cache, rows, [0] * len(items), kv_lens)
-    out_slots = _row_slots(cache, rows, [it.start for it in items], kv_lens)
+    kv_indices = row_slots(cache, rows, [0] * len(items), kv_lens)
+    out_slots = row_slots(cache, rows, [it.start for it in items], kv_lens)
     custom_mask = mask_indptr = None
     if any(it.mask is not None for it in items):
         masks = [_full_mask(it) for it in items]
         custom_mask = torch.cat([m.flatten() for m in masks]).to(dev)
-        mask_indptr = _indptr([m.numel() for m in masks], dev)
+        mask_indptr = indptr([m.numel() for m in masks], dev)
     return AttentionMetadata(
-        qo_indptr=_indptr(q_lens, dev),
-        kv_indptr=_indptr(kv_lens, dev),
+        qo_indptr=indptr(q_lens, dev),
+        kv_indptr=indptr(kv_lens, dev),
         kv_indices=kv_indices,
         out_slots=out_slots,
         custom_mask=custom_mask,
@@ -71,7 +71,7 @@ def build_metadata(
     )
 
 
-def _row_slots(cache: KVCache, rows: list[int], starts: list[int], ends: list[int]) -> torch.Tensor:
+def row_slots(cache: KVCache, rows: list[int], starts: list[int], ends: list[int]) -> torch.Tensor:
     """Slot ids of token indices ``starts[b]:ends[b]`` of table row ``rows[b]``, concatenated:
     one gather from the flat table (a plain slice for one request)."""
     table = cache.req_to_slot
@@ -92,7 +92,7 @@ def _full_mask(it: BatchItem) -> torch.Tensor:
     return torch.arange(kv_len)[None, :] <= torch.arange(it.q_len)[:, None] + it.start
 
 
-def _indptr(lens: list[int], device: torch.device) -> torch.Tensor:
+def indptr(lens: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int64).to(device)
 
 
@@ -111,9 +111,13 @@ def batch_positions(items: list[BatchItem]) -> torch.Tensor:
 
 
 def reserve_batch(cache: KVCache, items: list[BatchItem]) -> None:
-    """Ask for every request's slots first, then take them: a batch that does not fit changes
-    nothing and raises `KVCacheFullError`."""
-    demands = {it.rid: it.start + it.q_len for it in items}
+    """`reserve_tokens` for every item's rows."""
+    reserve_tokens(cache, {it.rid: it.start + it.q_len for it in items})
+
+
+def reserve_tokens(cache: KVCache, demands: dict[str, int]) -> None:
+    """Ask for every request's slots (rid -> tokens held) first, then take them: a batch that
+    does not fit changes nothing and raises `KVCacheFullError`."""
     if not cache.can_allocate(demands):
         need = sum(cache.pages_needed(r, n) for r, n in demands.items()) * cache.page_size
         raise KVCacheFullError(f"batch needs {need} more KV slots, {cache.num_free_slots} free")

@@ -124,15 +124,21 @@ def assert_accepted(results, min_tokens: int = 1) -> None:
 
 def record_step_logits(drafter, rid: str) -> list[torch.Tensor]:
     """``rid``'s root logits (the extend's), then the logits of every step forward from now
-    on, as the drafter's search sees them (its ``step_forward`` wrapped on the instance)."""
-    seen, forward = [drafter.roots[rid].logits], drafter.step_forward
+    on, as the drafter's search sees them (each search's ``stepper`` wrapped on the instance:
+    static-shape runners or ragged items alike)."""
+    seen, stepper = [drafter.roots[rid].logits], drafter.stepper
 
-    def recording(step, items, hidden_in):
-        hidden, logits = forward(step, items, hidden_in)
-        seen.append(logits[0])
-        return hidden, logits
+    def recording(*args):
+        forward = stepper(*args)
 
-    drafter.step_forward = recording
+        def step(*step_args):
+            hidden, logits = forward(*step_args)
+            seen.append(logits[0])
+            return hidden, logits
+
+        return step
+
+    drafter.stepper = recording
     return seen
 
 

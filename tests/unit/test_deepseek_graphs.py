@@ -46,9 +46,9 @@ def test_target_and_nextn_draft_through_static_paths(tmp_path: Path, monkeypatch
     runners = {"decode": t.graphs.decode, "verify": t.graphs.verify[6],
                "draft step": drafter.step_graphs.runners[1]}  # fmt: skip
     used: set[str] = set()
-    for name, runner in runners.items():
-        run = runner.run
-        runner.run = lambda *a, _run=run, _name=name, **k: used.add(_name) or _run(*a, **k)
+    for name, runner in runners.items():  # every forward of a runner is a replay
+        run = runner.replay
+        runner.replay = lambda *a, _run=run, _name=name, **k: used.add(_name) or _run(*a, **k)
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     for plain in (True, False):
         results = engine.generate(PROMPTS, params, disable_speculation=plain)

@@ -157,8 +157,8 @@ def _extended(d: Path, spec: SpecParams) -> tuple[MTPDrafter, list[str]]:
 @pytest.mark.parametrize("topk", [1, 4, 8])
 def test_buffer_checks_scale_with_topk_and_name_the_numbers(random_dir: Path, topk: int) -> None:
     """Invariant 5 on the MLA draft path. Eager: `DraftSizes` for 2-token contexts (buffers too
-    small for these requests) stop the first decode step with the used and the available kv and
-    mask entries. Step runners (eager-static: the CUDA-graph path's buffers, run on CPU) sized
+    small for these requests) stop the search before its first step, checking its deepest one,
+    with the used and the available kv and mask entries. Step runners (eager-static: the CUDA-graph path's buffers, run on CPU) sized
     ``max_bs x (max_context + tree)`` kv ids and ``topk`` times that many mask entries propose
     the trees the eager path does; sized for 2-token contexts, they stop the batch with their
     own numbers."""
@@ -170,11 +170,11 @@ def test_buffer_checks_scale_with_topk_and_name_the_numbers(random_dir: Path, to
     per_req = 2 + 1 + 2 * topk  # max_context + root row + topk nodes per decode step
     cap = 4 * per_req
     drafter.sizes = small
-    used = seq_lens_sum + 3 * (1 + topk)  # step 1: prefixes, root rows, topk nodes each
+    used = seq_lens_sum + 3 * (1 + 2 * topk)  # step 2: prefixes, root rows, 2 topk nodes each
     with pytest.raises(ValueError) as err:
         drafter.propose(rids, roots)
     assert str(err.value) == (
-        f"draft decode step 1: bs=3 (max 4), topk={topk}, seq_lens_sum={seq_lens_sum} needs "
+        f"draft decode step 2: bs=3 (max 4), topk={topk}, seq_lens_sum={seq_lens_sum} needs "
         f"{used} kv entries and {used * topk} mask entries; buffers hold {cap} and "
         f"{cap * topk} (max_context_len=2, num_steps=3)"
     )
@@ -192,7 +192,8 @@ def test_buffer_checks_scale_with_topk_and_name_the_numbers(random_dir: Path, to
     drafter.sizes = small
     drafter.enable_step_graphs("eager-static", max_bs=4)  # runners sized for 2-token contexts
     drafter.sizes = real  # the eager check passes: the runner's own check must fire
-    kv = seq_lens_sum + 4 * topk  # 3 requests' and 1 padding request's topk rows
+    # 3 requests' speculative regions (2 steps of topk) and 1 padding request's topk rows
+    kv = seq_lens_sum + 3 * 2 * topk + topk
     with pytest.raises(ValueError) as err:
         drafter.propose(rids, roots)
     assert str(err.value) == (

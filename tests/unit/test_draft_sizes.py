@@ -58,7 +58,8 @@ def test_sizes_must_be_positive(field):
 
 
 def test_propose_checks_sizes_at_run_time(tmp_path):
-    """The drafter's propose runs the check with the real numbers before each decode step."""
+    """The drafter's propose runs the check with the real numbers before its first decode step,
+    for its deepest one (every step reads the search's whole speculative region)."""
     target = make_tiny_target(tmp_path / "t", num_hidden_layers=1)
     spec = SpecParams(3, 2, 5)
     cfg = DraftConfig("standalone", str(target), str(target), spec, max_requests=2)
@@ -69,5 +70,5 @@ def test_propose_checks_sizes_at_run_time(tmp_path):
     drafter.extend([ExtendInput("r", list(range(3, 40)), 7, new=True)])
     drafter.propose(["r"], [7])  # fits
     drafter.sizes = DraftSizes(1, 2, 3, 8)  # as if the buffers were sized for 8 tokens
-    with pytest.raises(ValueError, match=r"seq_lens_sum=38 needs 41 kv entries"):
+    with pytest.raises(ValueError, match=r"step 2: .* seq_lens_sum=38 needs 43 kv entries"):
         drafter.propose(["r"], [7])

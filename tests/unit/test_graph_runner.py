@@ -170,19 +170,17 @@ def test_draft_step_through_static_buffers(tiny_dir: Path, topk: int) -> None:
     want = drafter.propose(rids, roots)
     states = [drafter.roots[r] for r in rids]
     tokens = torch.arange(topk) + 40
-    items = [
-        drafter.step_item(1, r, s, tokens, [[] for _ in range(topk)])
-        for r, s in zip(rids, states, strict=True)
-    ]
+    width = 2 * topk  # the search's speculative columns
+    own = torch.eye(width, dtype=torch.bool)[:topk]  # step 1: each node sees itself
+    items = [drafter.step_item(1, r, s, tokens, own) for r, s in zip(rids, states, strict=True)]
     hidden = torch.stack([s.hidden for s in states]).repeat_interleave(topk, 0)
     want_h, want_logits = drafter.step_forward(1, items, hidden)
 
     drafter.enable_step_graphs("eager-static", max_bs=8)
-    graphs = drafter.step_graphs
-    runner = graphs.runner_for(1, items, hidden)
-    assert runner is not None and runner is graphs.runner_for(2, items, hidden)
-    assert runner.sizes.kv_indices_capacity == 8 * drafter.sizes.max_kv_per_req
-    got_h, got_logits = graphs.run(runner, items, hidden)
+    batch = drafter.step_graphs.batch(drafter, rids, states, 3, hidden)
+    assert batch is not None and batch.runners[1] is batch.runners[2]
+    assert batch.runners[1].sizes.kv_indices_capacity == 8 * drafter.sizes.max_kv_per_req
+    got_h, got_logits = batch.forward(1, tokens.expand(3, topk), hidden, own.expand(3, -1, -1))
     assert got_h.shape[0] == got_logits.shape[0] == 3 * topk  # unpadded
     torch.testing.assert_close(got_h, want_h, **reorder_tolerance(got_h.dtype))
     torch.testing.assert_close(got_logits, want_logits, **reorder_tolerance(got_logits.dtype))
@@ -212,9 +210,9 @@ def test_engine_through_static_paths_equals_transformers(copy_dir: Path, oracle)
     runners = {"decode": t.graphs.decode, "verify": t.graphs.verify[4],
                "draft extend": drafter.extend_graph.runner, "draft step": drafter.step_graphs.runners[1]}  # fmt: skip
     used: set[str] = set()
-    for name, runner in runners.items():
-        run = runner.run
-        runner.run = lambda *a, _run=run, _name=name, **k: used.add(_name) or _run(*a, **k)
+    for name, runner in runners.items():  # every forward of a runner is a replay
+        run = runner.replay
+        runner.replay = lambda *a, _run=run, _name=name, **k: used.add(_name) or _run(*a, **k)
     prompts = [[5, 6, 7, 8, 9], [11, 12], [40, 41, 42]]
     params = SamplingParams(max_new_tokens=5, ignore_eos=True)
     for plain in (False, True):

@@ -28,10 +28,13 @@ def dirs(tmp_path_factory) -> tuple[Path, Path]:
     return target, draft
 
 
-def make_drafter(dirs, spec: SpecParams) -> MTPDrafter:
-    """Built from directories: the target's embedding and head are read from its checkpoint."""
+def make_drafter(dirs, spec: SpecParams, static: bool = False) -> MTPDrafter:
+    """Built from directories: the target's embedding and head are read from its checkpoint.
+    ``static``: decode steps through the static-shape runners (the service default), whose
+    pools are bound when they are built; else ragged, asking `pools_for_step` at every step."""
     target, draft = dirs
-    cfg = DraftConfig("mtp", str(draft), str(target), spec, max_requests=4, max_context=64)
+    cfg = DraftConfig("mtp", str(draft), str(target), spec, max_requests=4, max_context=64,
+                      cuda_graph=static)  # fmt: skip
     drafter = load_draft(cfg).drafter
     assert isinstance(drafter, MTPDrafter) and drafter.needs.feature is Feature.HIDDEN_PRE_NORM
     return drafter
@@ -70,6 +73,24 @@ def test_each_step_gets_its_own_pool(dirs, steps):
             same_layer = a % NUM_LAYERS == b % NUM_LAYERS
             assert (by_step[a] == by_step[b]) == same_layer, (a, b)
     assert len(set(by_step.values())) == min(steps, NUM_LAYERS)
+
+
+@pytest.mark.parametrize("steps", [3, 5])
+def test_each_step_runner_writes_its_own_layers_pool(dirs, steps):
+    """The static-shape path: one runner per layer, bound to that layer's pool alone; steps of
+    one layer share it; the tree is the ragged path's."""
+    spec = SpecParams(steps, 2, 6)
+    ragged = make_drafter(dirs, spec)
+    extend(ragged)
+    drafter = make_drafter(dirs, spec, static=True)
+    extend(drafter)
+    runners = drafter.step_graphs.runners
+    for step in range(1, steps):
+        own = drafter.cache.pools[step % NUM_LAYERS]
+        assert [p.k.data_ptr() for p in runners[step].kv_pools] == [own.k.data_ptr()]
+        assert [p.v.data_ptr() for p in runners[step].kv_pools] == [own.v.data_ptr()]
+    assert len({id(r) for r in runners.values()}) == min(steps - 1, NUM_LAYERS)
+    assert drafter.propose(["r"], [17]) == ragged.propose(["r"], [17])
 
 
 def test_unused_layers_get_no_pool(dirs):
