@@ -239,7 +239,12 @@ class TreeDrafter:
         return (trees if grammar is None else grammar.on_grammar(trees)), records
 
     def stepper(
-        self, rids: list[str], states: list[RootState], steps: int, eager: bool, hidden: torch.Tensor
+        self,
+        rids: list[str],
+        states: list[RootState],
+        steps: int,
+        eager: bool,
+        hidden: torch.Tensor,
     ) -> StepForward:
         """How this search forwards a step: through the static-shape runners when they take the
         batch (`StepBatch`), else eagerly as ragged items."""

@@ -16,7 +16,7 @@ MAX_OPS = {1: 380, 3: 715}
 
 def test_a_draft_round_dispatches_at_most_its_budget(tmp_path: Path) -> None:
     for batch, budget in MAX_OPS.items():
-        counts, reads = split_reads(count_round_ops(tmp_path / "models", batch, rounds=2))
+        counts, _ = split_reads(count_round_ops(tmp_path / "models", batch, rounds=2))
         total = sum(counts.values())
         assert 0 < total <= budget, (batch, total, counts.most_common(10))
         stages = {stage for stage, _ in counts}
