@@ -35,7 +35,7 @@ STAGES: tuple[tuple[str, str, str], ...] = (
     ("specmesh.draft_service.runtime", "DraftRuntime._extend", "draft.extend"),
     ("specmesh.draft_service.runtime", "DraftRuntime._propose", "draft.propose"),
     ("specmesh.draft_service.drafter", "TreeDrafter._expand", "draft.expand_step"),
-    ("specmesh.draft_service.drafter", "build_tree", "draft.build_tree"),
+    ("specmesh.draft_service.drafter", "select_tree", "draft.select_tree"),
     ("specmesh.target_service.server", "TargetServicer.run_batch", "target.rpc_batch"),
     ("specmesh.target_service.server", "TargetServicer._response", "target.encode"),
     ("specmesh.target_service.runtime", "TargetRuntime.verify", "target.verify"),
@@ -44,7 +44,7 @@ STAGES: tuple[tuple[str, str, str], ...] = (
     ("specmesh.target_service.verify", "accept_trees", "target.accept"),
     ("specmesh.target_service.verify", "keep", "target.keep"),
     ("specmesh.runtime.models.causal_lm", "CausalLM.compute_logits", "lm_head"),
-    ("specmesh.runtime.graph_runner", "GraphRunner.run", "graph_replay"),
+    ("specmesh.runtime.graph_runner", "GraphRunner.replay", "graph_replay"),
 )
 
 

@@ -14,7 +14,7 @@ KV.
 Proposing runs ``num_steps - 1`` forwards of ``topk`` frontier nodes per request, each seeing the
 prefix plus its own ancestors (tree mask), expands every frontier node to ``topk`` children scored
 by cumulative log-probability, keeps the best ``topk`` as the next frontier, and reranks the whole
-pool to ``num_draft_tokens - 1`` nodes (`specmesh.kernels.tree_build`). A constrained request's
+pool to ``num_draft_tokens - 1`` nodes (`specmesh.kernels.tree_build.select_tree`). A constrained request's
 nodes are masked by its grammar before each top-k (`specmesh.draft_service.grammar`).
 
 What a frontier node sees of the speculative region is one device tensor for the batch,
@@ -35,8 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specmesh.draft_service.prefix_rows import DraftPrefixes
-from specmesh.kernels.common import kernel_impl
-from specmesh.kernels.tree_build import build_tree
+from specmesh.kernels.tree_build import select_tree
 from specmesh.protocol.config import SpecParams
 from specmesh.protocol.errors import KVCacheFullError
 from specmesh.protocol.trees import DraftTree
@@ -82,7 +81,6 @@ class TreeDrafter:
     def __init__(self, cache: KVCache, backend: AttentionBackend, spec: SpecParams) -> None:
         spec.validate()
         self.cache, self.backend, self.spec = cache, backend, spec
-        self.kernel_impl = kernel_impl(backend.name)
         self.sizes = DraftSizes(
             cache.req_to_slot.shape[0], spec.topk, spec.num_steps, cache.max_context
         )
@@ -224,17 +222,16 @@ class TreeDrafter:
                 step, states, frontier, own[step - 1], (pool_tokens, pool_scores, pool_parents),
                 records, forward,
             )  # fmt: skip
-        tree = build_tree(
+        tree = select_tree(
             torch.tensor(roots, dtype=torch.int64, device=dev),
             torch.cat(pool_scores, 1),
             torch.cat(pool_tokens, 1),
             torch.cat(pool_parents, 1),
             self.spec.num_draft_tokens,
-            impl=self.kernel_impl,
         )
         # The trees leave as tokens and parents: one host copy of the two for the batch (the
         # target derives depths, masks and links itself).
-        tokens, parents = torch.stack([tree.tokens, tree.parents]).tolist()
+        tokens, parents = torch.stack(tree).tolist()
         trees = [DraftTree(tuple(t), tuple(p)) for t, p in zip(tokens, parents, strict=True)]
         return (trees if grammar is None else grammar.on_grammar(trees)), records
 

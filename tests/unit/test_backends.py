@@ -58,9 +58,7 @@ def test_backend_greedy_speculative_equals_transformers(
     assert_accepted(results, min_tokens=3)
     # The backend under test computed the attention, in both services.
     assert target_calls["forward"] > 0 and draft_calls["forward"] > 0
-    want = (
-        {"build_tree", "verify_tree_greedy", "compact_accepted"} if backend == "triton" else set()
-    )
+    want = {"verify_tree_greedy", "compact_accepted"} if backend == "triton" else set()
     assert called == want
 
 
@@ -78,11 +76,10 @@ def _count_forwards(backend: AttentionBackend) -> dict[str, int]:
 
 
 def _spy_triton_kernels(monkeypatch: pytest.MonkeyPatch) -> set[str]:
-    from specmesh.kernels import compaction, tree_build, tree_verify
+    from specmesh.kernels import compaction, tree_verify
 
     called: set[str] = set()
-    for module, name in [(tree_build, "build_tree"), (tree_verify, "verify_tree_greedy"),
-                         (compaction, "compact_accepted")]:  # fmt: skip
+    for module, name in [(tree_verify, "verify_tree_greedy"), (compaction, "compact_accepted")]:
         fn = getattr(module, f"{name}_triton")
         spy = lambda *a, _fn=fn, _name=name, **k: called.add(_name) or _fn(*a, **k)
         monkeypatch.setattr(module, f"{name}_triton", spy)

@@ -1,16 +1,13 @@
-"""Tree building from the drafting pool: Triton against the reference, and the tree invariants."""
-
-import os
-
-import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+"""Tree selection from the drafting pool: the chosen entries and their parents, on every device,
+against an independent walk of the pool (a parent always before its child)."""
 
 import pytest
+import torch
 
-from specmesh.kernels.testing import kernel_devices
-from specmesh.kernels.tree_build import DraftTree, build_tree
+from specmesh.kernels.tree_build import select_tree
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device"))]  # fmt: skip
 
 
 def make_pool(batch: int, topk: int, num_steps: int, seed: int, ties: bool):
@@ -37,46 +34,34 @@ def make_pool(batch: int, topk: int, num_steps: int, seed: int, ties: bool):
     return root, torch.cat(scores, 1), tokens, torch.cat(parents, 1)
 
 
-def check_invariants(tree: DraftTree, root, scores, tokens, parents, n: int) -> None:
+def check_selection(tokens_out, parents_out, root, scores, tokens, parents, n: int) -> None:
+    """The N-1 best entries by (score descending, pool index), in pool order after the root;
+    each node's parent is its pool parent's tree index, before it."""
     for b in range(root.numel()):
         keyed = sorted(range(scores.shape[1]), key=lambda p: (-float(scores[b, p]), p))
         chosen = sorted(keyed[: n - 1])
-        assert tree.tokens[b].tolist() == [int(root[b]), *tokens[b, chosen].tolist()]
+        assert tokens_out[b].tolist() == [int(root[b]), *tokens[b, chosen].tolist()]
+        assert int(parents_out[b, 0]) == -1
         for i in range(1, n):
-            par = int(tree.parents[b, i])
+            par = int(parents_out[b, i])
             want = parents[b, chosen[i - 1]]
-            assert par == (0 if want < 0 else chosen.index(int(want)) + 1) and par < i
-            assert tree.depths[b, i] == tree.depths[b, par] + 1
-            ancestors, a = {i}, par
-            while a >= 0:
-                ancestors.add(a)
-                a = int(tree.parents[b, a])
-            assert tree.mask[b, i].nonzero().flatten().tolist() == sorted(ancestors)
-        kids = {p: [i for i in range(n) if tree.parents[b, i] == p] for p in range(n)}
-        for p, ch in kids.items():
-            assert tree.first_child[b, p] == (ch[0] if ch else -1)
-            for k, c in enumerate(ch):
-                assert tree.next_sibling[b, c] == (ch[k + 1] if k + 1 < len(ch) else -1)
-    assert tree.parents[:, 0].eq(-1).all() and tree.depths[:, 0].eq(0).all()
+            assert par == (0 if want < 0 else chosen.index(int(want)) + 1) and 0 <= par < i
 
 
-@pytest.mark.parametrize("device", kernel_devices())
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("ties", [False, True])
 @pytest.mark.parametrize(("batch", "topk", "num_steps", "n"), [
     (1, 1, 1, 1), (1, 2, 3, 9), (3, 3, 3, 12), (2, 4, 2, 21),  # n=21: the whole pool
 ])  # fmt: skip
-def test_triton_matches_reference(device, ties, batch, topk, num_steps, n) -> None:
+def test_selection_on_every_device(device, ties, batch, topk, num_steps, n) -> None:
     root, scores, tokens, parents = make_pool(batch, topk, num_steps, seed=n, ties=ties)
-    ref = build_tree(root, scores, tokens, parents, n, impl="torch")
-    check_invariants(ref, root, scores, tokens, parents, n)
     args = [t.to(device) for t in (root, scores, tokens, parents)]
-    out = build_tree(*args, n, impl="triton")
-    for field in ("tokens", "parents", "depths", "first_child", "next_sibling", "mask"):
-        assert torch.equal(getattr(out, field).cpu(), getattr(ref, field)), field
+    out_tokens, out_parents = select_tree(*args, n)
+    assert out_tokens.device.type == out_parents.device.type == torch.device(device).type
+    check_selection(out_tokens.cpu(), out_parents.cpu(), root, scores, tokens, parents, n)
 
 
-@pytest.mark.parametrize("impl", ["torch", "triton"])
-def test_too_many_draft_tokens(impl: str) -> None:
+def test_too_many_draft_tokens() -> None:
     root, scores, tokens, parents = make_pool(1, 2, 2, seed=0, ties=False)  # pool of 6
     with pytest.raises(ValueError, match="needs 7 pool entries, the pool holds 6"):
-        build_tree(root, scores, tokens, parents, 8, impl=impl)
+        select_tree(root, scores, tokens, parents, 8)
