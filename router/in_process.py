@@ -28,6 +28,8 @@ from specmesh.protocol.steps import (
 )
 from specmesh.target_service.runtime import TargetRuntime
 
+INLINE_TURNS = 2  # loop turns before an inline call (`_Worker._submit`)
+
 
 class _Worker:
     def __init__(self, name: str, threaded: bool) -> None:
@@ -39,12 +41,14 @@ class _Worker:
 
     async def _submit(self, fn, *args) -> asyncio.Future:
         """``fn(*args)``: queued on the worker thread, or run now (inline) as a done future,
-        after one turn of the loop (the loop's other tasks, arrivals and cancels among them, run
-        between two model calls as they would while a thread worked)."""
+        after two turns of the loop: the loop's other tasks run between two model calls as they
+        would while a thread worked (arrivals, cancels), and so do those the first turn woke
+        (a stream's reader gets the tokens just emitted before the call holds the loop)."""
         loop = asyncio.get_running_loop()
         if self._worker is not None:
             return loop.run_in_executor(self._worker, fn, *args)
-        await asyncio.sleep(0)
+        for _ in range(INLINE_TURNS):
+            await asyncio.sleep(0)
         done = loop.create_future()
         try:
             done.set_result(fn(*args))
