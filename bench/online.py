@@ -2,10 +2,11 @@
 saw, with ``--online-learning``, and acceptance is measured as tokens are served.
 
     python -m specmesh.bench.online [--max-tokens 200000] [--out bench_results/online]
-        [--points 0,10000,...] [--background] [--lr ...] [--update-tokens ...]
+        [--domain javascript] [--points 0,10000,...] [--background] [--lr ...]
+        [--update-tokens ...]
 
 The in-process engine (fp32, EAGLE-3 5 / 4 / 8) serves new-domain prompts (`online_data`:
-torch and transformers sources) in batches of `--batch` requests of `--new-tokens` tokens,
+``--domain javascript``, the default, or ``python-packages``) in batches of `--batch` requests of `--new-tokens` tokens,
 3 in 4 sampled at temperature 0.8 (seeded), 1 in 4 greedy. By default each batch waits for the
 learner to finish what it is due (`OnlineLearner.drain`), so the curve depends on tokens served,
 not on how busy the machine was; ``--background`` lets it train while serving, as deployed.
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from specmesh.bench.online_data import load_prompts
+from specmesh.bench.online_data import DOMAINS, load_prompts
 from specmesh.bench.online_report import plot, table
 from specmesh.bench.report import write_json
 from specmesh.defaults import default_models
@@ -174,6 +175,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-tokens", type=int, default=64, help="per evaluation request")
     p.add_argument("--background", action="store_true", help="train while serving")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--domain",
+        choices=sorted(DOMAINS),
+        default="javascript",
+        help="the new domain served (`online_data`)",
+    )
     defaults = OnlineSettings()
     for name in ("lr", "update_tokens", "steps_per_update", "batch_windows", "window_tokens"):
         kind = type(getattr(defaults, name))
@@ -185,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
                        ("lr", "update_tokens", "steps_per_update", "batch_windows", "window_tokens")})  # fmt: skip
     engine, learner = build(settings)
     pair_dir = Path(default_models().target).parent
-    prompts = load_prompts(engine.tokenizer, pair_dir, args.eval_prompts, 64, seed=0)
+    prompts = load_prompts(engine.tokenizer, pair_dir, args.eval_prompts, 64, 0, args.domain)
     started = time.perf_counter()
     points = curve(engine, learner, prompts, args)
     results = {"settings": asdict(settings), "spec": asdict(SPEC), "args": {

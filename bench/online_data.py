@@ -1,9 +1,12 @@
 """The prompts of the online-learning bench (`specmesh.bench.online`).
 
-    new domain   the `.py` files of the installed torch and transformers packages: code the
-                 demo pair never saw (`specmesh.demo.corpus` keeps them out of training in every
-                 preset), split by a hash of the path: 10 % held out (evaluation prompts only),
-                 the rest the traffic the draft learns from
+    new domain   code the demo pair never saw, one of `DOMAINS`: ``javascript`` (the default:
+                 the `.js` files of this machine's Node.js packages, where the shipped draft
+                 falls furthest below what the target would accept) or ``python-packages`` (the
+                 `.py` files of the installed torch and transformers, which `specmesh.demo.corpus`
+                 keeps out of training in every preset, but Python all the same); split by a hash
+                 of the path: 10 % held out (evaluation prompts only), the rest the traffic the
+                 draft learns from
     stdlib       the demo pair's own held-out standard-library files (never trained on), as its
                  `heldout_files.txt` lists them
 
@@ -21,9 +24,21 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-DOMAIN_PACKAGES = ("torch", "transformers")
 HELDOUT_PERCENT = 10  # of the new domain's files
 SKIPPED_DIRS = {"test", "tests", "testing", "__pycache__"}
+
+
+@dataclass(frozen=True)
+class Domain:
+    roots: tuple[str, ...]  # directories searched (those that exist); "" is site-packages
+    subdirs: tuple[str, ...]  # under each root, where to look ("" for the root itself)
+    suffix: str
+
+
+DOMAINS = {
+    "javascript": Domain(("/usr/lib/node_modules", "/usr/share/nodejs"), ("",), ".js"),
+    "python-packages": Domain(("",), ("torch", "transformers"), ".py"),
+}
 
 
 @dataclass(frozen=True)
@@ -37,18 +52,22 @@ def _rank(rel_path: str) -> int:
     return int.from_bytes(hashlib.sha256(rel_path.encode()).digest()[:8], "big")
 
 
-def domain_files(site_packages: Path | None = None) -> tuple[list[Path], list[Path]]:
-    """(held out, traffic) files of the new domain (tests left out), in path-hash order."""
-    root = Path(site_packages or sysconfig.get_paths()["purelib"])
-    rel = sorted(
-        (p.relative_to(root).as_posix() for name in DOMAIN_PACKAGES for p in
-         (root / name).rglob("*.py") if not SKIPPED_DIRS & set(p.relative_to(root).parts)),
-        key=_rank,
+def domain_files(domain: str, root: Path | None = None) -> tuple[list[Path], list[Path]]:
+    """(held out, traffic) files of the new domain (tests left out), in path-hash order;
+    ``root`` replaces the domain's directories (tests)."""
+    spec = DOMAINS[domain]
+    roots = [root] if root is not None else [
+        Path(r or sysconfig.get_paths()["purelib"]) for r in spec.roots]  # fmt: skip
+    found = sorted(
+        (p for r in roots if r.is_dir() for sub in spec.subdirs
+         for p in (r / sub).rglob(f"*{spec.suffix}")
+         if p.is_file() and not SKIPPED_DIRS & set(p.relative_to(r).parts)),
+        key=lambda p: _rank(p.as_posix()),
     )  # fmt: skip
-    if not rel:
-        raise ValueError(f"none of {DOMAIN_PACKAGES} is installed under {root}")
-    held = [root / r for r in rel if _rank(r) % 100 < HELDOUT_PERCENT]
-    return held, [root / r for r in rel if _rank(r) % 100 >= HELDOUT_PERCENT]
+    if not found:
+        raise ValueError(f"no {spec.suffix} files of the {domain} domain under {roots}")
+    held = [p for p in found if _rank(p.as_posix()) % 100 < HELDOUT_PERCENT]
+    return held, [p for p in found if _rank(p.as_posix()) % 100 >= HELDOUT_PERCENT]
 
 
 def stdlib_heldout(pair_dir: Path) -> list[Path]:
@@ -87,8 +106,10 @@ def traffic(tokenizer, files: list[Path], length: int, seed: int) -> Iterator[li
                 yield prompt
 
 
-def load_prompts(tokenizer, pair_dir: Path, num_eval: int, length: int, seed: int) -> Prompts:
-    held, served = domain_files()
+def load_prompts(
+    tokenizer, pair_dir: Path, num_eval: int, length: int, seed: int, domain: str = "javascript"
+) -> Prompts:
+    held, served = domain_files(domain)
     return Prompts(
         traffic(tokenizer, served, length, seed),
         eval_prompts(tokenizer, held, num_eval, length),

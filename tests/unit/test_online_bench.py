@@ -40,8 +40,11 @@ def test_the_new_domains_held_out_files_are_never_served(tmp_path: Path) -> None
         for i in range(40):
             (tmp_path / package / f"m{i}").mkdir(parents=True)
             (tmp_path / package / f"m{i}" / "x.py").write_text("x = 1\n")
-    held, served = domain_files(tmp_path)
+    held, served = domain_files("python-packages", tmp_path)
     assert held and served and not set(held) & set(served) and len(held) + len(served) == 80
+    (tmp_path / "lib.js").write_text("var x = 1;\n")
+    held, served = domain_files("javascript", tmp_path)
+    assert [*held, *served] == [tmp_path / "lib.js"]
 
 
 def test_traffic_is_one_greedy_request_in_four() -> None:
