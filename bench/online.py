@@ -42,13 +42,16 @@ SPEC = SpecParams(num_steps=5, topk=4, num_draft_tokens=8)
 POINTS = (0, 10_000, 25_000, 50_000, 100_000, 150_000, 200_000)
 
 
-def build(settings: OnlineSettings):
+def build(settings: OnlineSettings, checkpoints: Path | None = None):
+    """The engine and its learner; ``checkpoints``: the learner's --online-learning-dir (each
+    version it serves written there, `specmesh draft --model DIR/latest` loads the last)."""
     from specmesh.router.engine import Engine
 
     models = default_models()
     fp32 = {"dtype": "fp32"}
+    draft = fp32 if checkpoints is None else {**fp32, "online_learning_dir": str(checkpoints)}
     engine = Engine(models.target, draft_model=models.draft, draft_kind=models.draft_kind,
-                    spec=SPEC, target_config=fp32, draft_config=fp32)  # fmt: skip
+                    spec=SPEC, target_config=fp32, draft_config=draft)  # fmt: skip
     return engine, attach_learner(engine.draft, settings)
 
 
@@ -181,6 +184,11 @@ def main(argv: list[str] | None = None) -> int:
         default="javascript",
         help="the new domain served (`online_data`)",
     )
+    p.add_argument(
+        "--online-learning-dir", type=Path, metavar="DIR",
+        help="keep the learner's checkpoints there (`bench.online_speed` serves the last one "
+        "as the learned draft)",
+    )  # fmt: skip
     defaults = OnlineSettings()
     for name in ("lr", "update_tokens", "steps_per_update", "batch_windows", "window_tokens"):
         kind = type(getattr(defaults, name))
@@ -190,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     settings = replace(defaults, **{k: getattr(args, k) for k in
                        ("lr", "update_tokens", "steps_per_update", "batch_windows", "window_tokens")})  # fmt: skip
-    engine, learner = build(settings)
+    engine, learner = build(settings, args.online_learning_dir)
     pair_dir = Path(default_models().target).parent
     prompts = load_prompts(engine.tokenizer, pair_dir, args.eval_prompts, 64, 0, args.domain)
     started = time.perf_counter()

@@ -67,3 +67,29 @@ def test_table_and_plot(tmp_path: Path) -> None:
     assert "| trainer busy | 5 |" in text and "0.50 ms" in text
     plot(results, tmp_path / "curve.png")
     assert (tmp_path / "curve.png").stat().st_size > 1000
+
+
+def test_online_speed_plans_three_drafts_per_temperature_and_compares_to_learning_off(
+    tmp_path: Path,
+) -> None:
+    from specmesh.bench.online_speed import OFF, compare, format_table, plan
+    from specmesh.bench.worker import TWO_DEVICES
+
+    configs = plan(tmp_path / "learned", batch=8, num_requests=16)
+    assert [label for label, _ in configs] == [
+        f"t{t} {d}" for t in ("0", "0.8") for d in (OFF, "learning on", "learned, learning on")
+    ]
+    for label, job in configs:
+        assert job.cpus == TWO_DEVICES and job.run.backend == "cluster"
+        assert ("--online-learning" in job.draft_args) == (not label.endswith(OFF))
+        assert (job.draft == str(tmp_path / "learned")) == label.endswith("learned, learning on")
+    run = lambda label, tps: {"label": label, "tokens_per_s": tps[1], "tokens_per_s_min": tps[0],
+                              "tokens_per_s_max": tps[2], "tokens_per_s_runs": list(tps),
+                              "mean_accept_len": 2.0}  # fmt: skip
+    results = [run(f"t0 {OFF}", (90, 100, 110)), run("t0 learning on", (81, 95, 99))]
+    (ratio,) = compare(results)
+    assert ratio["label"] == "t0 learning on" and ratio["ratio"] == 0.95
+    assert ratio["ratio_min"] == 0.9 and ratio["ratio_max"] == 0.95  # per repeat
+    assert "| t0 learning on | 95.0 (81.0 - 99.0) | 0.95 (0.90 - 0.95) | 2.00 |" in format_table(
+        results, [ratio]
+    )
