@@ -26,9 +26,9 @@ class KeepAll:
         return Verdict(nothing, nothing, nothing, keep=True, rewind=False, reset=False)
 
 
-def learning_engine(copy_dir: Path, settings: OnlineSettings = SETTINGS):
-    """(engine, learner) on the copy pair's target and EAGLE-3 draft."""
-    engine = Engine(copy_dir / "target", draft_model=copy_dir / "eagle3", draft_kind="eagle3",
+def learning_engine(copy_dir: Path, settings: OnlineSettings = SETTINGS, kind: str = "eagle3"):
+    """(engine, learner) on the copy pair's target and its EAGLE-3 (or ``kind``) draft."""
+    engine = Engine(copy_dir / "target", draft_model=copy_dir / kind, draft_kind=kind,
                     spec=SpecParams(3, 4, 8))  # fmt: skip
     return engine, attach_learner(engine.draft, settings, start=False)
 

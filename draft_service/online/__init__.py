@@ -1,4 +1,4 @@
-"""Online learning (``specmesh draft --online-learning``): the draft's EAGLE-3 head trains on
+"""Online learning (``specmesh draft --online-learning``): the draft's EAGLE-3 or EAGLE-1 head trains on
 the (feature, token) rows of the traffic it serves, off the critical path, guarded against
 updates that lower acceptance, checkpointed in the format the draft loads. Output never
 changes: the target verifies every draft token. docs/online-learning.md says what it stores.
@@ -30,6 +30,7 @@ def attach_learner(
 ) -> OnlineLearner:
     """Give ``runtime`` a learner (resumed from ``cfg.online_learning_dir``'s last checkpoint,
     if any) and start its thread unless ``start`` is False (tests call `update` themselves)."""
+    from specmesh.draft_service.models.eagle1 import parse_eagle1_config
     from specmesh.draft_service.models.eagle3 import parse_eagle3_config
     from specmesh.draft_service.online.checkpoints import Checkpoints
     from specmesh.draft_service.online.learner import OnlineLearner
@@ -39,7 +40,8 @@ def attach_learner(
     settings = settings or OnlineSettings()
     checkpoints = None
     if cfg.online_learning_dir:
-        dtype = parse_eagle3_config(cfg.draft_dir).base.dtype  # the shipped checkpoint's
+        parse = parse_eagle3_config if cfg.kind == "eagle3" else parse_eagle1_config
+        dtype = parse(cfg.draft_dir).base.dtype  # the shipped checkpoint's
         checkpoints = Checkpoints(
             cfg.online_learning_dir, cfg.draft_dir, dtype, settings.keep_checkpoints
         )

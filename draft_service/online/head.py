@@ -1,5 +1,6 @@
-"""The served EAGLE-3 head as it trains: the offline trainer's training-time test
-(`specmesh.demo.draft_train`) on the serving module's own layers.
+"""The served head as it trains: the offline trainer's training-time test
+(`specmesh.demo.draft_train`) on the serving module's own layers, for EAGLE-3 heads
+(`Eagle3Head`) and EAGLE-1 heads (`Eagle1Head`: the same loss, the head's own forward).
 
 A window of one request's rows ``x_0 .. x_{n-1}`` (tokens) and ``f_0 .. f_{n-1}`` (the target's
 features) gives R = n - 1 draft rows, K steps:
@@ -25,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specmesh.draft_service.models.eagle1 import Eagle1Draft
 from specmesh.draft_service.models.eagle3 import Eagle3Draft
 from specmesh.draft_service.online.buffer import Window
 
@@ -67,8 +69,98 @@ def ttt_mask(num_rows: int, step: int, device: torch.device | str) -> torch.Tens
 
 
 class TrainableHead(nn.Module):
-    """An fp32 copy of a served `Eagle3Draft`'s weights (same parameter names), trained on its
-    own thread; the served module is only ever written by `load_into` on the draft's thread."""
+    """An fp32 copy of a served head's weights (same parameter names), trained on its own
+    thread; the served module is only ever written by `load_into` on the draft's thread.
+    Subclasses say how a step's block input is made and how its output becomes logits; the
+    steps, the attention and the MLP are shared."""
+
+    @property
+    def layer(self) -> nn.Module:
+        """The decoder layer: ``self_attn``, ``post_attention_layernorm``, ``mlp``."""
+        raise NotImplementedError
+
+    def _detach_fused(self) -> None:
+        attn, mlp = self.layer.self_attn, self.layer.mlp
+        attn.qkv = attn.qkv_bias = mlp.gate_up = None  # the fused paths run no autograd
+        self.rotary._cached = ()
+        self.float().requires_grad_(True)
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids
+
+    def label_ids(self, target_ids: torch.Tensor) -> torch.Tensor:
+        """Draft ids of target ids; IGNORE where none (-1)."""
+        return torch.where(target_ids >= 0, target_ids, torch.full_like(target_ids, IGNORE))
+
+    def served_extras(self) -> dict[str, torch.Tensor]:
+        """Tensors a checkpoint of the served module carries besides the trained ones."""
+        return {}
+
+    def first_hidden(self, aux: torch.Tensor) -> torch.Tensor:
+        """Step 0's hidden input from the target's features."""
+        raise NotImplementedError
+
+    def block_input(
+        self, embeds: torch.Tensor, hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the attention's input, the residual it adds to) of a step."""
+        raise NotImplementedError
+
+    def step_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(
+        self,
+        aux: torch.Tensor,  # [B, R, feature_width]
+        step_tokens: torch.Tensor,  # [B, R + K - 1]
+        embed: Embed,
+        num_steps: int,
+        feed_drafted: bool = False,  # steps j >= 1 read the drafted token, not step_tokens
+    ) -> list[torch.Tensor]:
+        """Logits [B, R, draft_vocab] of each step; step j at row p predicts x_{p+2+j}."""
+        num_rows, layer = aux.shape[1], self.layer
+        hidden = self.first_hidden(aux)  # [B, R, H]
+        keys, values, logits = [], [], []
+        for step in range(num_steps):
+            if feed_drafted and step > 0:
+                tokens = self.to_target_ids(logits[-1].argmax(-1))  # [B, R]
+            else:
+                tokens = step_tokens[:, step : step + num_rows]
+            u, residual = self.block_input(embed(tokens).to(hidden.dtype), hidden)
+            positions = torch.arange(num_rows, device=u.device) + step
+            q, k, v = self._project(u, positions)
+            keys.append(k)
+            values.append(v)
+            mask = ttt_mask(num_rows, step, u.device)
+            r = residual + self._attend(q, keys, values, mask)
+            hidden = r + layer.mlp(layer.post_attention_layernorm(r))  # fed to the next step
+            logits.append(self.step_logits(hidden))
+        return logits
+
+    def _project(self, u: torch.Tensor, positions: torch.Tensor):
+        """q [B, heads, R, hd], k and v [B, kv_heads, R, hd], RoPE from the draft's config."""
+        attn = self.layer.self_attn
+        b, t, _ = u.shape
+        q = attn.q_proj(u).view(b, t, attn.num_heads, attn.head_dim)
+        k = attn.k_proj(u).view(b, t, attn.num_kv_heads, attn.head_dim)
+        v = attn.v_proj(u).view(b, t, attn.num_kv_heads, attn.head_dim)
+        if attn.qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = self.rotary(q, k, positions)  # cos / sin [R, 1, hd] broadcast over B and heads
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def _attend(self, q: torch.Tensor, keys: list, values: list, mask: torch.Tensor):
+        attn = self.layer.self_attn
+        groups = attn.num_heads // attn.num_kv_heads
+        k = torch.cat(keys, dim=2).repeat_interleave(groups, dim=1)  # [B, heads, (j+1) R, hd]
+        v = torch.cat(values, dim=2).repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scale)
+        return attn.o_proj(out.transpose(1, 2).flatten(2))  # [B, R, H]
+
+
+class Eagle3Head(TrainableHead):
+    """EAGLE-3: ``g = fc(aux)``; a step attends over ``[input_layernorm(embed), hidden_norm(g)]``
+    and adds to ``g``; logits over the draft's hot vocabulary (``d2t``)."""
 
     def __init__(self, net: Eagle3Draft) -> None:
         super().__init__()
@@ -77,10 +169,7 @@ class TrainableHead(nn.Module):
         self.norm = copy.deepcopy(net.norm)
         self.lm_head = copy.deepcopy(net.lm_head)
         self.rotary = copy.deepcopy(net.rotary)
-        self.rotary._cached = ()
-        attn, mlp = self.midlayer.self_attn, self.midlayer.mlp
-        attn.qkv = attn.qkv_bias = mlp.gate_up = None  # the fused paths run no autograd
-        self.float().requires_grad_(True)
+        self._detach_fused()
         d2t = net.d2t.detach().clone()
         hot = torch.arange(len(d2t), device=d2t.device) + d2t  # target id of each draft id
         vocab = max(net.config.base.vocab_size, int(hot.max()) + 1)
@@ -96,54 +185,60 @@ class TrainableHead(nn.Module):
         ids = self.draft_of_target[target_ids.clamp(min=0)]
         return torch.where(target_ids >= 0, ids, torch.full_like(ids, IGNORE))
 
-    def forward(
-        self,
-        aux: torch.Tensor,  # [B, R, feature_width]
-        step_tokens: torch.Tensor,  # [B, R + K - 1]
-        embed: Embed,
-        num_steps: int,
-        feed_drafted: bool = False,  # steps j >= 1 read the drafted token, not step_tokens
-    ) -> list[torch.Tensor]:
-        """Logits [B, R, draft_vocab] of each step; step j at row p predicts x_{p+2+j}."""
-        num_rows, layer = aux.shape[1], self.midlayer
-        hidden = self.fc(aux.to(self.fc.weight.dtype))  # [B, R, H]
-        keys, values, logits = [], [], []
-        for step in range(num_steps):
-            if feed_drafted and step > 0:
-                tokens = self.to_target_ids(logits[-1].argmax(-1))  # [B, R]
-            else:
-                tokens = step_tokens[:, step : step + num_rows]
-            embeds = embed(tokens).to(hidden.dtype)  # [B, R, H]
-            u = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
-            positions = torch.arange(num_rows, device=u.device) + step
-            q, k, v = self._project(u, positions)
-            keys.append(k)
-            values.append(v)
-            mask = ttt_mask(num_rows, step, u.device)
-            r = hidden + self._attend(q, keys, values, mask)
-            hidden = r + layer.mlp(layer.post_attention_layernorm(r))  # fed to the next step
-            logits.append(self.norm(hidden) @ self.lm_head.weight.t())
-        return logits
+    @property
+    def layer(self) -> nn.Module:
+        return self.midlayer
 
-    def _project(self, u: torch.Tensor, positions: torch.Tensor):
-        """q [B, heads, R, hd], k and v [B, kv_heads, R, hd], RoPE from the draft's config."""
-        attn = self.midlayer.self_attn
-        b, t, _ = u.shape
-        q = attn.q_proj(u).view(b, t, attn.num_heads, attn.head_dim)
-        k = attn.k_proj(u).view(b, t, attn.num_kv_heads, attn.head_dim)
-        v = attn.v_proj(u).view(b, t, attn.num_kv_heads, attn.head_dim)
-        if attn.qk_norm:
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = self.rotary(q, k, positions)  # cos / sin [R, 1, hd] broadcast over B and heads
-        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    def served_extras(self) -> dict[str, torch.Tensor]:
+        return {"d2t": self.d2t}
 
-    def _attend(self, q: torch.Tensor, keys: list, values: list, mask: torch.Tensor):
-        attn = self.midlayer.self_attn
-        groups = attn.num_heads // attn.num_kv_heads
-        k = torch.cat(keys, dim=2).repeat_interleave(groups, dim=1)  # [B, heads, (j+1) R, hd]
-        v = torch.cat(values, dim=2).repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scale)
-        return attn.o_proj(out.transpose(1, 2).flatten(2))  # [B, R, H]
+    def first_hidden(self, aux: torch.Tensor) -> torch.Tensor:
+        return self.fc(aux.to(self.fc.weight.dtype))
+
+    def block_input(self, embeds, hidden):
+        layer = self.midlayer
+        return torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], -1), hidden
+
+    def step_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.norm(hidden) @ self.lm_head.weight.t()
+
+
+class Eagle1Head(TrainableHead):
+    """EAGLE-1: step 0's hidden is the target's final hidden state; a step attends over
+    ``u = fc([embed, hidden])`` (no input norm) and adds to it; logits through the target's own
+    LM head, which is not trained (the draft's parameters are ``fc`` and ``layers.0``)."""
+
+    def __init__(self, net: Eagle1Draft) -> None:
+        super().__init__()
+        self.fc = copy.deepcopy(net.fc)
+        self.layers = copy.deepcopy(net.layers)
+        self.rotary = copy.deepcopy(net.rotary)
+        self._detach_fused()
+        self._shared = net._shared  # the target's embedding and head, by reference
+
+    @property
+    def layer(self) -> nn.Module:
+        return self.layers[0]
+
+    def first_hidden(self, aux: torch.Tensor) -> torch.Tensor:
+        return aux.to(self.fc.weight.dtype)
+
+    def block_input(self, embeds, hidden):
+        u = self.fc(torch.cat([embeds, hidden], -1))
+        return u, u
+
+    def step_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self._shared[0].head_weight  # the target's dtype: no copy of it per step
+        return (hidden.to(head.dtype) @ head.t()).to(hidden.dtype)
+
+
+def trainable_head(net: nn.Module) -> TrainableHead:
+    """The trainable copy of a served draft head of a kind that learns online."""
+    if isinstance(net, Eagle3Draft):
+        return Eagle3Head(net)
+    if isinstance(net, Eagle1Draft):
+        return Eagle1Head(net)
+    raise ValueError(f"no online training for {type(net).__name__} heads")
 
 
 def ttt_loss(

@@ -27,15 +27,14 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from specmesh.draft_service.models.eagle3 import Eagle3Draft
 from specmesh.draft_service.online.buffer import TrafficBuffer
 from specmesh.draft_service.online.checkpoints import Checkpoints
 from specmesh.draft_service.online.guard import Guard, Verdict
 from specmesh.draft_service.online.head import (
-    TrainableHead,
     load_into,
     make_batch,
     snapshot,
+    trainable_head,
     ttt_loss,
 )
 from specmesh.draft_service.online.settings import OnlineSettings
@@ -73,7 +72,7 @@ class Published:
 class OnlineLearner:
     def __init__(
         self,
-        net: Eagle3Draft,
+        net: torch.nn.Module,  # the served head: `Eagle3Draft` or `Eagle1Draft`
         settings: OnlineSettings,
         checkpoints: Checkpoints | None = None,
         topk: int = 1,  # children per tree node the draft keeps: what the guard's chains count
@@ -82,7 +81,7 @@ class OnlineLearner:
         self.net, self.settings, self.checkpoints = net, settings, checkpoints
         self.device = net.fc.weight.device
         self.buffer = TrafficBuffer(settings, torch.bfloat16)
-        self.head, self.scratch = TrainableHead(net), TrainableHead(net)
+        self.head, self.scratch = trainable_head(net), trainable_head(net)
         self.shipped = self.served = snapshot(self.head)  # fp32, the trainer's
         self.guard = Guard(settings.guard_threshold, settings.num_steps, net.embed, topk)
         self.info = LearnerStats()
@@ -214,7 +213,7 @@ class OnlineLearner:
             self._ready = Published(self.version, tensors)
         if self.checkpoints is not None:
             info = {"tokens_observed": self.buffer.num_seen_tokens}
-            self.checkpoints.save(self.version, {**tensors, "d2t": self.net.d2t}, info)
+            self.checkpoints.save(self.version, {**tensors, **self.head.served_extras()}, info)
 
     def _refuse(self, verdict: Verdict) -> None:
         """The served weights stay. A rewind sends the trainer back to them (its optimizer

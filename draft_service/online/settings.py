@@ -5,17 +5,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Draft kinds whose head trains online: the EAGLE-3 head (its training-time test loss is
-# `specmesh.demo.draft_train`'s). EAGLE-1 and MTP heads have other forwards; standalone LMs
-# and n-gram lookup are not heads over the target's features (n-gram adapts by itself).
-TRAINABLE_KINDS = ("eagle3",)
+# Draft kinds whose head trains online, with the training-time test loss of
+# `specmesh.demo.draft_train` on their own forwards: EAGLE-3 and EAGLE-1 heads. MTP layers are
+# whole decoder layers (a DeepSeek-V3 NextN layer is a mixture of experts) trained with their
+# target; standalone LMs and n-gram lookup are not heads over the target's features (n-gram
+# adapts by itself).
+TRAINABLE_KINDS = ("eagle3", "eagle")
 _WHY_NOT = {
     "ngram": "n-gram drafting has no weights (it already adapts: it looks up the request's own "
     "tokens)",
     "standalone": "a standalone draft LM reads no target features, so the rows the draft "
     "receives are no training data for it",
-    "eagle": "EAGLE-1 heads are not trained online yet (only EAGLE-3)",
-    "mtp": "MTP heads are not trained online yet (only EAGLE-3)",
+    "mtp": "MTP layers are not trained online (only EAGLE-3 and EAGLE-1 heads)",
 }
 
 
@@ -23,7 +24,7 @@ def refuse_kind(kind: str) -> None:
     """Raise ``ValueError`` naming why ``kind`` cannot learn online, unless it can."""
     if kind not in TRAINABLE_KINDS:
         why = _WHY_NOT.get(kind, f"draft kind {kind!r} is unknown")
-        raise ValueError(f"--online-learning needs --kind eagle3, not {kind}: {why}")
+        raise ValueError(f"--online-learning needs --kind eagle3 or eagle, not {kind}: {why}")
 
 
 @dataclass(frozen=True)

@@ -52,9 +52,12 @@ def test_off_by_default(copy_dir: Path, served) -> None:
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--kind", "ngram", "--online-learning"], "needs --kind eagle3, not ngram: n-gram"),
+        (
+            ["--kind", "ngram", "--online-learning"],
+            "needs --kind eagle3 or eagle, not ngram: n-gram",
+        ),
         (["--kind", "standalone", "--online-learning"], "not standalone: a standalone draft"),
-        (["--kind", "mtp", "--online-learning"], "not mtp: MTP heads are not trained online"),
+        (["--kind", "mtp", "--online-learning"], "not mtp: MTP layers are not trained online"),
         (["--kind", "eagle3", "--online-learning-dir", "x"], "needs --online-learning"),
     ],
 )

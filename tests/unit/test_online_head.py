@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from specmesh.draft_service.online.buffer import Window
 from specmesh.draft_service.online.head import (
-    TrainableHead,
+    Eagle3Head,
     chain_accepted,
     make_batch,
     ttt_loss,
@@ -71,7 +71,7 @@ def test_step_zero_is_the_served_extend(runtime) -> None:
     assert not res.errors
     batch = make_batch([Window(ids, feats, 0)], NUM_STEPS, "cpu")
     with torch.no_grad():
-        logits = TrainableHead(net)(batch.aux, batch.step_tokens, net.embed, 1)
+        logits = Eagle3Head(net)(batch.aux, batch.step_tokens, net.embed, 1)
     # extend row p pairs feature p with token p + 1: the last row is p = n - 2
     torch.testing.assert_close(logits[0][0, n - 2], runtime.drafter.roots["r"].logits)
     runtime.release("r")
@@ -96,7 +96,7 @@ def test_every_step_and_the_loss_are_the_offline_trainers(runtime) -> None:
     from specmesh.demo.draft_train import IGNORE, step_labels
 
     net = runtime.drafter.net
-    offline, head = _offline_draft(net), TrainableHead(net)
+    offline, head = _offline_draft(net), Eagle3Head(net)
     windows = [_window(net.feature_width, n, seed) for n, seed in [(24, 1), (17, 2)]]
     batch = make_batch([Window(*w, 0) for w in windows], NUM_STEPS, "cpu")
     weight = runtime.drafter.net.embed(torch.arange(net.config.base.vocab_size))
@@ -119,7 +119,7 @@ def test_chain_acceptance_counts_runs_up_to_the_first_miss(runtime) -> None:
     """A head whose every step predicts the label accepts every chain in full; another label
     accepts none, unless the chains keep every token (top-k = the draft vocabulary)."""
     net = runtime.drafter.net
-    head = TrainableHead(net)
+    head = Eagle3Head(net)
     ids, feats = _window(net.feature_width, 12)
     batch = make_batch([Window(ids, feats, 0)], 3, "cpu")
     hot = head.to_target_ids(torch.arange(len(head.d2t)))

@@ -14,7 +14,7 @@ import torch
 from conftest import assert_accepted, hf_greedy
 from online_traffic import SETTINGS, KeepAll, learning_engine, prompts
 
-from specmesh.draft_service.online.head import TrainableHead, load_into
+from specmesh.draft_service.online.head import load_into, trainable_head
 from specmesh.protocol.config import SpecParams
 from specmesh.protocol.sampling import SamplingParams
 from specmesh.protocol.steps import ExtendInput
@@ -103,7 +103,7 @@ def _random_stream(copy_dir: Path, guarded: bool) -> tuple[int, int, float]:
     engine.generate(prompts(12, seed=5), SamplingParams(max_new_tokens=32))
     real = learner.buffer.heldout()
     scale = float(torch.cat([w.features for w in real]).float().std())
-    scratch, guard = TrainableHead(learner.net), learner.guard
+    scratch, guard = trainable_head(learner.net), learner.guard
     before = guard.score(scratch, real).accepted
     if not guarded:
         learner.guard = KeepAll()
