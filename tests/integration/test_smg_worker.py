@@ -33,7 +33,7 @@ from specmesh.protocol.config import DraftConfig, TargetConfig
 from specmesh.protocol.sampling import SamplingParams
 from specmesh.router.core import RouterConfig
 from specmesh.router.server import RouterService, RouterSettings
-from specmesh.rpc.service_common import InlineSteps
+from specmesh.rpc.inline_steps import InlineSteps
 from specmesh.smg import worker_control_pb2 as control_pb2
 from specmesh.smg import worker_control_pb2_grpc as control_grpc
 from specmesh.smg import worker_inference_pb2 as smg_pb2

@@ -7,7 +7,8 @@ import asyncio
 import threading
 from types import SimpleNamespace
 
-from specmesh.rpc.service_common import InlineSteps, ModelServicer, ServiceHost
+from specmesh.rpc.inline_steps import InlineSteps
+from specmesh.rpc.service_common import ModelServicer, ServiceHost
 
 
 def test_short_steps_run_inline_only_when_the_worker_is_idle() -> None:
