@@ -55,32 +55,26 @@ class StepBatch:
         self.kv_lens = [st.spec_base + width for st in states]
         reserve_tokens(cache, dict(zip(rids, self.kv_lens, strict=True)))
         dev = cache.req_to_slot.device
+        bs = len(rids)
         rows = [cache.get(rid).row for rid in rids]
-        self.kv_indices = row_slots(cache, rows, [0] * len(rids), self.kv_lens)
+        self.kv_indices = row_slots(cache, rows, [0] * bs, self.kv_lens)
+        kv_starts = [0, *itertools.accumulate(self.kv_lens)]
+        mask_starts = [k * s for s in kv_starts]
         self.kv_indptr = indptr(self.kv_lens, dev)
         self.mask_indptr = self.kv_indptr * k  # [k, kv_len] per request
         spec_base = torch.tensor([st.spec_base for st in states])
         cols = torch.arange(width)
-        self.out_slots = self._step_slots(spec_base, cols, k)
-        self.mask_at = self._mask_index(spec_base, cols, k).to(dev)
+        # The speculative slots, step by step: [num_steps - 1, bs * k]
+        at = (torch.tensor(kv_starts[:-1]) + spec_base)[:, None] + cols
+        slots = self.kv_indices[at.to(dev)].view(bs, num_steps - 1, k)
+        self.out_slots = slots.transpose(0, 1).reshape(num_steps - 1, bs * k)
+        # Where node i's speculative columns sit in the flat mask: [bs * k * S]
+        row_len = torch.tensor(self.kv_lens)[:, None, None] * torch.arange(k)[None, :, None]
+        first = torch.tensor(mask_starts[:-1]) + spec_base
+        self.mask_at = (first[:, None, None] + row_len + cols).flatten().to(dev)
         last_pos = torch.tensor([st.last_pos for st in states], device=dev)
         self.positions = last_pos.repeat_interleave(k)
         self.laid_out: dict[int, tuple[AttentionMetadata, int]] = {}  # by runner: (meta, bucket)
-
-    def _step_slots(self, spec_base: torch.Tensor, cols: torch.Tensor, k: int) -> torch.Tensor:
-        """The speculative region's KV slots (``cols``: its columns), step by step:
-        ``[num_steps - 1, bs * k]``."""
-        kv_starts = torch.tensor(list(itertools.accumulate(self.kv_lens[:-1], initial=0)))
-        at = (kv_starts + spec_base)[:, None] + cols
-        slots = self.kv_indices[at.to(self.kv_indices.device)].view(len(self.kv_lens), -1, k)
-        return slots.transpose(0, 1).reshape(len(cols) // k, -1)
-
-    def _mask_index(self, spec_base: torch.Tensor, cols: torch.Tensor, k: int) -> torch.Tensor:
-        """Where node i's speculative columns sit in the flat mask: ``[bs * k * S]``."""
-        starts = [k * s for s in itertools.accumulate(self.kv_lens[:-1], initial=0)]
-        first = torch.tensor(starts) + spec_base  # each request's block start + spec_base
-        rows = torch.tensor(self.kv_lens)[:, None, None] * torch.arange(k)[None, :, None]
-        return (first[:, None, None] + rows + cols).flatten()
 
     def forward(
         self, step: int, tokens: torch.Tensor, hidden_in: torch.Tensor, seen: torch.Tensor
