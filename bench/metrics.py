@@ -115,3 +115,14 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "pids": [r["pid"] for r in runs],
         "repeats": len(runs),
     }
+
+
+def speed_row(config: dict[str, Any], ratio: dict[str, Any] | None) -> str:
+    """A table row's first cells: ``| label | tok/s median (min - max) | ratio (min - max) |
+    tokens/round |`` (``ratio`` None: the baseline, "1")."""
+    c, r = config, ratio
+    vs = f"{r['ratio']:.2f} ({r['ratio_min']:.2f} - {r['ratio_max']:.2f})" if r else "1"
+    return (
+        f"| {c['label']} | {c['tokens_per_s']:.1f} ({c['tokens_per_s_min']:.1f} - "
+        f"{c['tokens_per_s_max']:.1f}) | {vs} | {c['mean_accept_len']:.2f} |"
+    )

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from specmesh.bench.hop import WORKER, WORKER_TIMEOUT_S
-from specmesh.bench.metrics import aggregate, ratio_spread
+from specmesh.bench.metrics import aggregate, ratio_spread, speed_row
 from specmesh.bench.online_data import DOMAINS, domain_files, eval_prompts
 from specmesh.bench.report import write_json
 from specmesh.bench.runners import RunSpec
@@ -92,13 +92,7 @@ def format_table(configs: list[dict[str, Any]], comparisons: list[dict[str, Any]
         "tokens/round |",
         "|---|---|---|---|",
     ]
-    for c in configs:
-        r = ratios.get(c["label"])
-        vs = f"{r['ratio']:.2f} ({r['ratio_min']:.2f} - {r['ratio_max']:.2f})" if r else "1"
-        lines.append(
-            f"| {c['label']} | {c['tokens_per_s']:.1f} ({c['tokens_per_s_min']:.1f} - "
-            f"{c['tokens_per_s_max']:.1f}) | {vs} | {c['mean_accept_len']:.2f} |"
-        )
+    lines += [speed_row(c, ratios.get(c["label"])) for c in configs]
     return "\n".join(lines)
 
 

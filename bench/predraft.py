@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from specmesh.bench.hop import WORKER, WORKER_TIMEOUT_S
-from specmesh.bench.metrics import aggregate, ratio_spread
+from specmesh.bench.metrics import aggregate, ratio_spread, speed_row
 from specmesh.bench.report import write_json
 from specmesh.bench.runners import RunSpec
 from specmesh.bench.spawn import run_worker
@@ -96,12 +96,9 @@ def format_table(configs: list[dict[str, Any]], comparisons: list[dict[str, Any]
         "|---|---|---|---|---|---|",
     ]
     for c in configs:
-        r = ratios.get(c["label"])
-        vs = f"{r['ratio']:.2f} ({r['ratio_min']:.2f} - {r['ratio_max']:.2f})" if r else "1"
         lines.append(
-            f"| {c['label']} | {c['tokens_per_s']:.1f} ({c['tokens_per_s_min']:.1f} - "
-            f"{c['tokens_per_s_max']:.1f}) | {vs} | {c['mean_accept_len']:.2f} | "
-            f"{c['predraft_hit_rate']:.2f} | {c['draft_wait_ms_per_round']:.2f} |"
+            speed_row(c, ratios.get(c["label"]))
+            + f" {c['predraft_hit_rate']:.2f} | {c['draft_wait_ms_per_round']:.2f} |"
         )
     return "\n".join(lines)
 
