@@ -6,8 +6,8 @@ On a GPU the draft's round is host-bound (bench_results/gpu/round3: 6.3 ms of ho
 round for 2.0 ms of device work at batch 1), and every operator the host dispatches costs a few
 microseconds of it, a kernel launch for most. This counts them on the CPU, where the count is
 the same and deterministic: the tiny EAGLE-3 pair of `bench.hop`, the draft's steps through its
-static-shape runners (the GPU path; each runner's forward, a graph replay there, is not
-counted), one extend of 3 tokens and a 5/4/8 tree per request per round, per stage (extend,
+static-shape runners and its search graph (the GPU path; each runner's forward and the
+search's body, graph replays there, are not counted), one extend of 3 tokens and a 5/4/8 tree per request per round, per stage (extend,
 propose, each expand step) and operator. Reads of a tensor's values on the host (``tolist``,
 ``item``: a device-to-host copy and a sync on a GPU) are counted beside them.
 """
@@ -49,20 +49,22 @@ class OpCount(TorchDispatchMode):
 
 @contextlib.contextmanager
 def _patched(count: OpCount) -> Iterator[None]:
-    """Stages tagged, and the runners' forwards (graph replays on a GPU) not counted."""
+    """Stages tagged, and the runners' forwards and the search body (graph replays on a GPU)
+    not counted."""
     import importlib
 
+    from specmesh.draft_service.search_graph import SearchGraphs
     from specmesh.runtime.graph_runner import GraphRunner
 
     saved: list[tuple[type, str, Callable]] = []
 
     def quiet(fn):
         def run(self, *args, **kwargs):
-            count.on = False
+            outer, count.on = count.on, False
             try:
                 return fn(self, *args, **kwargs)
             finally:
-                count.on = True
+                count.on = outer
 
         return run
 
@@ -77,14 +79,13 @@ def _patched(count: OpCount) -> Iterator[None]:
         return run
 
     def host_read(fn, label: str):
-        def read(self, *args, **kwargs):
-            if count.on:
-                count.counts[(count.stage, label)] += 1
+        def read(self, *args, **kwargs):  # counted inside the captured parts too: there a
+            count.counts[(count.stage, label)] += 1  # read would break the capture on a GPU
             return fn(self, *args, **kwargs)
 
         return read
 
-    targets = [(GraphRunner, "_forward", quiet)]
+    targets = [(GraphRunner, "_forward", quiet), (SearchGraphs, "_search", quiet)]
     for name in HOST_READS:  # no operator on CPU, a device-to-host copy and sync on a GPU
         targets.append((torch.Tensor, name, lambda fn, n=name: host_read(fn, f"{n} (host read)")))
     for module, cls, name, label in STAGES:

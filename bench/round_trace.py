@@ -6,8 +6,10 @@ Builds a tiny target and EAGLE-3 head (no download), runs one greedy request wit
 ``--speculation always`` and records, with `sys.setprofile` on the router's thread and the
 runtimes' worker threads, every project function called between the start of round k and the
 start of round k + 1, for ``--rounds`` steady rounds (after the prefill's and the first
-rounds). A round's count is the number of distinct functions (and their files) it called;
-printed per round, with the largest. ``--list`` prints the functions of the last round.
+rounds). A round's count is the number of distinct functions (and their files) it called,
+as a GPU round calls them: the static-shape runners run on CPU what a CUDA graph replays on a
+GPU (a forward, a draft's whole search), so what those call is not counted (``--eager-bodies``
+counts it too); printed per round, with the largest. ``--list`` prints the functions of the last round.
 Library code (torch, grpc, the standard library) and the tests are not counted.
 """
 
@@ -23,6 +25,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SKIP = (ROOT / ".venv", ROOT / "tests", ROOT / "bench")
+# What a CUDA graph replays on a GPU (run eagerly on CPU): counted, what they call is not.
+GRAPH_BODIES = ("GraphRunner._forward", "SearchGraphs._search")
 
 
 @dataclass
@@ -31,15 +35,26 @@ class RoundTrace:
 
     rounds: list[set[tuple[str, str, int]]] = field(default_factory=list)
     recording: bool = False
+    bodies: tuple[str, ...] = GRAPH_BODIES  # functions whose callees are not counted
+    replayed: dict[int, object] = field(default_factory=dict)  # by thread: the graph body's frame
 
     def profile(self, frame, event: str, arg) -> None:
-        if not self.recording or event != "call":
+        if not self.recording:
+            return
+        inside = self.replayed.get(threading.get_ident())
+        if inside is not None:  # a CUDA graph replays this on a GPU: no Python runs there
+            if event == "return" and frame is inside:
+                del self.replayed[threading.get_ident()]
+            return
+        if event != "call":
             return
         code = frame.f_code
         path = Path(code.co_filename)
         if path.is_relative_to(ROOT) and not any(path.is_relative_to(s) for s in SKIP):
             rel = str(path.relative_to(ROOT))
             self.rounds[-1].add((rel, code.co_qualname, code.co_firstlineno))
+            if code.co_qualname in self.bodies:
+                self.replayed[threading.get_ident()] = frame
 
     def functions(self, k: int) -> int:
         return len(self.rounds[k])
@@ -67,14 +82,14 @@ def _patch_round(trace: RoundTrace, skip: int, num_rounds: int) -> Callable[[], 
     return lambda: setattr(RoundRunner, "_round", original)
 
 
-def trace_rounds(num_rounds: int = 3, skip: int = 2) -> RoundTrace:
+def trace_rounds(num_rounds: int = 3, skip: int = 2, *, eager_bodies: bool = False) -> RoundTrace:
     from specmesh.protocol.config import SpecParams
     from specmesh.protocol.sampling import SamplingParams
     from specmesh.router.core import RouterConfig
     from specmesh.router.engine import Engine
     from specmesh.runtime.tiny import make_tiny_eagle3, make_tiny_target
 
-    trace = RoundTrace()
+    trace = RoundTrace(bodies=() if eager_bodies else GRAPH_BODIES)
     with tempfile.TemporaryDirectory(prefix="specmesh-trace-") as tmp:
         target, draft = Path(tmp) / "target", Path(tmp) / "draft"
         make_tiny_target(target)
@@ -98,8 +113,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--list", action="store_true", help="print the last round's functions")
+    p.add_argument(
+        "--eager-bodies",
+        action="store_true",
+        help="also count what the graph bodies call (the CPU's eager path)",
+    )
     args = p.parse_args(argv)
-    trace = trace_rounds(args.rounds)
+    trace = trace_rounds(args.rounds, eager_bodies=args.eager_bodies)
     for k in range(len(trace.rounds)):
         print(f"round {k}: {trace.functions(k)} functions in {trace.files(k)} files")
     if args.list:

@@ -76,14 +76,24 @@ class ServiceWindow:
         self.prefix, self.kind = prefix, kind
         self.spans, self.prof, self.anchor, self.error = Spans(), None, 0, None
         install(self.spans)
-        if kind != "router" and os.environ.get(PROFILE_ENV):
-            from torch.profiler import ProfilerActivity, profile
+        started = threading.Event()
+        profile = kind != "router" and bool(os.environ.get(PROFILE_ENV))
+        threading.Thread(
+            target=self._control, args=(profile, started), name="timeline-control", daemon=True
+        ).start()
+        started.wait()
 
-            self.prof = profile(activities=[ProfilerActivity.CUDA])
+    def _control(self, profile: bool, started: threading.Event) -> None:
+        """Carry out the window's commands. The profiler starts here, before the service loads
+        anything (``started``), and stops here: Kineto is stopped only by the thread that
+        started it (stopped from another, on the H200, it raised "not running")."""
+        if profile:
+            from torch.profiler import ProfilerActivity
+            from torch.profiler import profile as device_profile
+
+            self.prof = device_profile(activities=[ProfilerActivity.CUDA])
             self.prof.start()
-        threading.Thread(target=self._control, name="timeline-control", daemon=True).start()
-
-    def _control(self) -> None:
+        started.set()
         cmd = self.prefix.with_suffix(".cmd")
         while True:
             time.sleep(POLL_S)

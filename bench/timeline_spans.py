@@ -36,6 +36,7 @@ STAGES: tuple[tuple[str, str, str], ...] = (
     ("specmesh.draft_service.runtime", "DraftRuntime._propose", "draft.propose"),
     ("specmesh.draft_service.drafter", "TreeDrafter._expand", "draft.expand_step"),
     ("specmesh.draft_service.drafter", "select_tree", "draft.select_tree"),
+    ("specmesh.draft_service.search_graph", "SearchGraphs.replay", "draft.search_graph"),
     ("specmesh.target_service.server", "TargetServicer.run_batch", "target.rpc_batch"),
     ("specmesh.target_service.server", "TargetServicer._response", "target.encode"),
     ("specmesh.target_service.runtime", "TargetRuntime.verify", "target.verify"),

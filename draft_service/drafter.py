@@ -47,6 +47,7 @@ from specmesh.runtime.models.layers import KVPair
 
 if TYPE_CHECKING:
     from specmesh.draft_service.grammar import BatchGrammar, FrontierGrammar
+    from specmesh.draft_service.search_graph import SearchGraphs
     from specmesh.draft_service.step_graphs import DraftStepGraphs
 
 # forward(step, frontier tokens [bs, k], input hidden [bs * k, H], seen [bs, k, S]) -> (hidden
@@ -86,6 +87,7 @@ class TreeDrafter:
         )
         self.roots: dict[str, RootState] = {}
         self.step_graphs: DraftStepGraphs | None = None  # see enable_step_graphs
+        self.search_graphs: SearchGraphs | None = None
         self.prefixes: DraftPrefixes | None = None  # see enable_prefix_cache
 
     def enable_prefix_cache(self, max_tokens: int, block_size: int) -> None:
@@ -102,10 +104,13 @@ class TreeDrafter:
         """Run decode steps through static-shape runners (``"cuda-graph"``: captured now, before
         the service reports ready; ``"eager-static"``: the same buffers, run eagerly), and with
         ``extend`` the extends of drafters that have an extend runner."""
+        from specmesh.draft_service.search_graph import SearchGraphs
         from specmesh.draft_service.step_graphs import DraftStepGraphs
 
         if self.spec.num_steps > 1:
             self.step_graphs = DraftStepGraphs(self, mode=mode, max_bs=max_bs)
+            if mode == "eager-static" or not self.backend.needs_cpu_metadata:
+                self.search_graphs = SearchGraphs(self, self.step_graphs, mode)
 
     def check_context(self, rid: str, num_new_tokens: int) -> None:
         """Raise unless ``rid`` fits ``num_new_tokens`` more committed tokens plus one tree on
@@ -190,17 +195,52 @@ class TreeDrafter:
         they were captured for). ``num_steps``: a shallower search than the draft's own.
         ``grammar``: its constrained requests' nodes follow their grammars
         (`specmesh.draft_service.grammar`)."""
-        k, steps = self.spec.topk, num_steps or self.spec.num_steps
-        bs = len(rids)
+        steps = num_steps or self.spec.num_steps
+        if steps > 1 and not eager:
+            self.sizes.check_kv_entries(sum(s.spec_base for s in states), len(rids), steps - 1)
+        whole = self.search_graphs
+        if whole is not None and not (record or eager) and grammar is None:
+            trees = whole.run(rids, states, roots) if steps == self.spec.num_steps else None
+            if trees is not None:
+                return trees, None
         logits = torch.stack([s.logits for s in states])  # [bs, draft_vocab]
         dev = logits.device  # the search runs where the draft's logits are; trees go to the host
         masks = None if grammar is None else grammar.frontier(
             self.to_target_ids(torch.arange(logits.shape[-1], device=dev)))  # fmt: skip
+        (tokens, parents), records = self.grow(
+            logits,
+            torch.stack([s.hidden for s in states]),
+            torch.tensor(roots, dtype=torch.int64, device=dev),
+            steps,
+            lambda hidden: self.stepper(rids, states, steps, eager, hidden),
+            masks,
+            states if record else None,
+        )
+        trees = host_trees(tokens, parents)
+        return (trees if grammar is None else grammar.on_grammar(trees)), records
+
+    def grow(
+        self,
+        logits: torch.Tensor,
+        hidden: torch.Tensor,
+        roots: torch.Tensor,
+        steps: int,
+        stepper: Callable[[torch.Tensor], StepForward],
+        masks: FrontierGrammar | None = None,
+        recorded: list[RootState] | None = None,
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor], list[Records] | None]:
+        """The search on the device: root ``logits [bs, draft_vocab]``, ``hidden [bs, H]`` and
+        tokens ``roots [bs]`` -> the trees' (tokens, parents), each ``[bs, N]``. ``stepper``
+        gives the step forward for the first frontier's input hidden; ``recorded``: the states
+        whose nodes are recorded (pre-drafting). Nothing reads the host unless recording, so a
+        search graph (`specmesh.draft_service.search_graph`) captures it whole."""
+        k, bs, dev = self.spec.topk, logits.shape[0], logits.device
         logp = _log_probs(logits, masks)
         cand_logp, cand_ids = logp.topk(min(k + EXTRA_CANDIDATES, logp.shape[-1]), dim=-1)
         top_logp, tokens = cand_logp[:, :k], self.to_target_ids(cand_ids[:, :k])  # [bs, k]
-        records = [_root_record(s, self.to_target_ids(c), lp) for s, c, lp in
-                   zip(states, cand_ids, cand_logp, strict=True)] if record else None  # fmt: skip
+        records = None if recorded is None else [
+            _root_record(s, self.to_target_ids(c), lp)
+            for s, c, lp in zip(recorded, cand_ids, cand_logp, strict=True)]  # fmt: skip
         pool_tokens, pool_scores = [tokens], [top_logp]
         pool_parents = [torch.full((bs, k), -1, dtype=torch.int64, device=dev)]
         width = k * (steps - 1)
@@ -208,32 +248,26 @@ class TreeDrafter:
             tokens,
             top_logp,
             torch.arange(k, device=dev).expand(bs, k).clone(),
-            torch.stack([s.hidden for s in states])[:, None].expand(bs, k, -1).clone(),
+            hidden[:, None].expand(bs, k, -1).clone(),
             torch.zeros(bs, k, width, dtype=torch.bool, device=dev),
-            [[(t,) for t in row] for row in tokens.tolist()] if record else [],
+            [[(t,) for t in row] for row in tokens.tolist()] if records is not None else [],
             None if masks is None else masks.descend(torch.zeros_like(tokens), tokens, top_logp),
         )
-        if steps > 1 and not eager:
-            self.sizes.check_kv_entries(sum(s.spec_base for s in states), bs, steps - 1)
-        forward = self.stepper(rids, states, steps, eager, frontier.hidden.flatten(0, 1))
+        forward = stepper(frontier.hidden.flatten(0, 1))
         own = torch.eye(width, dtype=torch.bool, device=dev).view(steps - 1, k, width)
         for step in range(1, steps):
             frontier = self._expand(
-                step, states, frontier, own[step - 1], (pool_tokens, pool_scores, pool_parents),
+                step, recorded, frontier, own[step - 1], (pool_tokens, pool_scores, pool_parents),
                 records, forward,
             )  # fmt: skip
         tree = select_tree(
-            torch.tensor(roots, dtype=torch.int64, device=dev),
+            roots,
             torch.cat(pool_scores, 1),
             torch.cat(pool_tokens, 1),
             torch.cat(pool_parents, 1),
             self.spec.num_draft_tokens,
         )
-        # The trees leave as tokens and parents: one host copy of the two for the batch (the
-        # target derives depths, masks and links itself).
-        tokens, parents = torch.stack(tree).tolist()
-        trees = [DraftTree(tuple(t), tuple(p)) for t, p in zip(tokens, parents, strict=True)]
-        return (trees if grammar is None else grammar.on_grammar(trees)), records
+        return tree, records
 
     def stepper(
         self,
@@ -261,7 +295,7 @@ class TreeDrafter:
 
     def _expand(self, step, states, fr, own, pool, records, forward):
         k = self.spec.topk
-        bs = len(states)
+        bs = fr.tokens.shape[0]
         pool_tokens, pool_scores, pool_parents = pool
         seen = fr.seen | own  # each frontier node's forwarded ancestors and itself
         cols = self.seen_columns(step, seen.shape[-1])
@@ -275,7 +309,7 @@ class TreeDrafter:
         base = sum(t.shape[1] for t in pool_tokens)
         pool_tokens.append(child_tokens)
         pool_scores.append(cum)
-        pool_parents.append(fr.pool_idx.repeat_interleave(k, dim=1))
+        pool_parents.append(fr.pool_idx[..., None].expand(bs, k, k).reshape(bs, k * k))
         best_scores, best = cum.topk(k, dim=-1)  # next frontier: [bs, k] indices into k * k
         parent = best // k
         hidden = hidden_out.view(bs, k, -1)
@@ -299,6 +333,13 @@ class TreeDrafter:
             paths,
             fr.grammar and fr.grammar.descend(parent, next_tokens, best_scores),
         )
+
+
+def host_trees(tokens: torch.Tensor, parents: torch.Tensor) -> list[DraftTree]:
+    """The trees' (tokens, parents) ``[bs, N]`` on the host: one copy of the two for the batch
+    (the target derives depths, masks and links itself)."""
+    both = torch.stack((tokens, parents)).tolist()
+    return [DraftTree(tuple(t), tuple(p)) for t, p in zip(*both, strict=True)]
 
 
 def _log_probs(logits: torch.Tensor, masks: FrontierGrammar | None) -> torch.Tensor:

@@ -82,7 +82,20 @@ class StepBatch:
         """Step ``step`` of the frontier ``tokens [bs, k]`` with input ``hidden_in [bs * k, H]``,
         each node seeing the speculative columns of ``seen [bs, k, S]``."""
         runner = self.runners[step]
-        meta, bucket = self._layout(runner, step)
+        meta, bucket = self.layout(runner, step)
+        self.write(runner, step, tokens, hidden_in, seen)
+        hidden, logits = runner.replay(meta, bucket, tokens.numel())
+        return hidden, logits
+
+    def write(
+        self,
+        runner: GraphRunner,
+        step: int,
+        tokens: torch.Tensor,
+        hidden_in: torch.Tensor,
+        seen: torch.Tensor,
+    ) -> None:
+        """What changes between the steps of a search, into ``runner``'s buffers."""
         buf, raw = runner.buffers, tokens.numel()
         buf.input_ids[:raw].copy_(tokens.reshape(-1))
         torch.add(self.positions, self.drafter.position_offset(step), out=buf.positions[:raw])
@@ -90,10 +103,8 @@ class StepBatch:
         buf.custom_mask.index_put_((self.mask_at,), seen.reshape(-1))
         if buf.hidden_in is not None:
             buf.hidden_in[:raw].copy_(hidden_in)
-        hidden, logits = runner.replay(meta, bucket, raw)
-        return hidden, logits
 
-    def _layout(self, runner: GraphRunner, step: int) -> tuple[AttentionMetadata, int]:
+    def layout(self, runner: GraphRunner, step: int) -> tuple[AttentionMetadata, int]:
         """The search's constant layout in ``runner``'s buffers, written at its first step."""
         key = id(runner)
         if key in self.laid_out:

@@ -169,9 +169,18 @@ class GraphRunner:
             self.graphs[bs].replay()
             out = self.outputs[bs]
         else:
-            self._prepare(meta, bs)
-            out = self._forward(bs)
+            out = self.forward_static(meta, bs)
         return unpad(out, num_rows)
+
+    def forward_static(self, meta: AttentionMetadata, bs: int) -> Selectable:
+        """Forward bucket ``bs`` over the buffers eagerly: what its graph replays, for a caller
+        that captures several runners' forwards in one graph of its own (a draft search)."""
+        self._prepare(meta, bs)
+        return self._forward(bs)
+
+    def pad_batch(self, bs: int) -> AttentionMetadata:
+        """Fill the buffers with a batch of ``bs`` padding requests (as `capture` does)."""
+        return self._fill([], None, bs)
 
     @torch.inference_mode()
     def capture(self) -> None:

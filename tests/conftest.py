@@ -124,21 +124,24 @@ def assert_accepted(results, min_tokens: int = 1) -> None:
 
 def record_step_logits(drafter, rid: str) -> list[torch.Tensor]:
     """``rid``'s root logits (the extend's), then the logits of every step forward from now
-    on, as the drafter's search sees them (each search's ``stepper`` wrapped on the instance:
-    static-shape runners or ragged items alike)."""
-    seen, stepper = [drafter.roots[rid].logits], drafter.stepper
+    on, as the drafter's search sees them (each search's step forward wrapped where `grow`
+    takes it: search graphs, static-shape runners or ragged items alike)."""
+    seen, grow = [drafter.roots[rid].logits], drafter.grow
 
-    def recording(*args):
-        forward = stepper(*args)
+    def recording(logits, hidden, roots, steps, stepper, *args, **kwargs):
+        def recorded(first_hidden):
+            forward = stepper(first_hidden)
 
-        def step(*step_args):
-            hidden, logits = forward(*step_args)
-            seen.append(logits[0])
-            return hidden, logits
+            def step(*step_args):
+                hidden, logits = forward(*step_args)
+                seen.append(logits[0])
+                return hidden, logits
 
-        return step
+            return step
 
-    drafter.stepper = recording
+        return grow(logits, hidden, roots, steps, recorded, *args, **kwargs)
+
+    drafter.grow = recording
     return seen
 
 

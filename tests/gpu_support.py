@@ -39,9 +39,11 @@ def spy_graph_replays(engine: Engine) -> set[str]:
         runners |= {f"draft step{i}": r for i, r in drafter.step_graphs.runners.items()}
     if getattr(drafter, "extend_graph", None) is not None:
         runners["draft extend"] = drafter.extend_graph.runner
-    for name, runner in runners.items():
-        run = runner.run
-        runner.run = lambda *a, _run=run, _name=name, **k: used.add(_name) or _run(*a, **k)
+    if getattr(drafter, "search_graphs", None) is not None:
+        runners["draft search"] = drafter.search_graphs
+    for name, runner in runners.items():  # every forward of a runner ends in its replay
+        replay = runner.replay
+        runner.replay = lambda *a, _r=replay, _name=name, **k: used.add(_name) or _r(*a, **k)
     return used
 
 

@@ -104,8 +104,9 @@ def test_greedy_equals_transformers_on_cuda(
             assert "decode" in used, used
         if draft_kind not in (None, "ngram"):
             assert "verify6" in used, used
-        if draft_kind is not None and draft_kind != "ngram":
-            assert "draft step1" in used, used
+        if draft_kind is not None and draft_kind != "ngram":  # the search in one graph, where
+            # the backend needs no host metadata per batch; FlashInfer's steps replay per step
+            assert ("draft search" if backend == "triton" else "draft step1") in used, used
         if kind in ("eagle3", "eagle"):  # feature drafts also extend in a graph
             assert "draft extend" in used, used
     # Nothing held after the batch, in either service.

@@ -1,6 +1,6 @@
 """The static-shape (CUDA-graph) paths of a DeepSeek-V3 target and its NextN draft on the Triton
 backend, run eagerly on CPU (``mode="eager-static"``, `kernels.mla_attention` interpreted):
-target decode and verify and the draft's decode steps read their metadata from the runners'
+target decode and verify and the draft's whole search (`SearchGraphs`) read their metadata from the runners'
 static buffers through `TritonBackend`'s graph hooks, padding rows included, and still give
 transformers' fp32 greedy tokens. On a GPU the same runners capture CUDA graphs (not run here:
 these tests have no GPU)."""
@@ -44,7 +44,7 @@ def test_target_and_nextn_draft_through_static_paths(tmp_path: Path, monkeypatch
                             tree_sizes=t.cfg.cuda_graph_tree_sizes, aux=t.aux_layers)  # fmt: skip
     drafter.enable_step_graphs("eager-static", max_bs=4)
     runners = {"decode": t.graphs.decode, "verify": t.graphs.verify[6],
-               "draft step": drafter.step_graphs.runners[1]}  # fmt: skip
+               "draft search": drafter.search_graphs}  # fmt: skip
     used: set[str] = set()
     for name, runner in runners.items():  # every forward of a runner is a replay
         run = runner.replay

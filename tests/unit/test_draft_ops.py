@@ -9,9 +9,10 @@ from pathlib import Path
 from specmesh.bench.draft_ops import count_round_ops, split_reads
 
 # 550 at batch 1 before a full bucket skipped its padding ops, 448 / 1030 before the search's
-# steps were laid out once (`step_batch`) and the trees selected on the device (`select_tree`); lower these as the round gets shorter, never raise
-# them for a feature.
-MAX_OPS = {1: 355, 3: 690}
+# steps were laid out once (`step_batch`) and the trees selected on the device (`select_tree`),
+# 350 / 682 before the search ran as one graph (`search_graph`: its body is not counted); lower
+# these as the round gets shorter, never raise them for a feature.
+MAX_OPS = {1: 150, 3: 300}
 
 
 def test_a_draft_round_dispatches_at_most_its_budget(tmp_path: Path) -> None:
@@ -20,12 +21,13 @@ def test_a_draft_round_dispatches_at_most_its_budget(tmp_path: Path) -> None:
         total = sum(counts.values())
         assert 0 < total <= budget, (batch, total, counts.most_common(10))
         stages = {stage for stage, _ in counts}
-        assert {"extend", "propose", "expand"} <= stages
+        assert {"extend", "propose"} <= stages and "expand" not in stages  # in the graph
 
 
 def test_a_search_reads_the_host_only_for_its_trees(tmp_path: Path) -> None:
     """No step of a search reads a value back (on a GPU each read is a copy and a sync that
-    stops the host from running ahead): the finished trees are its one read. The torch reference
+    stops the host from running ahead, and inside the search's graph a failed capture): the
+    finished trees are its one read. The torch reference
     backend's own reads show at batches that pad."""
     _, reads = split_reads(count_round_ops(tmp_path / "models", 1, rounds=2))
     assert reads.get("expand", 0) == 0

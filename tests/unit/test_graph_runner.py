@@ -190,7 +190,8 @@ def test_draft_step_through_static_buffers(tiny_dir: Path, topk: int) -> None:
 
 
 def test_engine_through_static_paths_equals_transformers(copy_dir: Path, oracle) -> None:
-    """Target decode / verify and draft steps routed through eager-static runners (the runtime
+    """Target decode / verify, the draft's extend and its whole search routed through eager-static
+    runners (the runtime
     wiring a GPU uses with mode="cuda-graph") still generate the transformers greedy tokens,
     with draft tokens accepted (the EAGLE-3 draft predicts its target: `copy_drafts`)."""
     from specmesh.protocol.sampling import SamplingParams
@@ -208,7 +209,7 @@ def test_engine_through_static_paths_equals_transformers(copy_dir: Path, oracle)
     drafter = engine.draft.drafter
     drafter.enable_step_graphs("eager-static", max_bs=4)
     runners = {"decode": t.graphs.decode, "verify": t.graphs.verify[4],
-               "draft extend": drafter.extend_graph.runner, "draft step": drafter.step_graphs.runners[1]}  # fmt: skip
+               "draft extend": drafter.extend_graph.runner, "draft search": drafter.search_graphs}  # fmt: skip
     used: set[str] = set()
     for name, runner in runners.items():  # every forward of a runner is a replay
         run = runner.replay
@@ -255,7 +256,8 @@ def test_target_graphs_are_captured_up_front_with_aux_states(tiny_dir: Path) -> 
 @pytest.mark.parametrize("kind", ["eagle", "mtp", "standalone"])
 def test_every_draft_kind_proposes_the_same_through_step_runners(tmp_path: Path, kind: str) -> None:
     """One runner per step network: EAGLE-1 and standalone share one across steps, MTP has one per
-    layer (each over its own pool, invariant 4); proposals are unchanged (topk > 1)."""
+    layer (each over its own pool, invariant 4); the search through them in one graph
+    (`SearchGraphs`) proposes the ragged path's trees (topk > 1), padded bucket or full."""
     from specmesh.protocol.steps import ExtendInput
     from specmesh.runtime.tiny import make_tiny_target
     from specmesh.runtime.tiny_drafts import make_tiny_draft
@@ -278,9 +280,14 @@ def test_every_draft_kind_proposes_the_same_through_step_runners(tmp_path: Path,
     drafter.enable_step_graphs("eager-static", max_bs=4)
     runners = drafter.step_graphs.runners
     assert len({id(r) for r in runners.values()}) == (2 if kind == "mtp" else 1)
-    got = drafter.propose(rids, [30, 31, 32])
-    for a, b in zip(got, want, strict=True):
-        assert a == b  # tokens and parents
+    search, buckets = drafter.search_graphs, []
+    replay = search.replay
+    search.replay = lambda bucket: buckets.append(bucket) or replay(bucket)
+    for n in (3, 1):  # bucket 4 with a padding request, then a full bucket
+        got = drafter.propose(rids[:n], [30, 31, 32][:n])
+        for a, b in zip(got, want[:n], strict=True):
+            assert a == b  # tokens and parents
+    assert buckets == [4, 1]  # the whole search, one graph each
 
 
 def test_disable_cuda_graph_flags() -> None:
