@@ -23,6 +23,7 @@ per-step graphs: a captured search could not re-plan between its steps.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,7 +31,7 @@ import torch
 from specmesh.draft_service.drafter import host_trees
 from specmesh.draft_service.step_batch import StepBatch
 from specmesh.runtime.attention.base import AttentionMetadata
-from specmesh.runtime.graph_runner import GraphRunner
+from specmesh.runtime.graph_runner import GraphRunner, capture_graph
 
 if TYPE_CHECKING:
     from specmesh.draft_service.drafter import RootState, TreeDrafter
@@ -106,17 +107,8 @@ class SearchGraphs:
             if self.mode != "cuda-graph":
                 self._search(bucket)
                 continue
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self._search(bucket)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[bucket] = self._search(bucket)
-            self.graphs[bucket] = graph
-            pool = graph.pool()
+            graph, self.outputs[bucket] = capture_graph(partial(self._search, bucket), pool)
+            self.graphs[bucket], pool = graph, graph.pool()
 
     def _pad(self, bs: int, bucket: int, mask_raw: int) -> None:
         """Requests ``bs .. bucket`` are padding: KV writes to the scratch slot, mask columns into

@@ -31,6 +31,10 @@ next call (every caller consumes them first: logits, gathers and feature selecti
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+from typing import TypeVar
+
 import torch
 
 from specmesh.runtime.attention.base import AttentionBackend, AttentionMetadata
@@ -47,10 +51,27 @@ from specmesh.runtime.model_runner import (
 from specmesh.runtime.models.layers import KVPair
 from specmesh.runtime.padding import Selectable, bucket_size, unpad
 
+T = TypeVar("T")
+
 MODES = ("cuda-graph", "eager-static")
 
 
 GRAPH_BACKENDS = ("triton", "flashinfer")  # the backends with graph hooks
+
+
+def capture_graph(fn: Callable[[], T], pool: object) -> tuple[torch.cuda.CUDAGraph, T]:
+    """``fn`` captured into a CUDA graph in memory ``pool`` (None: a new one), after two runs on
+    a side stream: lazy initialisation and autotuning stay out of the graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
 
 
 def graphs_enabled(cuda_graph: bool, device: str | torch.device, attention_backend: str) -> bool:
@@ -198,17 +219,8 @@ class GraphRunner:
             if self.mode == "eager-static":
                 self._forward(bs)
                 continue
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # lazy inits and autotuning stay out of the graph
-                    self._forward(bs)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[bs] = self._forward(bs)
-            self.graphs[bs] = graph
-            pool = graph.pool()
+            self.graphs[bs], self.outputs[bs] = capture_graph(partial(self._forward, bs), pool)
+            pool = self.graphs[bs].pool()
 
     def _prepare(self, meta: AttentionMetadata, bs: int) -> None:
         if self.uses_graph_hooks:
