@@ -7,8 +7,9 @@ Builds a tiny target and EAGLE-3 head (no download), runs one greedy request wit
 runtimes' worker threads, every project function called between the start of round k and the
 start of round k + 1, for ``--rounds`` steady rounds (after the prefill's and the first
 rounds). A round's count is the number of distinct functions (and their files) it called,
-as a GPU round calls them: the static-shape runners run on CPU what a CUDA graph replays on a
-GPU (a forward, a draft's whole search), so what those call is not counted (``--eager-bodies``
+as a GPU round calls them: the target's and the draft's static-shape runners run on CPU (here
+with the draft's extend runner too) what a CUDA graph replays on a GPU (a forward, a draft's
+whole search), so what those call is not counted (``--eager-bodies``
 counts it too); printed per round, with the largest. ``--list`` prints the functions of the last round.
 Library code (torch, grpc, the standard library) and the tests are not counted.
 """
@@ -96,6 +97,7 @@ def trace_rounds(num_rounds: int = 3, skip: int = 2, *, eager_bodies: bool = Fal
         make_tiny_eagle3(draft, target)
         engine = Engine(target, draft_model=draft, draft_kind="eagle3",
                         spec=SpecParams(3, 2, 4), router_config=RouterConfig(speculation="always"))  # fmt: skip
+        _gpu_paths(engine)
         restore = _patch_round(trace, skip, num_rounds)
         threading.setprofile(trace.profile)  # the runtimes' worker threads start later
         sys.setprofile(trace.profile)
@@ -107,6 +109,19 @@ def trace_rounds(num_rounds: int = 3, skip: int = 2, *, eager_bodies: bool = Fal
             threading.setprofile(None)
             restore()
     return trace
+
+
+def _gpu_paths(engine) -> None:
+    """The target's decode and verify and the draft's extend through their static-shape runners,
+    eagerly, as a GPU replays them (on CPU the target and the extend run ragged): the draft's
+    handshake first, which names the aux layers the target's runners are built with."""
+    from specmesh.target_service.graphs import TargetGraphs
+
+    t = engine.target
+    t.configure(engine.draft.info().needs)
+    t.graphs = TargetGraphs(t.model, t.cache, t.backend, mode="eager-static", max_bs=4,
+                            tree_sizes=t.cfg.cuda_graph_tree_sizes, aux=t.aux_layers)  # fmt: skip
+    engine.draft.drafter.enable_step_graphs("eager-static", 4)
 
 
 def main(argv: list[str] | None = None) -> int:
