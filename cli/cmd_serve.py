@@ -34,6 +34,7 @@ from specmesh.protocol.config import DRAFT_KINDS, DraftConfig, TargetConfig
 from specmesh.router.core import RouterConfig
 from specmesh.router.limits import RouterLimits
 from specmesh.router.placement import PLACEMENTS
+from specmesh.rpc.inline_steps import add_inline_arg
 from specmesh.rpc.metrics import add_metrics_port_arg
 from specmesh.rpc.security import add_api_key_arg, api_key_from_args, tls_from_args
 
@@ -76,6 +77,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_prefix_cache_args(p)
     add_limit_args(p, TargetConfig, IMAGE_LIMITS)
     add_metrics_port_arg(p)
+    add_inline_arg(p)
     p.set_defaults(run=run_target)
 
     p = sub.add_parser("draft", help="serve a draft model (specmesh.v1.Draft)")
@@ -90,6 +92,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_listen_args(p, PORTS["draft"])
     add_runtime_args(p, DraftConfig)
     add_metrics_port_arg(p)
+    add_inline_arg(p)
     p.add_argument(
         "--online-learning",
         action="store_true",
@@ -250,7 +253,9 @@ def run_target(args: argparse.Namespace) -> int:
         )
 
     async def main() -> None:
-        servicer = server.make_servicer(_address(args), args.max_message_mb << 20)
+        servicer = server.make_servicer(
+            _address(args), args.max_message_mb << 20, args.inline_step_ms
+        )
         servicer.metrics.serve(args.metrics_port or None, args.host)
         add = target_pb2_grpc.add_TargetServicer_to_server
         await serve_model(
@@ -286,7 +291,9 @@ def run_draft(args: argparse.Namespace) -> int:
         return load_draft(cfg)
 
     async def main() -> None:
-        servicer = server.make_servicer(_address(args), args.max_message_mb << 20)
+        servicer = server.make_servicer(
+            _address(args), args.max_message_mb << 20, args.inline_step_ms
+        )
         if args.online_learning:
             from specmesh.draft_service.online.metrics import OnlineCollector
 

@@ -234,5 +234,7 @@ def _check_rows(
     )
 
 
-def make_servicer(address: str, max_message_bytes: int) -> DraftServicer:
-    return DraftServicer(ServiceHost(SERVICE_NAME, address, max_message_bytes))
+def make_servicer(
+    address: str, max_message_bytes: int, inline_step_ms: float | None = None
+) -> DraftServicer:
+    return DraftServicer(ServiceHost(SERVICE_NAME, address, max_message_bytes), inline_step_ms)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
+
+DEFAULT_CPU_MS = 2.0
+
 
 class InlineSteps:
     """Whether a step may run on the event loop itself instead of the worker thread.
@@ -12,9 +16,9 @@ class InlineSteps:
     and been collected on this loop), so runtime work keeps its submission order and never runs
     on two threads at once, and (2) the recent steps were short (an exponential average below
     ``max_ms``), so the loop never stalls longer than that for health checks or other streams.
-    ``max_ms=0`` turns it off (a GPU service: its CUDA state belongs to the worker thread)."""
+    ``max_ms=0`` turns it off (the default on a GPU: `for_device`)."""
 
-    def __init__(self, max_ms: float = 2.0) -> None:
+    def __init__(self, max_ms: float = DEFAULT_CPU_MS) -> None:
         self.max_s = max_ms / 1000
         self.avg_s: float | None = None  # unknown until a step ran: the first goes to the worker
         self.num_submitted = 0  # jobs on the worker not yet collected
@@ -24,3 +28,29 @@ class InlineSteps:
 
     def observe(self, seconds: float) -> None:
         self.avg_s = seconds if self.avg_s is None else 0.8 * self.avg_s + 0.2 * seconds
+
+
+def for_device(device: str, max_ms: float | None) -> InlineSteps:
+    """The service's policy: ``max_ms`` when given (``--inline-step-ms``), else 2 ms on CPU and
+    off on a GPU, whose steps then keep to the worker thread (they wait on the device, and the
+    hand-off on a GPU is not yet measured against them). Inline steps on a GPU run on the
+    calling thread, the event loop's: the service's device is made current there."""
+    if max_ms is None:
+        max_ms = DEFAULT_CPU_MS if device == "cpu" else 0.0
+    if max_ms > 0 and device.startswith("cuda"):
+        import torch
+
+        torch.cuda.set_device(torch.device(device).index or 0)
+    return InlineSteps(max_ms)
+
+
+def add_inline_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--inline-step-ms",
+        type=float,
+        default=None,
+        metavar="MS",
+        help="run a step on the service's event loop, not its worker thread (no thread hand-off "
+        "each way), while recent steps averaged under MS and no other work is queued; default 2 "
+        "on CPU, 0 (off) on a GPU",
+    )

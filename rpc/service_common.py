@@ -27,7 +27,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 from specmesh.protocol.codec import GRPC_MAX_MESSAGE_BYTES, grpc_message_options
 from specmesh.protocol.errors import SpecmeshError
 from specmesh.rpc.held_batches import Hold, StepAnswers, batch_rids
-from specmesh.rpc.inline_steps import InlineSteps
+from specmesh.rpc.inline_steps import InlineSteps, for_device
 from specmesh.rpc.malformed import add_servicer
 from specmesh.rpc.metrics import ServiceMetrics
 from specmesh.rpc.ownership import Ownership, StreamOwner
@@ -181,8 +181,8 @@ class ModelServicer:
     response_type: type  # TargetStepResponse / DraftStepResponse
     result_type: type  # TargetResult / DraftResult
 
-    def __init__(self, host: ServiceHost) -> None:
-        self.host = host
+    def __init__(self, host: ServiceHost, inline_step_ms: float | None = None) -> None:
+        self.host, self.inline_step_ms = host, inline_step_ms  # None: `inline_steps.for_device`
         self.runtime = None  # set by `attach` once weights are loaded and warmed up
         self.owners = Ownership()
         self.worker = ThreadPoolExecutor(1, thread_name_prefix=host.service_name)
@@ -192,8 +192,7 @@ class ModelServicer:
     async def attach(self, runtime, warm_up=None) -> None:
         if warm_up is not None:
             await self._submit(warm_up, runtime)
-        if runtime.cfg.device != "cpu":  # CUDA state is per thread: keep one thread on a GPU
-            self.inline = InlineSteps(max_ms=0)
+        self.inline = for_device(runtime.cfg.device, self.inline_step_ms)
         self.runtime = runtime
         await self.host.set_ready()
 

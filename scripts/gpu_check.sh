@@ -138,7 +138,9 @@ cluster() {  # the same runs through a gRPC cluster (target, draft, router proce
   # the in-process counterpart is speed's <model>:triton-graphs, where every request of a run
   # lands in one micro-batch: mb1 is the like-for-like hop, mb2 the router's default over gRPC;
   # -predraft adds the draft's --predraft 4 (full-depth trees), -noahead the target's
-  # --no-run-ahead, -mps runs the services under CUDA MPS (one GPU context shared by them)
+  # --no-run-ahead, -inline runs both services' steps on their event loops (--inline-step-ms
+  # 30: no thread hand-off; not with -predraft / -noahead), -mps runs the services under CUDA
+  # MPS (one GPU context shared by them)
   local run model cfg target draft mb extra mps failed=0
   for run in ${SPECMESH_CLUSTER_RUNS:-llama8b:mb1 llama8b:mb1-predraft llama8b:mb2 demo:mb1}; do
     model=${run%%:*} cfg=${run#*:} extra=()
@@ -146,6 +148,8 @@ cluster() {  # the same runs through a gRPC cluster (target, draft, router proce
     mb=${cfg%%-*} mb=${mb#mb}
     [[ $cfg == *-predraft* ]] && extra+=("--draft-args=--predraft 4 --predraft-steps 5")
     [[ $cfg == *-noahead* ]] && extra+=("--target-args=--no-run-ahead")
+    [[ $cfg == *-inline* ]] && extra+=("--target-args=--inline-step-ms 30"
+                                       "--draft-args=--inline-step-ms 30")
     mps=0
     if [[ $cfg == *-mps* ]]; then
       command -v nvidia-cuda-mps-control >/dev/null || { echo "no MPS here: $run"; failed=1; continue; }

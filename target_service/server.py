@@ -61,8 +61,13 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServicer):
     response_type = target_pb2.TargetStepResponse
     result_type = target_pb2.TargetResult
 
-    def __init__(self, host: ServiceHost, chunk_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
-        super().__init__(host)
+    def __init__(
+        self,
+        host: ServiceHost,
+        chunk_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        inline_step_ms: float | None = None,
+    ) -> None:
+        super().__init__(host, inline_step_ms)
         self.chunk_bytes = chunk_bytes
         self.needs: dict[int, FeatureSpec] = {}  # per open stream: what its drafts read
         # Per stream: the plain requests its last verify answered, to run ahead (`run_ahead`),
@@ -289,6 +294,9 @@ def warm_up(runtime: TargetRuntime) -> None:
     runtime.release(WARMUP_RID)
 
 
-def make_servicer(address: str, max_message_bytes: int) -> TargetServicer:
+def make_servicer(
+    address: str, max_message_bytes: int, inline_step_ms: float | None = None
+) -> TargetServicer:
     host = ServiceHost(SERVICE_NAME, address, max_message_bytes)
-    return TargetServicer(host, chunk_bytes=min(DEFAULT_MAX_MESSAGE_BYTES, max_message_bytes // 2))
+    chunk_bytes = min(DEFAULT_MAX_MESSAGE_BYTES, max_message_bytes // 2)
+    return TargetServicer(host, chunk_bytes=chunk_bytes, inline_step_ms=inline_step_ms)
