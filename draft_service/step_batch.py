@@ -10,6 +10,8 @@ off. So the search lays out, once, in each runner it uses:
                               (`TreeDrafter.prefix_columns`), the speculative ones cleared
     padding requests          up to the runner's bucket (`GraphRunner.fill_padding`)
 
+(every index it needs computed in numpy on the host and copied to the device at once)
+
 and a step writes only what changes (a few device copies, no host arithmetic per request):
 
     input_ids    the frontier's tokens            positions   base + `position_offset(step)`
@@ -24,14 +26,14 @@ of copies, as a round's device work should be.
 
 from __future__ import annotations
 
-import itertools
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from specmesh.runtime.attention.base import AttentionMetadata
 from specmesh.runtime.graph_runner import GraphRunner
-from specmesh.runtime.model_runner import indptr, reserve_tokens, row_slots
+from specmesh.runtime.model_runner import reserve_tokens
 from specmesh.runtime.padding import bucket_size
 
 if TYPE_CHECKING:
@@ -54,26 +56,33 @@ class StepBatch:
         width = k * (num_steps - 1)
         self.kv_lens = [st.spec_base + width for st in states]
         reserve_tokens(cache, dict(zip(rids, self.kv_lens, strict=True)))
-        dev = cache.req_to_slot.device
-        bs = len(rids)
-        rows = [cache.get(rid).row for rid in rids]
-        self.kv_indices = row_slots(cache, rows, [0] * bs, self.kv_lens)
-        kv_starts = [0, *itertools.accumulate(self.kv_lens)]
-        mask_starts = [k * s for s in kv_starts]
-        self.kv_indptr = indptr(self.kv_lens, dev)
-        self.mask_indptr = self.kv_indptr * k  # [k, kv_len] per request
-        spec_base = torch.tensor([st.spec_base for st in states])
-        cols = torch.arange(width)
-        # The speculative slots, step by step: [num_steps - 1, bs * k]
-        at = (torch.tensor(kv_starts[:-1]) + spec_base)[:, None] + cols
-        slots = self.kv_indices[at.to(dev)].view(bs, num_steps - 1, k)
-        self.out_slots = slots.transpose(0, 1).reshape(num_steps - 1, bs * k)
-        # Where node i's speculative columns sit in the flat mask: [bs * k * S]
-        row_len = torch.tensor(self.kv_lens)[:, None, None] * torch.arange(k)[None, :, None]
-        first = torch.tensor(mask_starts[:-1]) + spec_base
-        self.mask_at = (first[:, None, None] + row_len + cols).flatten().to(dev)
-        last_pos = torch.tensor([st.last_pos for st in states], device=dev)
-        self.positions = last_pos.repeat_interleave(k)
+        # Every index the layout needs, computed on the host and copied to the device at once.
+        bs, table = len(rids), cache.req_to_slot
+        row = np.array([cache.get(rid).row for rid in rids]) * table.shape[1]  # flat row start
+        kv_lens = np.array(self.kv_lens)
+        kv_indptr = np.concatenate([[0], np.cumsum(kv_lens)])
+        spec = np.array([st.spec_base for st in states])
+        cols = np.arange(width)
+        parts = {
+            # each request's table row, 0 .. kv_len (flat indices into the table)
+            "kv": np.repeat(row - kv_indptr[:-1], kv_lens) + np.arange(kv_indptr[-1]),
+            "kv_indptr": kv_indptr,
+            "mask_indptr": kv_indptr * k,  # [k, kv_len] per request
+            # step s's node i of request b: table slot ``spec_base + s * k + i``: [S - 1, bs, k]
+            "out": (row + spec)[None, :, None] + cols.reshape(num_steps - 1, 1, k),
+            # node i's speculative columns in the flat mask: [bs, k, S]
+            "mask_at": (k * kv_indptr[:-1] + spec)[:, None, None]
+            + (kv_lens[:, None] * np.arange(k))[:, :, None]
+            + cols,
+            "positions": np.repeat([st.last_pos for st in states], k),
+        }
+        flat = torch.from_numpy(np.concatenate([a.ravel() for a in parts.values()]))
+        sizes = [a.size for a in parts.values()]
+        dev = dict(zip(parts, flat.to(table.device).split(sizes), strict=True))
+        self.kv_indices = table.view(-1)[dev["kv"]]
+        self.kv_indptr, self.mask_indptr = dev["kv_indptr"], dev["mask_indptr"]
+        self.out_slots = table.view(-1)[dev["out"]].view(num_steps - 1, bs * k)
+        self.mask_at, self.positions = dev["mask_at"], dev["positions"]
         self.laid_out: dict[int, tuple[AttentionMetadata, int]] = {}  # by runner: (meta, bucket)
 
     def forward(
