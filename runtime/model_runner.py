@@ -7,10 +7,10 @@ nothing about speculation; callers commit lengths afterwards.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from specmesh.protocol.errors import KVCacheFullError
@@ -44,26 +44,34 @@ def build_metadata(
     cache: KVCache, items: list[BatchItem], *, with_cpu: bool = True
 ) -> AttentionMetadata:
     """Ragged metadata for ``items``. ``with_cpu=False`` leaves the CPU-side fields ``None``, as
-    the sync-free GPU path does (invariant 3); backends that need them must cope. A few tensor
-    ops for the whole batch, whatever its size (the per-request arithmetic is on host ints)."""
+    the sync-free GPU path does (invariant 3); backends that need them must cope. Every index is
+    computed on the host (numpy) and copied to the device at once, where the slots are gathered
+    from the request-to-slot table; a custom mask is one more copy."""
     q_lens = [it.q_len for it in items]
     kv_lens = [it.start + it.q_len for it in items]
-    dev = cache.req_to_slot.device
-    rows = [cache.get(it.rid).row for it in items]
-    kv_indices = row_slots(cache, rows, [0] * len(items), kv_lens)
-    out_slots = row_slots(cache, rows, [it.start for it in items], kv_lens)
-    custom_mask = mask_indptr = None
+    table = cache.req_to_slot
+    row = np.array([cache.get(it.rid).row for it in items], dtype=np.int64) * table.shape[1]
+    qo_indptr, kv_indptr = _indptr(q_lens), _indptr(kv_lens)
+    parts = [
+        _segments(row, kv_indptr),  # token indices 0 .. kv_len of each row
+        _segments(row + np.array([it.start for it in items], dtype=np.int64), qo_indptr),
+        qo_indptr,
+        kv_indptr,
+    ]
+    masks = None
     if any(it.mask is not None for it in items):
         masks = [_full_mask(it) for it in items]
-        custom_mask = torch.cat([m.flatten() for m in masks]).to(dev)
-        mask_indptr = indptr([m.numel() for m in masks], dev)
+        parts.append(_indptr([m.numel() for m in masks]))
+    dev = table.device
+    flat = torch.from_numpy(np.concatenate(parts)).to(dev)
+    kv_at, out_at, qo, kv, *mask_indptr = flat.split([len(a) for a in parts])
     return AttentionMetadata(
-        qo_indptr=indptr(q_lens, dev),
-        kv_indptr=indptr(kv_lens, dev),
-        kv_indices=kv_indices,
-        out_slots=out_slots,
-        custom_mask=custom_mask,
-        mask_indptr=mask_indptr,
+        qo_indptr=qo,
+        kv_indptr=kv,
+        kv_indices=table.view(-1)[kv_at],
+        out_slots=table.view(-1)[out_at],
+        custom_mask=None if masks is None else torch.cat([m.flatten() for m in masks]).to(dev),
+        mask_indptr=mask_indptr[0] if mask_indptr else None,
         q_lens_cpu=q_lens if with_cpu else None,
         kv_lens_cpu=kv_lens if with_cpu else None,
         max_q_len=max(q_lens) if with_cpu else None,
@@ -71,18 +79,13 @@ def build_metadata(
     )
 
 
-def row_slots(cache: KVCache, rows: list[int], starts: list[int], ends: list[int]) -> torch.Tensor:
-    """Slot ids of token indices ``starts[b]:ends[b]`` of table row ``rows[b]``, concatenated:
-    one gather from the flat table (a plain slice for one request)."""
-    table = cache.req_to_slot
-    if len(rows) == 1:
-        return table[rows[0], starts[0] : ends[0]]
-    lens = torch.tensor([e - s for s, e in zip(starts, ends, strict=True)])
-    # element i of segment b reads flat entry rows[b] * width + starts[b] + i
-    first = torch.tensor([r * table.shape[1] + s for r, s in zip(rows, starts, strict=True)])
-    seg_start = lens.cumsum(0) - lens
-    flat = torch.arange(int(lens.sum())) + (first - seg_start).repeat_interleave(lens)
-    return table.view(-1)[flat.to(table.device)]
+def _indptr(lens: list[int]) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(lens, dtype=np.int64)])
+
+
+def _segments(first: np.ndarray, indptr: np.ndarray) -> np.ndarray:
+    """``first[b] + arange(indptr[b + 1] - indptr[b])`` of every segment, concatenated."""
+    return np.repeat(first - indptr[:-1], np.diff(indptr)) + np.arange(indptr[-1])
 
 
 def _full_mask(it: BatchItem) -> torch.Tensor:
@@ -90,10 +93,6 @@ def _full_mask(it: BatchItem) -> torch.Tensor:
         return it.mask.bool()
     kv_len = it.start + it.q_len
     return torch.arange(kv_len)[None, :] <= torch.arange(it.q_len)[:, None] + it.start
-
-
-def indptr(lens: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int64).to(device)
 
 
 def batch_positions(items: list[BatchItem]) -> torch.Tensor:
