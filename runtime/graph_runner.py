@@ -44,8 +44,7 @@ from specmesh.runtime.kv_cache import KVCache
 from specmesh.runtime.model_runner import (
     BatchItem,
     ForwardModel,
-    batch_positions,
-    build_metadata,
+    build_batch,
     reserve_batch,
 )
 from specmesh.runtime.models.layers import KVPair
@@ -254,12 +253,13 @@ class GraphRunner:
         self.sizes.check(bs, kv_raw + num_pad * q, mask_raw + pad_mask)
         if items:
             reserve_batch(self.cache, items)
-            real = build_metadata(self.cache, items, with_cpu=False)
+            batch = build_batch(self.cache, items, with_cpu=False)
+            real = batch.meta
             buf.kv_indptr[: raw_bs + 1].copy_(real.kv_indptr)
             buf.kv_indices[:kv_raw].copy_(real.kv_indices)
             buf.out_slots[:raw].copy_(real.out_slots)
-            buf.input_ids[:raw].copy_(torch.cat([it.input_ids for it in items]))
-            buf.positions[:raw].copy_(batch_positions(items))
+            buf.input_ids[:raw].copy_(batch.input_ids)
+            buf.positions[:raw].copy_(batch.positions)
             if buf.custom_mask is not None:
                 buf.custom_mask[:mask_raw].copy_(real.custom_mask)
                 buf.mask_indptr[: raw_bs + 1].copy_(real.mask_indptr)

@@ -40,32 +40,50 @@ class ForwardModel(Protocol):
     def __call__(self, **kwargs: object) -> ModelOutput: ...
 
 
+@dataclass
+class DeviceBatch:
+    """A ragged batch on the cache's device: its metadata, token ids and positions."""
+
+    meta: AttentionMetadata
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+
+
 def build_metadata(
     cache: KVCache, items: list[BatchItem], *, with_cpu: bool = True
 ) -> AttentionMetadata:
-    """Ragged metadata for ``items``. ``with_cpu=False`` leaves the CPU-side fields ``None``, as
-    the sync-free GPU path does (invariant 3); backends that need them must cope. Every index is
-    computed on the host (numpy) and copied to the device at once, where the slots are gathered
-    from the request-to-slot table; a custom mask is one more copy."""
+    """Ragged metadata for ``items`` (`build_batch`'s)."""
+    return build_batch(cache, items, with_cpu=with_cpu).meta
+
+
+def build_batch(cache: KVCache, items: list[BatchItem], *, with_cpu: bool = True) -> DeviceBatch:
+    """Ragged metadata, token ids and positions for ``items``. ``with_cpu=False`` leaves the
+    metadata's CPU-side fields ``None``, as the sync-free GPU path does (invariant 3); backends
+    that need them must cope. Every integer is computed on the host (numpy) and copied to the
+    device at once, where the slots are gathered from the request-to-slot table (ids already on
+    the device, a draft step's, are joined there); a custom mask is one more copy."""
     q_lens = [it.q_len for it in items]
     kv_lens = [it.start + it.q_len for it in items]
     table = cache.req_to_slot
     row = np.array([cache.get(it.rid).row for it in items], dtype=np.int64) * table.shape[1]
     qo_indptr, kv_indptr = _indptr(q_lens), _indptr(kv_lens)
+    on_host = all(it.input_ids.device.type == "cpu" for it in items)
     parts = [
         _segments(row, kv_indptr),  # token indices 0 .. kv_len of each row
         _segments(row + np.array([it.start for it in items], dtype=np.int64), qo_indptr),
         qo_indptr,
         kv_indptr,
+        np.concatenate([_positions(it) for it in items]),
+        np.concatenate([it.input_ids.numpy() for it in items]) if on_host else np.zeros(0),
     ]
     masks = None
     if any(it.mask is not None for it in items):
         masks = [_full_mask(it) for it in items]
         parts.append(_indptr([m.numel() for m in masks]))
     dev = table.device
-    flat = torch.from_numpy(np.concatenate(parts)).to(dev)
-    kv_at, out_at, qo, kv, *mask_indptr = flat.split([len(a) for a in parts])
-    return AttentionMetadata(
+    flat = torch.from_numpy(np.concatenate(parts).astype(np.int64, copy=False)).to(dev)
+    kv_at, out_at, qo, kv, positions, ids, *mask_indptr = flat.split([len(a) for a in parts])
+    meta = AttentionMetadata(
         qo_indptr=qo,
         kv_indptr=kv,
         kv_indices=table.view(-1)[kv_at],
@@ -77,6 +95,15 @@ def build_metadata(
         max_q_len=max(q_lens) if with_cpu else None,
         max_kv_len=max(kv_lens) if with_cpu else None,
     )
+    if not on_host:
+        ids = torch.cat([it.input_ids.to(dev) for it in items])
+    return DeviceBatch(meta, ids, positions)
+
+
+def _positions(it: BatchItem) -> np.ndarray:
+    if it.positions is not None:
+        return it.positions.numpy()
+    return np.arange(it.start, it.start + it.q_len, dtype=np.int64)
 
 
 def _indptr(lens: list[int]) -> np.ndarray:
@@ -93,20 +120,6 @@ def _full_mask(it: BatchItem) -> torch.Tensor:
         return it.mask.bool()
     kv_len = it.start + it.q_len
     return torch.arange(kv_len)[None, :] <= torch.arange(it.q_len)[:, None] + it.start
-
-
-def batch_positions(items: list[BatchItem]) -> torch.Tensor:
-    """Every item's positions (default ``start + arange(q_len)``), concatenated."""
-    if all(it.positions is None and it.q_len == 1 for it in items):  # decode: one tensor
-        return torch.tensor([it.start for it in items], dtype=torch.int64)
-    return torch.cat(
-        [
-            it.positions
-            if it.positions is not None
-            else torch.arange(it.start, it.start + it.q_len)
-            for it in items
-        ]
-    )
 
 
 def reserve_batch(cache: KVCache, items: list[BatchItem]) -> None:
@@ -134,9 +147,9 @@ def run_batch(
     """Forward the new tokens of every item; outputs are flat rows in item order."""
     reserve_batch(cache, items)
     dev = cache.req_to_slot.device
-    backend.prepare(build_metadata(cache, items, with_cpu=backend.needs_cpu_metadata))
-    positions = batch_positions(items).to(dev)
-    input_ids = torch.cat([it.input_ids for it in items]).to(dev)
+    batch = build_batch(cache, items, with_cpu=backend.needs_cpu_metadata)
+    backend.prepare(batch.meta)
+    positions, input_ids = batch.positions, batch.input_ids
     embeds = None
     if any(it.input_embeds is not None for it in items):
         embeds = torch.cat(
