@@ -2,6 +2,7 @@
 and a random EAGLE-3 head) served in process and as a cluster, batch 1.
 
     python -m specmesh.bench.hop [--out DIR] [--repeats 3] [--only plain|eagle3] [--profile]
+        [--inline-step-ms MS]
 
 Six configurations, each (configuration, repeat) in a fresh `bench.worker` process, repeats
 interleaved (A1 B1 C1 D1 E1 F1 A2 ...): in process plain, cluster plain, cluster plain with the
@@ -94,6 +95,7 @@ class Config:
     run: RunSpec
     target_args: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
+    inline_step_ms: float | None = None  # both services' --inline-step-ms (None: their default)
 
     @property
     def kind(self) -> str:
@@ -101,12 +103,20 @@ class Config:
 
     @property
     def label(self) -> str:
-        return " ".join([self.run.backend, self.kind, *self.target_args, *self.router_args])
+        inline = (
+            [] if self.inline_step_ms is None else [f"--inline-step-ms {self.inline_step_ms:g}"]
+        )
+        return " ".join(
+            [self.run.backend, self.kind, *self.target_args, *self.router_args, *inline]
+        )
 
 
-def plan(num_requests: int, only: str | None = None) -> list[Config]:
+def plan(
+    num_requests: int, only: str | None = None, inline_step_ms: float | None = None
+) -> list[Config]:
     """In process and cluster back to back, plain (the cluster with run-ahead on and off)
-    then EAGLE-3; ``only``: the configurations of one of the two."""
+    then EAGLE-3; ``only``: the configurations of one of the two; ``inline_step_ms``: one more
+    EAGLE-3 cluster, both services given ``--inline-step-ms``."""
 
     def run(backend: str, spec: SpecParams | None) -> RunSpec:
         kind = DRAFT_KIND if spec else None
@@ -120,6 +130,8 @@ def plan(num_requests: int, only: str | None = None) -> list[Config]:
         Config(run("inprocess", SPEC)),
         Config(run("cluster", SPEC)),
     ]
+    if inline_step_ms is not None:
+        configs.append(Config(run("cluster", SPEC), inline_step_ms=inline_step_ms))
     return [c for c in configs if only is None or c.kind == only]
 
 
@@ -135,7 +147,12 @@ def ms_per_round(res: dict[str, Any]) -> float:
 
 
 def measure(
-    models: ModelChoice, threads: int, repeats: int, num_requests: int, only: str | None = None
+    models: ModelChoice,
+    threads: int,
+    repeats: int,
+    num_requests: int,
+    only: str | None = None,
+    inline_step_ms: float | None = None,
 ) -> list[dict]:
     """Every (configuration, repeat) in its own worker process; one aggregated entry each.
     ``only``: the plain configurations, or the EAGLE-3 ones."""
@@ -146,9 +163,11 @@ def measure(
     prompts = load_workload(WORKLOAD, tokenizer, num_requests, PROMPT_LEN).prompts
     pad = tokenizer.pad_token_id or 0
     by_label: dict[str, list[dict[str, Any]]] = {}
-    order = [(r, c) for r in range(repeats) for c in plan(num_requests, only)]  # interleaved
+    configs = plan(num_requests, only, inline_step_ms)
+    order = [(r, c) for r in range(repeats) for c in configs]  # interleaved
     for i, (repeat, c) in enumerate(order):
-        job = Job(c.run, models.target, models.draft, {}, threads, prompts, pad,
+        runtime = {} if c.inline_step_ms is None else {"inline_step_ms": c.inline_step_ms}
+        job = Job(c.run, models.target, models.draft, runtime, threads, prompts, pad,
                   (DRAFT_KIND, SPEC), target_args=list(c.target_args),
                   router_args=list(c.router_args))  # fmt: skip
         res = run_worker(WORKER, job.to_json(), threads, WORKER_TIMEOUT_S)
@@ -268,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true", help="profile the cluster services")
     parser.add_argument("--only", choices=("plain", DRAFT_KIND),
                         help="run only the plain or only the EAGLE-3 configurations")  # fmt: skip
+    parser.add_argument("--inline-step-ms", type=float, metavar="MS",
+                        help="one more EAGLE-3 cluster, its services given --inline-step-ms MS")  # fmt: skip
     args = parser.parse_args(argv)
     if min(args.repeats, args.num_requests) < 1:
         parser.error("--repeats and --num-requests must be >= 1")
@@ -281,7 +302,9 @@ def run_hop(out: Path, args: argparse.Namespace) -> None:
     started = time.time()
     models = build_models(out / "models")
     threads = model_threads(2)  # what each cluster model service gets: the same in process
-    configs = measure(models, threads, args.repeats, args.num_requests, args.only)
+    configs = measure(
+        models, threads, args.repeats, args.num_requests, args.only, args.inline_step_ms
+    )
     floor = hop_floor.measure()
     comparisons = with_floor(compare(configs), configs, floor)
     print(format_tables(configs, comparisons), hop_floor.format_floor(floor), sep="\n\n")

@@ -40,3 +40,12 @@ def test_only_runs_one_kind(only: str) -> None:
     assert {c.kind for c in chosen} == {only}
     assert {c.run.backend for c in chosen} == {"inprocess", "cluster"}
     assert len(hop.plan(2, "plain")) + len(hop.plan(2, "eagle3")) == len(hop.plan(2))
+
+
+def test_inline_step_ms_adds_one_eagle3_cluster_whose_services_get_it() -> None:
+    base, inline = hop.plan(2, "eagle3"), hop.plan(2, "eagle3", inline_step_ms=20)
+    assert inline[: len(base)] == base and len(inline) == len(base) + 1
+    extra = inline[-1]
+    assert extra.run.backend == "cluster" and extra.inline_step_ms == 20
+    assert extra.label == "cluster eagle3 --inline-step-ms 20"
+    assert len({c.label for c in inline}) == len(inline)  # its runs are reported apart
