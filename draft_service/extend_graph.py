@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from specmesh.runtime.graph_runner import GraphRunner
@@ -59,11 +60,18 @@ class DraftExtendGraph:
         w = self.width
         padded = [_with_filler(it, w) for it in items]
         feats = features.new_zeros(len(items) * w, features.shape[1])
-        dev = features.device
-        real = torch.cat([torch.arange(it.q_len, device=dev) + b * w for b, it in enumerate(items)])
-        feats[real] = features
+        # The real rows of the padded batch, and each request's last: one copy to the device.
+        starts = np.arange(len(items)) * w
+        q_lens = np.array([it.q_len for it in items])
+        real = (
+            np.repeat(starts, q_lens)
+            + np.arange(q_lens.sum())
+            - np.repeat(np.cumsum(q_lens) - q_lens, q_lens)
+        )
+        rows = torch.from_numpy(np.concatenate([real, starts + q_lens - 1])).to(features.device)
+        real_rows, last = rows.split([len(real), len(items)])
+        feats.index_copy_(0, real_rows, features)
         hidden, logits = self.runner.run(padded, feats)
-        last = torch.tensor([b * w + it.q_len - 1 for b, it in enumerate(items)], device=dev)
         return hidden[last], logits[last]
 
 
