@@ -49,18 +49,14 @@ def accept_trees(
     ``sample_offset + depth(i)`` generated tokens: exactly what plain decoding would see had it
     emitted that path, so verification stays lossless."""
     bs = len(inputs)
-    tokens = torch.zeros(bs, n_max, dtype=torch.int64)
-    first_child = torch.full((bs, n_max), -1, dtype=torch.int64)
-    next_sibling = torch.full((bs, n_max), -1, dtype=torch.int64)
+    # tokens, first child, next sibling of every node; padding: token 0, no links
+    host = torch.full((3, bs, n_max), -1, dtype=torch.int64)
+    host[0] = 0
     for b, inp in enumerate(inputs):
         n = inp.tree.num_nodes
-        tokens[b, :n], first_child[b, :n], next_sibling[b, :n] = (
-            inp.tree.tokens,
-            inp.tree.first_child,
-            inp.tree.next_sibling,
-        )
-    dev = logits.device  # the trees are built on the host, verified where the logits are
-    tree = [t.to(dev) for t in (tokens, first_child, next_sibling)]
+        host[:, b, :n] = torch.stack((inp.tree.tokens, inp.tree.first_child, inp.tree.next_sibling))
+    # The trees are built on the host and verified where the logits are: one copy.
+    tree = host.to(logits.device).unbind(0)
     counts = [i.tree.num_nodes for i in inputs]
     padded = pad_rows(logits, counts, n_max).flatten(0, 1)  # [bs * n_max, vocab]
     if any(i.grammar is not None for i in inputs):  # -inf where a node's path forbids a token
@@ -103,23 +99,26 @@ def _padded(depths: torch.Tensor, n_max: int) -> list[int]:
     return d + [0] * (n_max - len(d))
 
 
-def padded_row_index(counts: list[int], n_max: int) -> torch.Tensor:
+def padded_row_index(
+    counts: list[int], n_max: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """Map padded position ``b * n_max + i`` to the flat row of node i of request b (row 0 for
-    padding). Shared between calls: read it, never write it."""
-    return _row_index(tuple(counts), n_max)
+    padding), on ``device``. Kept per (counts, device), so steady rounds copy nothing to the
+    device: shared between calls, read it, never write it."""
+    return _row_index(tuple(counts), n_max, str(device))
 
 
 @functools.lru_cache(maxsize=256)
-def _row_index(counts: tuple[int, ...], n_max: int) -> torch.Tensor:
+def _row_index(counts: tuple[int, ...], n_max: int, device: str) -> torch.Tensor:
     starts = [0, *itertools.accumulate(counts)][:-1]
     idx = [
         r
         for s, n in zip(starts, counts, strict=True)
         for r in (*range(s, s + n), *[0] * (n_max - n))
     ]
-    return torch.tensor(idx, dtype=torch.int64)
+    return torch.tensor(idx, dtype=torch.int64).to(device)
 
 
 def pad_rows(x: torch.Tensor, counts: list[int], n_max: int) -> torch.Tensor:
-    idx = padded_row_index(counts, n_max).to(x.device)
+    idx = padded_row_index(counts, n_max, x.device)
     return x[idx].view(len(counts), n_max, *x.shape[1:])

@@ -153,7 +153,7 @@ def decide(
     host = torch.cat([f.to(torch.int64) for f in fields], 1).tolist()
     paths, lens, bonuses = [h[:-2] for h in host], [h[-2] for h in host], [h[-1] for h in host]
     flat, _ = compact_accepted(result.accept_path, result.accept_len, rt.kernel_impl, sum(lens))
-    row_of = padded_row_index([r.tree.num_nodes for r in rows], n_max).to(flat.device)
+    row_of = padded_row_index([r.tree.num_nodes for r in rows], n_max, flat.device)
     feats = rt.select_feature(res.select(row_of[flat]), feature)
     decided, start = [], 0
     for b, (row, full_path, n, bonus) in enumerate(zip(rows, paths, lens, bonuses, strict=True)):
