@@ -334,3 +334,37 @@ def test_new_aux_layers_capture_the_target_graphs_again(tiny_dir: Path, monkeypa
     new = AuxLayers((0, 1), "input")
     t.configure(FeatureSpec(Feature.AUX_HIDDEN, new))
     assert captured[1:] == [new] and t.model.aux_points == new.capture_points(n)
+
+
+@pytest.mark.parametrize(("steps", "topk", "tokens"), [(2, 1, 2), (2, 3, 4), (4, 2, 8)])
+def test_search_graph_equals_the_ragged_search_at_every_bucket(
+    tiny_dir: Path, steps: int, topk: int, tokens: int
+) -> None:
+    """EAGLE-3 trees of several shapes (one node a step, a shallow wide tree, a deep one) from
+    the search graph equal the ragged search's for 1 .. 5 requests over buckets {1, 2, 4}: full
+    buckets, padded ones, and 5, past the largest, which searches step by step instead."""
+    from specmesh.protocol.steps import ExtendInput
+
+    spec = SpecParams(num_steps=steps, topk=topk, num_draft_tokens=tokens)
+    cfg = DraftConfig("eagle3", str(tiny_dir / "draft"), str(tiny_dir / "target"), spec,
+                      dtype="fp32", num_kv_slots=1024, max_requests=8, max_context=64)  # fmt: skip
+    drafter = load_draft(cfg).drafter
+    feat_dim = 3 * drafter.net.config.base.hidden_size
+    g = torch.Generator().manual_seed(steps * 10 + topk)
+    rids = [f"r{i}" for i in range(5)]
+    drafter.extend([
+        ExtendInput(rid, list(range(4, 6 + i)), 30 + i, torch.randn(2 + i, feat_dim, generator=g), new=True)
+        for i, rid in enumerate(rids)
+    ])  # fmt: skip
+    roots = [30 + i for i in range(5)]
+    want = drafter.propose(rids, roots)  # ragged: no static runners yet
+    drafter.enable_step_graphs("eager-static", max_bs=4)
+    buckets: list[int] = []
+    replay = drafter.search_graphs.replay
+    drafter.search_graphs.replay = lambda bucket: buckets.append(bucket) or replay(bucket)
+    for n in range(1, 6):
+        assert drafter.propose(rids[:n], roots[:n]) == want[:n], n
+    assert buckets == [1, 2, 4, 4]  # 5 requests: past the largest bucket, step by step
+    for rid in rids:
+        drafter.release(rid)
+    assert drafter.cache.num_used_slots == 0
