@@ -87,13 +87,18 @@ class ServiceWindow:
         """Carry out the window's commands. The profiler starts here, before the service loads
         anything (``started``), and stops here: Kineto is stopped only by the thread that
         started it (stopped from another, on the H200, it raised "not running")."""
-        if profile:
-            from torch.profiler import ProfilerActivity
-            from torch.profiler import profile as device_profile
+        try:
+            if profile:
+                from torch.profiler import ProfilerActivity
+                from torch.profiler import profile as device_profile
 
-            self.prof = device_profile(activities=[ProfilerActivity.CUDA])
-            self.prof.start()
-        started.set()
+                self.prof = device_profile(activities=[ProfilerActivity.CUDA])
+                self.prof.start()
+        except Exception as e:  # the window reports it; the service starts regardless
+            self.prof, self.error = None, repr(e)
+            traceback.print_exc()
+        finally:
+            started.set()
         cmd = self.prefix.with_suffix(".cmd")
         while True:
             time.sleep(POLL_S)

@@ -34,6 +34,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from specmesh.draft_service.node_records import (
+    EXTRA_CANDIDATES,
+    Records,
+    record_frontier,
+    root_record,
+)
 from specmesh.draft_service.prefix_rows import DraftPrefixes
 from specmesh.kernels.tree_build import select_tree
 from specmesh.protocol.config import SpecParams
@@ -239,7 +245,7 @@ class TreeDrafter:
         cand_logp, cand_ids = logp.topk(min(k + EXTRA_CANDIDATES, logp.shape[-1]), dim=-1)
         top_logp, tokens = cand_logp[:, :k], self.to_target_ids(cand_ids[:, :k])  # [bs, k]
         records = None if recorded is None else [
-            _root_record(s, self.to_target_ids(c), lp)
+            root_record(s, self.to_target_ids(c), lp)
             for s, c, lp in zip(recorded, cand_ids, cand_logp, strict=True)]  # fmt: skip
         pool_tokens, pool_scores = [tokens], [top_logp]
         pool_parents = [torch.full((bs, k), -1, dtype=torch.int64, device=dev)]
@@ -317,7 +323,7 @@ class TreeDrafter:
         if records is not None:
             cands = (self.to_target_ids(cand_ids).view(bs, k, -1).tolist(),
                      cand_logp.view(bs, k, -1).tolist())  # fmt: skip
-            _record_frontier(records, step, self.spec.topk, states, fr, hidden, cands)
+            record_frontier(records, step, self.spec.topk, states, fr, hidden, cands)
             child_list = child_tokens.tolist()
             paths = [
                 [fr.paths[b][i // k] + (child_list[b][i],) for i in row]
@@ -356,43 +362,6 @@ class _Frontier:
     seen: torch.Tensor  # [bs, k, S] bool: each node's forwarded ancestors (speculative columns)
     paths: list[list[tuple[int, ...]]]  # each node's tokens below the root (recording only)
     grammar: FrontierGrammar | None = None  # each node's grammar state (constrained requests)
-
-
-@dataclass
-class NodeRecord:
-    """A forwarded tree node, as pre-drafting reads it: where its KV is, what it outputs."""
-
-    kv: int | None  # KV token index of its row; None for the root (in the prefix)
-    ancestors: list[int]  # KV token indices of its forwarded ancestors, root excluded
-    position: int
-    hidden: torch.Tensor  # [hidden] its output: the input hidden of its children
-    cand_ids: list[int]  # its children's most likely tokens (target ids), best first
-    cand_logp: list[float]
-    score: float  # cumulative log-probability of the path from the root to it
-
-
-Records = dict[tuple[int, ...], NodeRecord]  # a node's tokens below the root -> the node
-EXTRA_CANDIDATES = 2  # next tokens recorded per node beyond its topk children
-
-
-def _root_record(st: RootState, cand_ids: torch.Tensor, cand_logp: torch.Tensor) -> Records:
-    rec = NodeRecord(None, [], st.last_pos, st.hidden, cand_ids.tolist(), cand_logp.tolist(), 0.0)
-    return {(): rec}
-
-
-def _record_frontier(records, step, k, states, fr, hidden, cands) -> None:
-    """Each request's frontier nodes just forwarded at ``step``, into its records."""
-    cand_ids, cand_logp = cands
-    scores, seen = fr.scores.tolist(), fr.seen.tolist()
-    for b, rec in enumerate(records):
-        st = states[b]
-        start = st.spec_base + (step - 1) * k
-        for i, path in enumerate(fr.paths[b]):
-            ancestors = [st.spec_base + c for c, on in enumerate(seen[b][i]) if on]
-            rec[path] = NodeRecord(
-                start + i, ancestors, st.last_pos + step, hidden[b, i],
-                cand_ids[b][i], cand_logp[b][i], scores[b][i],
-            )  # fmt: skip
 
 
 def forward_draft(

@@ -40,14 +40,9 @@ from dataclasses import dataclass
 
 import torch
 
-from specmesh.draft_service.drafter import (
-    EXTRA_CANDIDATES,
-    NodeRecord,
-    Records,
-    RootState,
-    TreeDrafter,
-)
+from specmesh.draft_service.drafter import RootState, TreeDrafter
 from specmesh.draft_service.grammar import BatchGrammar
+from specmesh.draft_service.node_records import EXTRA_CANDIDATES, NodeRecord, Records
 from specmesh.protocol.steps import ExtendInput
 from specmesh.protocol.trees import DraftTree
 from specmesh.runtime.model_runner import BatchItem
