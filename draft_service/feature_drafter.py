@@ -99,7 +99,7 @@ class FeatureDrafter(TreeDrafter):
             end = it.start + it.q_len
             self.cache.commit(it.rid, end)
             self.roots[it.rid] = RootState(end - 1, end, hidden[b], logits[b])
-            if self.prefixes is not None:
+            if self.prefixes is not None and inp.new:  # `DraftPrefixes.keep`: starts only
                 self.prefixes.keep(inp, [*inp.committed_ids, inp.next_token])
 
     def _forward_extend(

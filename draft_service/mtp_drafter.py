@@ -125,7 +125,7 @@ class MTPDrafter(TreeDrafter):
             end = it.start + it.q_len
             self.cache.commit(it.rid, end)
             self.roots[it.rid] = RootState(end - 1, end, h, lg)
-            if self.prefixes is not None:
+            if self.prefixes is not None and inp.new:  # `DraftPrefixes.keep`: starts only
                 self.prefixes.keep(inp, [*inp.committed_ids, inp.next_token])
 
     def _forward_step(

@@ -70,7 +70,7 @@ class StandaloneDrafter(TreeDrafter):
             root = it.start + it.q_len - 1  # the pending row: written, not committed
             self.cache.commit(it.rid, root)
             self.roots[it.rid] = RootState(root, root + 1, hidden[row], logits[row])
-            if self.prefixes is not None:  # committed rows only: the pending one is rewritten
+            if self.prefixes is not None and inp.new:  # committed rows only (not the pending)
                 self.prefixes.keep(inp, list(inp.committed_ids))
 
     def step_forward(

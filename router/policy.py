@@ -182,6 +182,9 @@ class SpeculationPolicy:
         if mode not in MODES:
             raise ValueError(f"speculation mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.mode, self.probe_every = mode, probe_every
+        # Only adaptive plans read costs and acceptance: under ``always`` and ``never`` the
+        # replicas and the round record nothing (no bookkeeping in their rounds).
+        self.measures = mode == "adaptive"
         self.verify_costs: dict[tuple[str, int], dict[int, Cost]] = {}
         self.draft_costs: dict[tuple[str, int], Cost] = {}
         self.drafts: dict[str, Acceptance] = {}  # per draft replica: the requests' prior

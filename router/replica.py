@@ -85,7 +85,8 @@ class TargetReplica(Replica):
         try:
             out = await self._answer(self.client.prefill(pieces))
         finally:  # a failed prefill held the replica too
-            self.policy.service_time(self.name, started, time.monotonic())
+            if self.policy.measures:
+                self.policy.service_time(self.name, started, time.monotonic())
         self.metrics.on_prefill(self.name, time.monotonic() - started)
         return _mark_preempted(out, placed)
 
@@ -109,9 +110,10 @@ class TargetReplica(Replica):
         out = await self._answer(answer)
         ended = time.monotonic()
         self.metrics.on_verify(self.name, ended - started)
-        seconds = self.policy.service_time(self.name, started, ended)
-        size = max(v.tree.num_nodes for v in trees)
-        self.policy.observe_verify(self.name, len(trees), size, seconds)
+        if self.policy.measures:
+            seconds = self.policy.service_time(self.name, started, ended)
+            size = max(v.tree.num_nodes for v in trees)
+            self.policy.observe_verify(self.name, len(trees), size, seconds)
         return _mark_preempted(out, placed)
 
     async def _answer(self, step: Awaitable[Answer]) -> Answer:
@@ -154,12 +156,13 @@ class DraftReplica(Replica):
             self.metrics.on_draft_failure(self.name)
             return None
         seconds = time.monotonic() - started
-        busy = self.policy.service_time(self.name, started, started + seconds)
         self.breaker.record_success()
         self.deadline.observe(seconds)
         self.metrics.on_draft_step(self.name, seconds)
-        if plan.speculate and _steady(extends, self.info.num_draft_tokens):
-            self.policy.observe_draft(self.name, len(extends), busy)
+        if self.policy.measures:
+            busy = self.policy.service_time(self.name, started, started + seconds)
+            if plan.speculate and _steady(extends, self.info.num_draft_tokens):
+                self.policy.observe_draft(self.name, len(extends), busy)
         return res
 
 

@@ -110,7 +110,8 @@ class RoundRunner:
             return
         if self.pipeline and batch.target.client.remote:
             await self._send_ahead(batch, out)
-        self._observe(batch, trees, out)
+        if self.policy.measures:
+            self._observe(batch, trees, out)
         going = [s for s in batch.slots if _goes_on(s, out)]
         drafting = None  # plain decoding: nothing to overlap
         if any(s.placement.draft is not None for s in going):

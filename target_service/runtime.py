@@ -50,6 +50,9 @@ from specmesh.target_service.warmup import warm_up
 log = logging.getLogger(__name__)
 
 
+_UNKNOWN = "<unknown>"  # no feature key is ever this
+
+
 class TargetRuntime:
     def __init__(self, cfg: TargetConfig, model: CausalLM | None = None) -> None:
         self.cfg = cfg
@@ -76,6 +79,7 @@ class TargetRuntime:
         # for `TargetConfig.aux_layer_ids`, in `resolve_aux` for a handshake's). The default
         # [2, L//2, L-3] is resolved only for a draft that reads aux states: any depth serves.
         self.aux_layers: AuxLayers | None = None
+        self._feature_keys: dict[Feature, str | None] = {}  # `feature_key`'s, until `configure`
         if cfg.aux_layer_ids:
             self.aux_layers = AuxLayers(cfg.aux_layer_ids, cfg.aux_convention)
             self.aux_layers.capture_points(mc.num_layers)  # ValueError names the ids and depth
@@ -157,7 +161,7 @@ class TargetRuntime:
         if aux is None:
             return
         before = self.aux_points
-        self.aux_layers = aux
+        self.aux_layers, self._feature_keys = aux, {}
         self.model.set_aux_layers(aux)
         if self.aux_points != before and self.graphs is not None:
             self.graphs = self._capture_graphs()
@@ -189,8 +193,13 @@ class TargetRuntime:
         return prefill_inputs(self, inputs, feature)
 
     def feature_key(self, feature: Feature) -> str | None:
-        """What a prefix block's feature rows are for ``feature`` (`target_service.prefix`)."""
-        return feature_key(feature, self.aux_points if feature is Feature.AUX_HIDDEN else ())
+        """What a prefix block's feature rows are for ``feature`` (`target_service.prefix`);
+        kept per feature (every verify asks) until `configure` changes the aux layers."""
+        key = self._feature_keys.get(feature, _UNKNOWN)
+        if key is _UNKNOWN:
+            points = self.aux_points if feature is Feature.AUX_HIDDEN else ()
+            key = self._feature_keys[feature] = feature_key(feature, points)
+        return key
 
     # -- decode / verify ------------------------------------------------------------------------
     def decode(self, rids: list[str], feature: Feature = Feature.NONE) -> StepOutput:
