@@ -144,6 +144,9 @@ class RouterCore:
         self.wakeup = asyncio.Event()
         self.streams: dict[str, asyncio.Queue] = {}
         self.slots: dict[str, Slot] = {}  # every request whose client is still listening
+        # Requests placed that speculate but run without a draft (none was live, or theirs lost
+        # them): only while there are any does a round look for a draft to give them back.
+        self.draftless: set[str] = set()
         self.metrics = RouterMetrics(self)  # records into the process's `metrics.REGISTRY`
         self.replicas = Balancer(
             [TargetReplica(t, cfg.target_cooldown_s, self.policy, self.metrics) for t in targets],
@@ -253,6 +256,7 @@ class RouterCore:
         """Release the request in its replicas (in-band, behind its steps) and unpin it; with
         ``requeue`` (its target dropped it for KV space) it then waits to be replayed."""
         held_kv = slot.prefill_sent > 0  # else refused before it held any: a wait, no preemption
+        self.draftless.discard(slot.rid)
         placement = slot.unplaced()
         if placement is not None:
             for error in await placement.release(slot.rid):  # freed all the same: it ends
@@ -287,6 +291,8 @@ class RouterCore:
         """Continue without speculation (for now: `_resume_speculation` may replay it);
         ``release``: free what the draft may hold for it, in-band."""
         slot.draft_dropped()
+        if slot.speculate:  # not refused for good: `_resume_speculation` may give one back
+            self.draftless.add(slot.rid)
         placement = slot.placement
         if placement is None or placement.draft is None:
             return
@@ -314,8 +320,9 @@ class RouterCore:
                 continue
             await self._guarded(self.rounds.step, running, index)
             batch[:] = await self._retire(batch, index)
-            await self._resume_speculation([r for r in batch if r.prefilled])
-            batch[:] = await self._retire(batch, index)
+            if self.draftless:
+                await self._resume_speculation([r for r in batch if r.prefilled])
+                batch[:] = await self._retire(batch, index)
 
     async def _retire(self, running: list[Slot], index: int) -> list[Slot]:
         """Requests still this worker's; the aborted ones leave their replicas."""
@@ -394,6 +401,8 @@ class RouterCore:
                 break
             self.waiting.popleft()
             slot.placement, slot.worker = placement, index
+            if slot.speculate and placement.draft is None:
+                self.draftless.add(slot.rid)
             self.metrics.on_admit(slot.request)
             new.append(slot)
         return new

@@ -17,13 +17,13 @@ from specmesh.router.in_process import InProcessDraft, InProcessTarget
 
 
 class FlakyDraft(InProcessDraft):
-    """Fails its second step (a mid-generation outage), then works."""
+    """Fails its ``fail_at``-th step (a mid-generation outage), then works."""
 
-    calls = 0
+    calls, fail_at = 0, 2
 
     async def step(self, extends, propose=True):
         self.calls += 1
-        if self.calls == 2:
+        if self.calls == self.fail_at:
             raise ServiceDownError(f"{self.name}: connection reset")
         return await super().step(extends, propose)
 
@@ -79,3 +79,47 @@ def test_speculation_resumes_after_the_draft_recovers(tiny_dir: Path, oracle) ->
 
 async def _collect(core: RouterCore, req) -> list[int]:
     return [t async for chunk in core.generate(req) for t in chunk.token_ids]
+
+
+def test_a_request_admitted_while_no_draft_is_live_gets_one_when_it_recovers(
+    tiny_dir: Path, oracle
+) -> None:
+    """The draft's first step fails (its breaker opens); a request admitted during the cooldown
+    is placed without a draft and decodes plainly; once a later request's step closes the
+    breaker, it is replayed with the draft and speculates again. Output is unchanged."""
+    engine = Engine(
+        tiny_dir / "target", draft_model=tiny_dir / "target", draft_kind="standalone",
+        spec=SpecParams(3, 1, 4),
+    )  # fmt: skip
+    cfg = RouterConfig(draft_cooldown_s=60, resume_min_remaining=8, num_micro_batches=1)
+
+    async def scenario() -> tuple[list[int], list[int], bool]:
+        draft = FlakyDraft(engine.draft)
+        draft.fail_at = 1
+        target = PacedTarget(engine.target)
+        core = RouterCore([target], [draft], cfg)
+        await core.start()
+        first = engine.make_request([4, 4], SamplingParams(max_new_tokens=4))
+        await within(_collect(core, first), "the request whose draft step fails")
+        breaker = core.replicas.drafts[0].breaker
+        down = not core.replicas.drafts[0].live  # the cooldown (a minute) is running
+        req = engine.make_request([5, 6, 7], SamplingParams(max_new_tokens=150, ignore_eos=True))
+        main = asyncio.create_task(_collect(core, req))
+        try:
+            await until(lambda: core.draftless, "the request placed without a draft")
+            breaker.open_until = 0.0  # the cooldown has passed
+            probe = engine.make_request([9, 9], SamplingParams(max_new_tokens=2))
+            await within(_collect(core, probe), "a request after the outage")
+            target.paced = False
+            tokens = await within(main, "the request placed without a draft")
+        finally:
+            main.cancel()
+            await within(core.stop(), "the router's stop")
+        assert not core.draftless
+        return tokens, req.accept_lens, down
+
+    tokens, accept_lens, down = asyncio.run(scenario())
+    assert down
+    assert tokens == oracle(tiny_dir / "target", [5, 6, 7], 150)
+    assert accept_lens[0] == 1, "placed without a draft, it decoded plainly first"
+    assert accept_lens[-2] == 4, f"speculation did not start once the draft was back: {accept_lens}"
