@@ -69,6 +69,19 @@ class DraftRuntime:
             Grammars(cfg.target_dir, target.vocab_size, target.eos_token_ids)
         )
 
+    def share_grammars(self, grammars: Grammars) -> None:
+        """In process: compile constraints with the target's ``grammars`` (the same tokenizer
+        and vocabulary), whose prefill compiled each one before the draft's starting extend
+        asks: the draft then compiles nothing on its step thread, and no constraint twice."""
+        mine = self.grammars.grammars
+        if (grammars.vocab_size, set(grammars.eos_ids)) != (mine.vocab_size, set(mine.eos_ids)):
+            raise ValueError(
+                f"the target's grammars (vocabulary {grammars.vocab_size}, EOS "
+                f"{sorted(grammars.eos_ids)}) are not the draft's ({mine.vocab_size}, "
+                f"{sorted(mine.eos_ids)})"
+            )
+        self.grammars.grammars = grammars
+
     def info(self) -> DraftInfo:
         s = self.cfg.spec
         return DraftInfo(self.cfg.kind, self.drafter.needs, s.num_steps, s.topk,

@@ -78,6 +78,7 @@ class Engine:
                 **(draft_config or {}),
             )
             self.draft = load_draft(dcfg, target_model=self.target.model)
+            self.draft.share_grammars(self.target.grammars)  # compiled once, by the target
         self.router_config = router_config
         # What the speculation policy measured, kept from one `generate` to the next.
         self.policy = SpeculationPolicy(router_config.speculation)

@@ -140,6 +140,24 @@ def test_tiny_pair_chunked_and_replayed_trees_stay_on_the_grammar(tiny_dir, prop
     assert _check_on_grammar(engine.target.grammars, proposals) >= 3 * len(proposals)
 
 
+def test_in_process_the_draft_compiles_no_constraint(tiny_dir, monkeypatch) -> None:
+    """The in-process draft shares the target's compiled constraints: the target's prefill
+    compiles each once, and the draft's starting extend finds it compiled (nothing compiled on
+    its step thread); output unchanged, trees on the grammar."""
+    engine = _tiny(tiny_dir)
+    assert engine.draft.grammars.grammars is engine.target.grammars
+    compiled: list[Constraint] = []
+    compile_ = Grammars._compile
+    monkeypatch.setattr(Grammars, "_compile",
+                        lambda self, c: compiled.append(c) or compile_(self, c))  # fmt: skip
+    regex = Constraint("regex", r"[a-z ]{1,12}\.")
+    params = [SamplingParams(12, 0.0, constraint=c) for c in (JSON, regex, JSON)]
+    prompts = [[5 + i, 6, 7, 8] for i in range(3)]
+    results = _generate_both(engine, prompts, params)
+    assert sorted(c.kind for c in compiled) == ["json_schema", "regex"]  # each once
+    assert_speculated(results)
+
+
 def test_constrained_acceptance_on_the_demo_pair(demo) -> None:
     """bench_results/HISTORY.md "Grammar masks": 2.75 tokens per round (an unmasked draft: 1.28)."""
     params = SamplingParams(64, 0.0, constraint=JSON)
