@@ -42,30 +42,19 @@ class PacedTarget(InProcessTarget):
 
 
 def test_speculation_resumes_after_the_draft_recovers(tiny_dir: Path, oracle) -> None:
-    engine = Engine(
-        tiny_dir / "target", draft_model=tiny_dir / "target", draft_kind="standalone",
-        spec=SpecParams(3, 1, 4),
-    )  # fmt: skip
+    engine = _self_drafting(tiny_dir)
     cfg = RouterConfig(draft_cooldown_s=0.05, resume_min_remaining=8, num_micro_batches=1)
 
     async def scenario() -> tuple[list[int], list[int], int]:
-        draft = FlakyDraft(engine.draft)
-        target = PacedTarget(engine.target)
-        core = RouterCore([target], [draft], cfg)
-        await core.start()
+        draft, target, core = await _started(engine, cfg, fail_at=2)
         req = engine.make_request([5, 6, 7], SamplingParams(max_new_tokens=150, ignore_eos=True))
         main = asyncio.create_task(_collect(core, req))
-        try:
+
+        async def outage() -> None:
             await until(lambda: draft.calls >= 2, "the draft's second step (the outage)")
             await asyncio.sleep(0.06)  # the breaker's cooldown passes
-            # A new request gets the draft; its successful step closes the breaker.
-            probe = engine.make_request([9, 9], SamplingParams(max_new_tokens=2))
-            await within(_collect(core, probe), "a request after the outage")
-            target.paced = False
-            tokens = await within(main, "the request that lost its draft")
-        finally:
-            main.cancel()
-            await within(core.stop(), "the router's stop")
+
+        tokens = await _recovered(engine, core, target, main, outage())
         return tokens, req.accept_lens, draft.calls
 
     tokens, accept_lens, calls = asyncio.run(scenario())
@@ -75,6 +64,42 @@ def test_speculation_resumes_after_the_draft_recovers(tiny_dir: Path, oracle) ->
         f"speculation (self-draft: 3 + bonus) did not resume: {accept_lens}"
     )
     assert calls > 3
+
+
+def _self_drafting(tiny_dir: Path) -> Engine:
+    """The tiny target drafting for itself (a standalone draft: every draft token accepted)."""
+    return Engine(
+        tiny_dir / "target", draft_model=tiny_dir / "target", draft_kind="standalone",
+        spec=SpecParams(3, 1, 4),
+    )  # fmt: skip
+
+
+async def _started(
+    engine: Engine, cfg: RouterConfig, fail_at: int
+) -> tuple[FlakyDraft, PacedTarget, RouterCore]:
+    """A router over the engine's runtimes whose draft fails its ``fail_at``-th step."""
+    draft, target = FlakyDraft(engine.draft), PacedTarget(engine.target)
+    draft.fail_at = fail_at
+    core = RouterCore([target], [draft], cfg)
+    await core.start()
+    return draft, target, core
+
+
+async def _recovered(
+    engine: Engine, core: RouterCore, target: PacedTarget, main: asyncio.Task, outage
+) -> list[int]:
+    """After ``outage`` (awaited), a new request gets the draft and its successful step closes
+    the breaker; then the tokens of ``main``, the request that lost (or never had) its draft,
+    unpaced. The router stops either way."""
+    try:
+        await outage
+        probe = engine.make_request([9, 9], SamplingParams(max_new_tokens=2))
+        await within(_collect(core, probe), "a request after the outage")
+        target.paced = False
+        return await within(main, "the request without its draft")
+    finally:
+        main.cancel()
+        await within(core.stop(), "the router's stop")
 
 
 async def _collect(core: RouterCore, req) -> list[int]:
@@ -87,34 +112,23 @@ def test_a_request_admitted_while_no_draft_is_live_gets_one_when_it_recovers(
     """The draft's first step fails (its breaker opens); a request admitted during the cooldown
     is placed without a draft and decodes plainly; once a later request's step closes the
     breaker, it is replayed with the draft and speculates again. Output is unchanged."""
-    engine = Engine(
-        tiny_dir / "target", draft_model=tiny_dir / "target", draft_kind="standalone",
-        spec=SpecParams(3, 1, 4),
-    )  # fmt: skip
+    engine = _self_drafting(tiny_dir)
     cfg = RouterConfig(draft_cooldown_s=60, resume_min_remaining=8, num_micro_batches=1)
 
     async def scenario() -> tuple[list[int], list[int], bool]:
-        draft = FlakyDraft(engine.draft)
-        draft.fail_at = 1
-        target = PacedTarget(engine.target)
-        core = RouterCore([target], [draft], cfg)
-        await core.start()
+        _, target, core = await _started(engine, cfg, fail_at=1)
         first = engine.make_request([4, 4], SamplingParams(max_new_tokens=4))
         await within(_collect(core, first), "the request whose draft step fails")
         breaker = core.replicas.drafts[0].breaker
         down = not core.replicas.drafts[0].live  # the cooldown (a minute) is running
         req = engine.make_request([5, 6, 7], SamplingParams(max_new_tokens=150, ignore_eos=True))
         main = asyncio.create_task(_collect(core, req))
-        try:
+
+        async def outage() -> None:
             await until(lambda: core.draftless, "the request placed without a draft")
             breaker.open_until = 0.0  # the cooldown has passed
-            probe = engine.make_request([9, 9], SamplingParams(max_new_tokens=2))
-            await within(_collect(core, probe), "a request after the outage")
-            target.paced = False
-            tokens = await within(main, "the request placed without a draft")
-        finally:
-            main.cancel()
-            await within(core.stop(), "the router's stop")
+
+        tokens = await _recovered(engine, core, target, main, outage())
         assert not core.draftless
         return tokens, req.accept_lens, down
 
