@@ -291,9 +291,9 @@ class RouterCore:
         """Continue without speculation (for now: `_resume_speculation` may replay it);
         ``release``: free what the draft may hold for it, in-band."""
         slot.draft_dropped()
-        if slot.speculate:  # not refused for good: `_resume_speculation` may give one back
-            self.draftless.add(slot.rid)
         placement = slot.placement
+        if slot.speculate and placement is not None:  # placed, and not refused for good:
+            self.draftless.add(slot.rid)  # `_resume_speculation` may give it a draft back
         if placement is None or placement.draft is None:
             return
         if release:
