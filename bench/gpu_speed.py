@@ -34,7 +34,7 @@ from specmesh.bench.report import emit_json
 from specmesh.bench.workloads import load_workload
 from specmesh.protocol.config import SpecParams
 from specmesh.protocol.sampling import SamplingParams
-from specmesh.router.core import RouterConfig
+from specmesh.router.router_config import RouterConfig
 from specmesh.router.tokenizer import load_tokenizer
 
 

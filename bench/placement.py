@@ -37,9 +37,10 @@ def run(target_dir: Path, placement: str, order_seed: int = 0) -> tuple[int, int
     user)) of one shuffled order under ``placement``."""
     from specmesh.protocol.config import TargetConfig
     from specmesh.protocol.sampling import SamplingParams
-    from specmesh.router.core import RouterConfig, RouterCore
+    from specmesh.router.core import RouterCore
     from specmesh.router.engine import Engine
     from specmesh.router.in_process import InProcessTarget
+    from specmesh.router.router_config import RouterConfig
     from specmesh.target_service.runtime import TargetRuntime
 
     cfg = TargetConfig(str(target_dir), prefix_cache_tokens=CACHE_TOKENS, prefix_block_size=BLOCK)

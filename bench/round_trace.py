@@ -86,8 +86,8 @@ def _patch_round(trace: RoundTrace, skip: int, num_rounds: int) -> Callable[[], 
 def trace_rounds(num_rounds: int = 3, skip: int = 2, *, eager_bodies: bool = False) -> RoundTrace:
     from specmesh.protocol.config import SpecParams
     from specmesh.protocol.sampling import SamplingParams
-    from specmesh.router.core import RouterConfig
     from specmesh.router.engine import Engine
+    from specmesh.router.router_config import RouterConfig
     from specmesh.runtime.tiny import make_tiny_eagle3, make_tiny_target
 
     trace = RoundTrace(bodies=() if eager_bodies else GRAPH_BODIES)

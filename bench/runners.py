@@ -27,9 +27,10 @@ from specmesh.bench.metrics import RequestTrace, summarize
 from specmesh.bench.probes import CallLog, TimedDraft, TimedTarget, time_split
 from specmesh.protocol.config import SpecParams
 from specmesh.protocol.sampling import SamplingParams
-from specmesh.router.core import RouterConfig, RouterCore
+from specmesh.router.core import RouterCore
 from specmesh.router.detokenizer import Detokenizer
 from specmesh.router.request import Request
+from specmesh.router.router_config import RouterConfig
 
 BACKENDS = ("inprocess", "cluster", "transformers", "llamacpp")
 WARMUP_TOKENS = 4

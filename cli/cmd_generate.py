@@ -161,8 +161,8 @@ def run(args: argparse.Namespace) -> int:
 def generate_in_process(args: argparse.Namespace) -> dict[str, Any]:
     from specmesh.defaults import local_models, resolve_models
     from specmesh.protocol.config import SpecParams
-    from specmesh.router.core import RouterConfig
     from specmesh.router.engine import Engine
+    from specmesh.router.router_config import RouterConfig
 
     chosen = resolve_models(args.target_model, args.draft_model, args.draft_kind)
     models = local_models(chosen, args.target_revision, args.draft_revision)

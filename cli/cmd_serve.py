@@ -31,9 +31,9 @@ from specmesh.cli.serve_args import (
     resolved,
 )
 from specmesh.protocol.config import DRAFT_KINDS, DraftConfig, TargetConfig
-from specmesh.router.core import RouterConfig
 from specmesh.router.limits import RouterLimits
 from specmesh.router.placement import PLACEMENTS
+from specmesh.router.router_config import RouterConfig
 from specmesh.rpc.inline_steps import add_inline_arg
 from specmesh.rpc.metrics import add_metrics_port_arg
 from specmesh.rpc.security import add_api_key_arg, api_key_from_args, tls_from_args

@@ -19,11 +19,12 @@ from specmesh.hub import resolve_model
 from specmesh.protocol.config import DraftConfig, SpecParams, TargetConfig
 from specmesh.protocol.sampling import SamplingParams
 from specmesh.protocol.steps import Logprob
-from specmesh.router.core import RouterConfig, RouterCore
+from specmesh.router.core import RouterCore
 from specmesh.router.detokenizer import Detokenizer
 from specmesh.router.in_process import InProcessDraft, InProcessTarget
 from specmesh.router.policy import SpeculationPolicy
 from specmesh.router.request import Request
+from specmesh.router.router_config import RouterConfig
 from specmesh.router.tokenizer import load_tokenizer, resolve_seed
 from specmesh.target_service.runtime import TargetRuntime
 

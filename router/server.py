@@ -25,7 +25,7 @@ from specmesh.protocol.codec import GRPC_MAX_MESSAGE_BYTES
 from specmesh.protocol.errors import InvalidRequestError, SpecmeshError
 from specmesh.protocol.features import Feature
 from specmesh.protocol.sampling import SamplingParams
-from specmesh.router.core import RouterConfig, RouterCore
+from specmesh.router.core import RouterCore
 from specmesh.router.detokenizer import Detokenizer
 from specmesh.router.grpc_clients import GrpcDraftClient, GrpcTargetClient
 from specmesh.router.limits import (
@@ -39,6 +39,7 @@ from specmesh.router.limits import (
 )
 from specmesh.router.metrics_admission import counts_rejections
 from specmesh.router.request import Chunk, Request
+from specmesh.router.router_config import RouterConfig
 from specmesh.router.smg_worker import add_smg_worker
 from specmesh.router.structured import ConstraintChecker
 from specmesh.router.tokenizer import fetch_tokenizer, load_tokenizer, resolve_seed

@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 
 from specmesh.protocol.config import SpecParams
-from specmesh.router.core import RouterConfig
 from specmesh.router.engine import Engine
+from specmesh.router.router_config import RouterConfig
 
 
 def cuda_engine(target: Path, backend: str, graphs: bool, kind: str | None, draft: Path | None,

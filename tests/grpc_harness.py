@@ -17,7 +17,7 @@ from specmesh.draft_service import server as draft_server
 from specmesh.draft_service.runtime import DraftRuntime, load_draft
 from specmesh.protocol.config import DraftConfig, SpecParams, TargetConfig
 from specmesh.protocol.sampling import SamplingParams
-from specmesh.router.core import RouterConfig
+from specmesh.router.router_config import RouterConfig
 from specmesh.router.server import RouterService, RouterSettings
 from specmesh.rpc.security import TlsFiles
 from specmesh.rpc.service_common import start_model

@@ -18,11 +18,12 @@ from procs import is_empty
 
 from specmesh.protocol.config import TargetConfig
 from specmesh.protocol.sampling import SamplingParams
-from specmesh.router.core import RouterConfig, RouterCore
+from specmesh.router.core import RouterCore
 from specmesh.router.grpc_clients import GrpcTargetClient
 from specmesh.router.in_process import InProcessTarget
 from specmesh.router.request import Request
 from specmesh.router.round import RoundRunner
+from specmesh.router.router_config import RouterConfig
 from specmesh.target_service.runtime import TargetRuntime
 
 PROMPTS = [[5 + i, 6, 7, 8, 9] for i in range(8)]

@@ -34,7 +34,7 @@ from specmesh.draft_service.runtime import load_draft
 from specmesh.protocol.config import DraftConfig, TargetConfig
 from specmesh.protocol.errors import ServiceDownError
 from specmesh.protocol.sampling import SamplingParams
-from specmesh.router.core import RouterConfig
+from specmesh.router.router_config import RouterConfig
 from specmesh.router.server import RouterService, RouterSettings
 from specmesh.router.step_stream import StepStream
 from specmesh.target_service.runtime import TargetRuntime

@@ -22,9 +22,10 @@ from procs import is_empty
 from specmesh.draft_service.runtime import load_draft
 from specmesh.protocol.config import DraftConfig, SpecParams, TargetConfig
 from specmesh.protocol.sampling import SamplingParams
-from specmesh.router.core import RouterConfig, RouterCore
+from specmesh.router.core import RouterCore
 from specmesh.router.grpc_clients import GrpcDraftClient, GrpcTargetClient
 from specmesh.router.request import Request
+from specmesh.router.router_config import RouterConfig
 from specmesh.target_service.runtime import TargetRuntime
 
 PROMPT = [5, 6, 7, 8]

@@ -12,7 +12,7 @@ import pytest
 from grpc_harness import serve_http_router
 from http_raw import request
 
-from specmesh.router.core import RouterConfig
+from specmesh.router.router_config import RouterConfig
 from specmesh.router.server import RouterService, RouterSettings
 from specmesh.router.tokenizer import load_tokenizer
 

@@ -27,10 +27,11 @@ from specmesh.protocol.features import Feature, FeatureSpec
 from specmesh.protocol.sampling import SamplingParams
 from specmesh.protocol.steps import PrefillInput, VerifyInput
 from specmesh.protocol.trees import DraftTree
-from specmesh.router.core import RouterConfig, RouterCore
+from specmesh.router.core import RouterCore
 from specmesh.router.grpc_clients import GrpcTargetClient
 from specmesh.router.in_process import InProcessDraft
 from specmesh.router.request import Request
+from specmesh.router.router_config import RouterConfig
 from specmesh.target_service.runtime import TargetRuntime
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [40, 41, 42, 43, 44, 45, 46, 47, 48], [90]]

@@ -31,7 +31,7 @@ from specmesh.cluster import free_port
 from specmesh.draft_service.runtime import load_draft
 from specmesh.protocol.config import DraftConfig, TargetConfig
 from specmesh.protocol.sampling import SamplingParams
-from specmesh.router.core import RouterConfig
+from specmesh.router.router_config import RouterConfig
 from specmesh.router.server import RouterService, RouterSettings
 from specmesh.rpc.inline_steps import InlineSteps
 from specmesh.smg import worker_control_pb2 as control_pb2

@@ -24,11 +24,12 @@ from specmesh.protocol.features import Feature
 from specmesh.protocol.sampling import SamplingParams
 from specmesh.protocol.steps import PrefillInput, VerifyInput
 from specmesh.protocol.trees import DraftTree
-from specmesh.router.core import RouterConfig, RouterCore
+from specmesh.router.core import RouterCore
 from specmesh.router.engine import Engine
 from specmesh.router.in_process import InProcessDraft, InProcessTarget
 from specmesh.router.prefill_plan import plan_pieces
 from specmesh.router.request import Request
+from specmesh.router.router_config import RouterConfig
 from specmesh.router.slot import Slot
 from specmesh.target_service.runtime import TargetRuntime
 

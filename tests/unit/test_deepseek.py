@@ -18,8 +18,8 @@ from specmesh.kernels.testing import cpu_triton
 from specmesh.protocol.config import SpecParams, TargetConfig
 from specmesh.protocol.features import AuxLayers
 from specmesh.protocol.sampling import SamplingParams
-from specmesh.router.core import RouterConfig
 from specmesh.router.engine import Engine
+from specmesh.router.router_config import RouterConfig
 from specmesh.runtime.attention.base import AttentionBackend
 from specmesh.runtime.attention.torch_backend import TorchBackend, make_backend
 from specmesh.runtime.config import load_model_config

@@ -24,9 +24,9 @@ from specmesh.protocol.errors import InvalidRequestError, KVCacheFullError
 from specmesh.protocol.sampling import SamplingParams
 from specmesh.protocol.steps import ExtendInput, StepOutput
 from specmesh.router.chat import ChatRenderer
-from specmesh.router.core import RouterConfig
 from specmesh.router.engine import Engine
 from specmesh.router.round import Batch
+from specmesh.router.router_config import RouterConfig
 from specmesh.runtime.grammar import Grammars
 
 SCHEMA = {

@@ -11,8 +11,8 @@ from conftest import assert_speculated, make_small_vocab_pair
 
 from specmesh.protocol.config import SpecParams
 from specmesh.protocol.sampling import SamplingParams
-from specmesh.router.core import RouterConfig
 from specmesh.router.engine import Engine
+from specmesh.router.router_config import RouterConfig
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [40, 41, 42, 43, 44, 45, 46, 47, 48], [90], [7, 7]]
 MAX_NEW = [14, 6, 11, 20, 9]

@@ -19,11 +19,12 @@ from specmesh.protocol.errors import DuplicateRequestError, InvalidRequestError,
 from specmesh.protocol.sampling import SamplingParams
 from specmesh.protocol.steps import PrefillInput, StepOutput, VerifyInput
 from specmesh.protocol.trees import DraftTree
-from specmesh.router.core import RouterConfig, RouterCore
+from specmesh.router.core import RouterCore
 from specmesh.router.engine import Engine
 from specmesh.router.in_process import InProcessDraft, InProcessTarget
 from specmesh.router.policy import Plan
 from specmesh.router.request import Request
+from specmesh.router.router_config import RouterConfig
 from specmesh.runtime.tree import Tree
 from specmesh.target_service.runtime import TargetRuntime
 

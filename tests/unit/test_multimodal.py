@@ -16,8 +16,8 @@ from specmesh.protocol.config import DraftConfig, SpecParams, TargetConfig
 from specmesh.protocol.errors import InvalidRequestError
 from specmesh.protocol.sampling import SamplingParams
 from specmesh.protocol.steps import ExtendInput, PrefillInput
-from specmesh.router.core import RouterConfig
 from specmesh.router.engine import Engine
+from specmesh.router.router_config import RouterConfig
 from specmesh.runtime.tiny_llava import tiny_image
 from specmesh.target_service.runtime import TargetRuntime
 

@@ -12,7 +12,7 @@ from oracle_draft import assert_varied, mean_accept, oracle_engine
 
 from specmesh.kernels.testing import cpu_triton
 from specmesh.protocol.sampling import SamplingParams
-from specmesh.router.core import RouterConfig
+from specmesh.router.router_config import RouterConfig
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [40, 41, 42, 43, 44, 45, 46, 47, 48], [90], [7, 7]]
 MAX_NEW = [20, 11, 16, 24, 13]

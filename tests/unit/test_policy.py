@@ -14,7 +14,6 @@ from specmesh.protocol.config import SpecParams
 from specmesh.protocol.sampling import SamplingParams
 from specmesh.protocol.trees import DraftTree
 from specmesh.router import policy as policy_module
-from specmesh.router.core import RouterConfig
 from specmesh.router.engine import Engine
 from specmesh.router.plan_reason import PlanReason
 from specmesh.router.policy import (
@@ -27,6 +26,7 @@ from specmesh.router.policy import (
     interpolate_costs,
     tree_options,
 )
+from specmesh.router.router_config import RouterConfig
 
 N = 8  # the draft's tree size
 

@@ -185,7 +185,7 @@ def test_multi_turn_reuse_is_the_same_with_speculation(tiny_dir) -> None:
 def test_a_chunked_prompt_joins_the_cache_when_released(tiny_dir, oracle) -> None:
     """A prompt prefilled in pieces (here 12 tokens a round) is looked up by its first piece and
     joins the cache, answer included, when its request ends: the next one hits it."""
-    from specmesh.router.core import RouterConfig
+    from specmesh.router.router_config import RouterConfig
 
     e = Engine(tiny_dir / "target", draft_model=tiny_dir / "draft", draft_kind="eagle3",
                spec=SpecParams(3, 2, 6), router_config=RouterConfig(prefill_chunk_tokens=12),

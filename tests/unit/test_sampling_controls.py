@@ -14,8 +14,8 @@ from conftest import assert_accepted, make_small_vocab_pair
 from specmesh.protocol.config import SpecParams
 from specmesh.protocol.errors import InvalidRequestError
 from specmesh.protocol.sampling import SamplingParams
-from specmesh.router.core import RouterConfig
 from specmesh.router.engine import Engine
+from specmesh.router.router_config import RouterConfig
 
 PROMPT = [5, 6, 7, 8, 9, 10, 5, 6]
 

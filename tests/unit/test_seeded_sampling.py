@@ -14,8 +14,8 @@ from oracle_draft import oracle_engine
 
 from specmesh.protocol.config import SpecParams
 from specmesh.protocol.sampling import SamplingParams
-from specmesh.router.core import RouterConfig
 from specmesh.router.engine import Engine
+from specmesh.router.router_config import RouterConfig
 from specmesh.runtime.sampling import draw_tokens, processed_probs
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [40, 41, 42, 43]]

@@ -11,9 +11,10 @@ from conftest import until, within
 from specmesh.protocol.config import SpecParams
 from specmesh.protocol.errors import ServiceDownError
 from specmesh.protocol.sampling import SamplingParams
-from specmesh.router.core import RouterConfig, RouterCore
+from specmesh.router.core import RouterCore
 from specmesh.router.engine import Engine
 from specmesh.router.in_process import InProcessDraft, InProcessTarget
+from specmesh.router.router_config import RouterConfig
 
 
 class FlakyDraft(InProcessDraft):

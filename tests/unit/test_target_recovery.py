@@ -10,9 +10,10 @@ import pytest
 
 from specmesh.protocol.errors import ServiceDownError
 from specmesh.protocol.sampling import SamplingParams
-from specmesh.router.core import RouterConfig, RouterCore
+from specmesh.router.core import RouterCore
 from specmesh.router.engine import Engine
 from specmesh.router.in_process import InProcessTarget
+from specmesh.router.router_config import RouterConfig
 
 
 class FlakyTarget(InProcessTarget):
