@@ -97,6 +97,13 @@ def tiny_engine(tiny_dir: Path, speculate: bool):
     )  # fmt: skip
 
 
+# A router config's draft deadline that a loaded CI core cannot trip: the adaptive deadline (floor
+# 0.5 s) would turn a burst's slow draft step into a draft failure, and a test that counts
+# accepted tokens would then see plain rounds (tested on its own: test_step_deadline.py,
+# test_hung_draft_e2e.py)
+PATIENT_DRAFT = {"draft_deadline_floor_s": 10.0}
+
+
 def assert_speculated(results, min_mean_accept: float = 1.0) -> None:
     """Speculation ran in every round: each request's rounds verified at least one draft token
     per round (plain decoding, a failing draft or the fallback verify none), and the rounds of

@@ -11,6 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import grpc
+from conftest import PATIENT_DRAFT
 
 from specmesh.client import GenerationClient
 from specmesh.draft_service import server as draft_server
@@ -72,7 +73,7 @@ async def serve_router(
     ``http_port``: serve the OpenAI HTTP API too (0: any free port, `RouterService.http_port`);
     ``settings``: more `RouterSettings` fields."""
     addr = lambda s: (f"127.0.0.1:{s.host.port}",) if s is not None else ()
-    cfg = RouterConfig(**{"draft_cooldown_s": 0.2, **core})
+    cfg = RouterConfig(**{"draft_cooldown_s": 0.2, **PATIENT_DRAFT, **core})
     http = {"http_address": f"127.0.0.1:{http_port}"} if http_port is not None else {}
     settings = {"tokenizer": target.runtime.cfg.model_dir, **http, **(settings or {})}
     settings = RouterSettings(

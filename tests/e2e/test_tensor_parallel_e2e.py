@@ -70,7 +70,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, copy_dir: Path):
         "draft", "draft", "--kind", "eagle3", "--model", draft_dir, "--target-model", target_dir,
         "--num-steps", "3", "--topk", "2", "--num-draft-tokens", "6", *threads,
     )  # fmt: skip
-    router = services.start("router", "router", "--target", target, "--draft", draft)
+    floor = ("--draft-deadline-floor-s", "10")  # a slow step on a loaded core stays speculative
+    router = services.start("router", "router", "--target", target, "--draft", draft, *floor)
     try:
         for name in services.running:
             services.wait_ready(name)

@@ -16,6 +16,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from conftest import PATIENT_DRAFT
 from grpc_harness import LoopThread, serve_draft, serve_target
 from procs import is_empty
 
@@ -74,7 +75,7 @@ def _run(stack, scenario):
         target = GrpcTargetClient(f"127.0.0.1:{stack.target.host.port}")
         draft = WatchedDraft(f"127.0.0.1:{stack.draft.host.port}", lambda: cores[0])
         await asyncio.gather(target.connect(), draft.connect())
-        core = RouterCore([target], [draft], RouterConfig(speculation="always"))
+        core = RouterCore([target], [draft], RouterConfig(speculation="always", **PATIENT_DRAFT))
         cores.append(core)
         await core.start()
         try:

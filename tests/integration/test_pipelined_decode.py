@@ -16,7 +16,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import until, within
+from conftest import PATIENT_DRAFT, until, within
 from grpc_harness import LoopThread, serve_target
 from procs import is_empty
 
@@ -91,7 +91,7 @@ def _run(target, scenario, drafts=(), **cfg):
     async def main():
         client = CountingTarget(target.address)
         await client.connect()
-        core = RouterCore([client], drafts, RouterConfig(**cfg))
+        core = RouterCore([client], drafts, RouterConfig(**{**PATIENT_DRAFT, **cfg}))
         await core.start()
         try:
             result = await within(scenario(core), "the scenario")
