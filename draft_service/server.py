@@ -16,10 +16,11 @@ from specmesh.protocol.errors import InvalidRequestError
 from specmesh.protocol.features import Feature
 from specmesh.protocol.steps import DraftStepResult, ExtendInput
 from specmesh.protocol.trees import DraftTree
+from specmesh.rpc.held_batches import Hold
 from specmesh.rpc.ownership import StreamOwner
 from specmesh.rpc.security import model_name
 from specmesh.rpc.service_common import ModelServicer, ServiceHost, log_failure
-from specmesh.rpc.wire import constraint_from_pb, needs_to_pb, status_pb
+from specmesh.rpc.wire import constraint_from_pb, needs_to_pb, readable_constraints, status_pb
 from specmesh.runtime.codec import DTYPE_NAMES, DTYPES, join_hidden_states
 from specmesh.runtime.config import parse_dtype
 from specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc
@@ -111,6 +112,20 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServicer):
         for r in results:
             r.predrafted = r.request_id in done.predrafted
         return [draft_pb2.DraftStepResponse(results=results)]
+
+    def hold(self, runtime: DraftRuntime, chunks: list) -> Hold | None:
+        """An extend that starts constrained requests waits, off the step thread, until their
+        grammars have compiled (`Grammars.compiling`), at most `COMPILE_TIMEOUT_S`: the step thread
+        keeps drafting the other batches meanwhile (`specmesh.rpc.held_batches`)."""
+        req = chunks[0]
+        if req.WhichOneof("work") != "extend":
+            return None
+        requests = req.extend.requests
+        constraints = [r.constraint for r in requests if r.HasField("constraint")]
+        if not constraints:
+            return None
+        ready = runtime.grammars.grammars.compiling(readable_constraints(constraints))
+        return None if ready is None else Hold([r.request_id for r in requests], ready)
 
     def before_step(self, runtime: DraftRuntime) -> None:
         """A batch arrived: the pre-draft budget measures how long it waits behind one."""

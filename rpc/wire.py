@@ -7,8 +7,9 @@ the runtime dataclasses.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 
 import grpc
 
@@ -178,6 +179,16 @@ def sampling_to_pb(params: SamplingParams) -> generation_pb2.SamplingParams:
 def constraint_from_pb(msg: generation_pb2.Constraint) -> Constraint:
     """Wire -> `Constraint`, checked as it is made (`InvalidRequestError`)."""
     return Constraint(msg.kind, msg.text)
+
+
+def readable_constraints(messages: Iterable[generation_pb2.Constraint]) -> list[Constraint]:
+    """The constraints of ``messages`` that read; one that does not is refused where its batch
+    runs, with the others' answers."""
+    out = []
+    for msg in messages:
+        with contextlib.suppress(SpecmeshError):
+            out.append(constraint_from_pb(msg))
+    return out
 
 
 def constraint_to_pb(constraint: Constraint | None) -> generation_pb2.Constraint | None:

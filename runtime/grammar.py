@@ -5,16 +5,20 @@ The target masks what it samples and verifies (`target_service.grammar`); the dr
 proposes (`draft_service.grammar`). Both build their matchers here from the target's tokenizer,
 its vocabulary size and EOS ids, so a mask means the same token set on either side.
 
-Compiling can take a second (a large schema), so a service compiles off its step thread:
-`Grammars.submit` starts a compile on a small pool as a batch arrives; the step thread then finds
-it finished (`Grammars.compiled`), or refuses the request once `COMPILE_TIMEOUT_S` passed. A
-constraint nobody submitted is compiled where it is asked for (the in-process engine, the draft).
+Compiling can take a second (a large schema), so a service compiles off its step thread: as a
+batch arrives, `Grammars.compiling` starts its constraints' compiles on a small pool and the batch
+waits for them off the step thread (`rpc.held_batches`: the target's prefill, the draft's
+starting extend); the step thread then finds them finished (`Grammars.compiled`), or refuses the
+request once `COMPILE_TIMEOUT_S` passed. A constraint nobody submitted is compiled where it is
+asked for (the in-process engine, whose draft shares the target's compiles).
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections import OrderedDict
+from collections.abc import Awaitable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -75,6 +79,14 @@ class Grammars:
             self._put(constraint, future)
             return future
 
+    def compiling(self, constraints: Iterable[Constraint]) -> Awaitable[None] | None:
+        """What a batch asking for ``constraints`` waits for, on the event loop: their compiles
+        (each submitted now unless it ran or runs already) until all finished or
+        `COMPILE_TIMEOUT_S` passed (the step thread then refuses what still compiles); None when
+        none is still compiling."""
+        running = [f for f in map(self.submit, constraints) if not f.done()]
+        return _finished(running) if running else None
+
     def compiled(self, constraint: Constraint) -> Any:
         """The template matcher (step thread): a submitted compile's result, else compiled here
         (and kept). InvalidRequestError naming the problem when the engine refuses it, or when
@@ -119,6 +131,15 @@ class Grammars:
                 f"the emitted tokens do not follow the {constraint.kind} constraint"
             )
         return matcher
+
+
+async def _finished(futures: list[Future]) -> None:
+    """Until every one of ``futures`` finished, or `COMPILE_TIMEOUT_S` passed. A refusal is read
+    where the batch runs (`Grammars.compiled`), not here."""
+    waits = [asyncio.wrap_future(f) for f in futures]
+    for w in waits:
+        w.add_done_callback(lambda f: f.cancelled() or f.exception())
+    await asyncio.wait(waits, timeout=COMPILE_TIMEOUT_S)
 
 
 def allowed(matcher: Any, vocab_size: int) -> torch.Tensor:

@@ -11,7 +11,6 @@ offset, pending token) is the runtime's.
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import Future
 from dataclasses import dataclass
 
 from specmesh import __version__
@@ -33,14 +32,13 @@ from specmesh.rpc.service_common import (
 from specmesh.rpc.tokenizer_files import MESSAGE_HEADROOM, TokenizerFiles, read_tokenizer_files
 from specmesh.rpc.wire import (
     abort_with,
-    constraint_from_pb,
     logprobs_to_pb,
     needs_from_pb,
+    readable_constraints,
     sampling_from_pb,
     status_pb,
 )
 from specmesh.runtime.codec import DTYPE_NAMES, split_hidden_states
-from specmesh.runtime.grammar import COMPILE_TIMEOUT_S
 from specmesh.target_service.runtime import TargetRuntime
 from specmesh.v1 import target_pb2, target_pb2_grpc
 
@@ -148,16 +146,17 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServicer):
 
     def hold(self, runtime: TargetRuntime, chunks: list) -> Hold | None:
         """A prefill waits, off the step thread, until the grammars its requests ask for have
-        compiled (`runtime.grammar`), at most `COMPILE_TIMEOUT_S`; None when none is compiling.
+        compiled (`Grammars.compiling`), at most `COMPILE_TIMEOUT_S`; None when none is compiling.
         The batches behind it run meanwhile (`specmesh.rpc.held_batches`)."""
         req = chunks[0]
         if req.WhichOneof("work") != "prefill":
             return None
-        futures = [_compile_soon(runtime, r.sampling) for r in req.prefill.requests]
-        running = [f for f in futures if f is not None and not f.done()]
-        if not running:
-            return None
-        return Hold([r.request_id for r in req.prefill.requests], _compiled(running))
+        requests = req.prefill.requests
+        constraints = [r.sampling.constraint for r in requests if r.sampling.HasField("constraint")]
+        ready = (
+            runtime.grammars.compiling(readable_constraints(constraints)) if constraints else None
+        )
+        return None if ready is None else Hold([r.request_id for r in requests], ready)
 
     def after_answer(self, runtime: TargetRuntime, stream: StreamOwner) -> None:
         """A verify of one-node trees was answered: decide those requests' next step now,
@@ -262,26 +261,6 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServicer):
         states = split_hidden_states(row_counts, tensors, self.chunk_bytes)
         first = target_pb2.TargetStepResponse(results=results, states=states[0])
         return [first, *(target_pb2.TargetStepResponse(states=s) for s in states[1:])]
-
-
-def _compile_soon(runtime: TargetRuntime, sampling) -> Future | None:
-    """The compile of a request's constraint (started now, unless it ran or runs already);
-    None without one, or with one the batch refuses as it runs (an unknown kind)."""
-    if not sampling.HasField("constraint"):
-        return None
-    try:
-        return runtime.grammars.submit(constraint_from_pb(sampling.constraint))
-    except SpecmeshError:
-        return None
-
-
-async def _compiled(futures: list[Future]) -> None:
-    """Until every compile of ``futures`` finished, or `COMPILE_TIMEOUT_S` passed (the step
-    thread then refuses what still compiles). A refusal is read there, not here."""
-    waits = [asyncio.wrap_future(f) for f in futures]
-    for w in waits:
-        w.add_done_callback(lambda f: f.cancelled() or f.exception())
-    await asyncio.wait(waits, timeout=COMPILE_TIMEOUT_S)
 
 
 def warm_up(runtime: TargetRuntime) -> None:

@@ -13,7 +13,9 @@ INVALID_ARGUMENT for its request alone, and no matcher outlives its request, can
 from __future__ import annotations
 
 import json
+import queue
 import re
+import threading
 from types import SimpleNamespace
 
 import grpc
@@ -71,6 +73,7 @@ WEATHER = {
 }
 ASK = [{"role": "user", "content": "Describe the function fibonacci as JSON"}]
 MAX_TOKENS = 120  # the demo model finishes these documents well within it
+BLOCKED_S = 15  # the most a blocked compile waits for its event (a safety net, not a measure)
 
 
 @pytest.fixture(scope="module")
@@ -290,6 +293,42 @@ def test_a_bad_constraint_fails_only_its_request_on_the_draft(demo) -> None:
         assert first[rid].status.code == invalid and rid in first[rid].status.message
     assert out[1].results[0].status.code == invalid, out[1].results[0].status
     assert "starting extend" in out[1].results[0].status.message
+    assert wait_until(lambda: not demo.draft.grammars.tracks and not demo.draft.live)
+
+
+def test_a_compiling_grammar_holds_its_draft_batch_not_the_step_thread(demo, monkeypatch) -> None:
+    """A starting extend whose constraint still compiles is held back on the draft, and an
+    extend of another request sent behind it on the same stream is drafted and answered
+    meanwhile; then the held one is answered. The compile waits for an event set only once the
+    other answer arrived: the order of the answers, not a clock, shows nothing waited for it."""
+    go, grammars = threading.Event(), demo.draft.grammars.grammars
+    compile_ = grammars._compile
+
+    def blocked(constraint: Constraint):
+        go.wait(BLOCKED_S)
+        return compile_(constraint)
+
+    monkeypatch.setattr(grammars, "_compile", blocked)
+    schema = {"type": "object", "properties": {"held": {"type": "integer"}}}
+    constraint = generation_pb2.Constraint(kind="json_schema", text=json.dumps(schema))
+    start = lambda rid, **kw: draft_pb2.ExtendRequest(
+        request_id=rid, token_ids=[5, 6, 7], next_token_id=93, starts_request=True, **kw
+    )
+    outbox: queue.Queue = queue.Queue()
+    with grpc.insecure_channel(demo.services["draft"]) as channel:
+        answers = draft_pb2_grpc.DraftStub(channel).Step(iter(outbox.get, None), timeout=30)
+        outbox.put(_draft_step(1, [start("held", constraint=constraint, output_start=3)],
+                               torch.randn(3, 3 * 256)))  # fmt: skip
+        outbox.put(_draft_step(2, [start("free")], torch.randn(3, 3 * 256)))
+        first = next(answers)
+        assert first.batch_id == 2 and not go.is_set()
+        assert first.results[0].status.code == 0 and len(first.results[0].tree.tokens) > 1
+        go.set()
+        second = next(answers)
+        assert second.batch_id == 1 and second.results[0].status.code == 0, second
+        assert second.results[0].tree.tokens[0] == 93
+        outbox.put(None)
+        assert list(answers) == []
     assert wait_until(lambda: not demo.draft.grammars.tracks and not demo.draft.live)
 
 
