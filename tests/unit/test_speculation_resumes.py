@@ -67,6 +67,46 @@ def test_speculation_resumes_after_the_draft_recovers(tiny_dir: Path, oracle) ->
     assert calls > 3
 
 
+class LateFailure(InProcessDraft):
+    """A step over committed ids that hold ``stop`` fails, once ``request`` has finished: the
+    round's emit ended it on that stop token and it left while the step was out."""
+
+    stop, request = -1, None
+
+    async def step(self, extends, propose=True):
+        if any(self.stop in e.committed_ids for e in extends):
+            await until(lambda: self.request.finished, "the request's end at the emit")
+            raise ServiceDownError(f"{self.name}: connection reset")
+        return await super().step(extends, propose)
+
+
+def test_a_draft_failure_after_its_request_left_leaves_no_record(tiny_dir: Path, oracle) -> None:
+    """The draft step of a request's last round fails after the round's emit finished the
+    request (a stop token it accepted) and it left its replicas: the router keeps no record of
+    it as waiting for a draft (`RouterCore.draftless`), and no service holds it."""
+    engine = _self_drafting(tiny_dir)
+    expected = oracle(tiny_dir / "target", [5, 6, 7], 24)
+    end = next(i for i, t in enumerate(expected) if i >= 6 and t not in [5, 6, 7, *expected[:i]])
+
+    async def scenario() -> tuple[list[int], set[str]]:
+        draft = LateFailure(engine.draft)
+        core = RouterCore([InProcessTarget(engine.target)], [draft], RouterConfig())
+        await core.start()
+        try:
+            params = SamplingParams(max_new_tokens=24, stop_token_ids=[expected[end]])
+            draft.stop, draft.request = expected[end], engine.make_request([5, 6, 7], params)
+            tokens = await within(_collect(core, draft.request), "the request")
+            await until(lambda: core.replicas.drafts[0].breaker.failures, "the draft's failure")
+            return tokens, set(core.draftless)
+        finally:
+            await within(core.stop(), "the router's stop")
+
+    tokens, draftless = asyncio.run(scenario())
+    assert tokens == expected[: end + 1]
+    assert not draftless, f"a request that left waits for a draft: {draftless}"
+    assert not engine.draft.live and engine.target.num_requests == 0
+
+
 def _self_drafting(tiny_dir: Path) -> Engine:
     """The tiny target drafting for itself (a standalone draft: every draft token accepted)."""
     return Engine(
