@@ -121,8 +121,10 @@ def build_standalone(cfg: DraftConfig, target_model: torch.nn.Module | None) -> 
         if target_model is not None
         else target_model_config(cfg.target_dir).vocab_size
     )
-    cache = make_cache(cfg, c.num_layers, c.num_kv_heads, c.head_dim, c.dtype)
-    backend = make_backend(cfg.attention_backend, cfg.device, c.head_dim, c.dtype)
+    # a multi-head latent attention model (DeepSeek) keeps its KV as the target does
+    cache = make_cache(cfg, c.num_layers, c.num_kv_heads, c.head_dim, c.dtype, c.kv_latent_dim)
+    latent = c.mla is not None
+    backend = make_backend(cfg.attention_backend, cfg.device, c.head_dim, c.dtype, latent=latent)
     return StandaloneDrafter(model, cache, backend, cfg.spec, target_vocab)
 
 

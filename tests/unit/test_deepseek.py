@@ -162,8 +162,7 @@ def test_random_drafts_run_over_a_latent_target(tiny_deepseek_dir, tmp_path: Pat
     """A random EAGLE-3 head drafts from the target's captured layer inputs (``[num_tokens, 3H]``
     rows), a small Llama on the same tokenizer as a standalone draft: their trees reach verify.
     Their tokens are rejected (accepted paths over the latent cache: the n-gram and oracle
-    tests, and `test_deepseek_mtp`); a DeepSeek checkpoint cannot be a standalone draft yet (its
-    latent attention needs a latent cache the standalone drafter does not build)."""
+    tests, and `test_deepseek_mtp`; a DeepSeek checkpoint as a standalone draft: the test below)."""
     from specmesh.runtime.tiny import make_tiny_eagle3, make_tiny_target
 
     d = tiny_deepseek_dir
@@ -175,6 +174,19 @@ def test_random_drafts_run_over_a_latent_target(tiny_deepseek_dir, tmp_path: Pat
     results = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, ignore_eos=True))
     assert all(r.num_draft_tokens > 0 for r in results), "no draft tree was verified"
     assert [r.token_ids for r in results] == [hf_greedy(d, p, 8) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_latent_checkpoint_drafts_as_a_standalone_draft(tiny_deepseek_dir, backend) -> None:
+    """The DeepSeek checkpoint drafting for itself: the standalone drafter keeps its own latent
+    cache (V inside K, as the target's) on ``backend``, and every draft token is accepted."""
+    d = tiny_deepseek_dir
+    engine = Engine(d, draft_model=d, draft_kind="standalone", spec=SpecParams(3, 1, 4),
+                    target_config={"attention_backend": backend},
+                    draft_config={"attention_backend": backend})  # fmt: skip
+    results = engine.generate(PROMPTS, SamplingParams(max_new_tokens=13, ignore_eos=True))
+    assert [r.token_ids for r in results] == [hf_greedy(d, p, 13) for p in PROMPTS]
+    assert all(r.accept_lens == [4, 4, 4] for r in results), [r.accept_lens for r in results]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
