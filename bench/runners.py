@@ -226,7 +226,7 @@ class ClusterBackend:
     async def run(self, spec: RunSpec, prompts: list[list[int]]) -> dict[str, Any]:
         import grpc
 
-        from specmesh.rpc.service_common import channel_options
+        from specmesh.rpc.grpc_options import channel_options
         from specmesh.v1 import generation_pb2_grpc
 
         if spec.spec is not None and spec.spec != self.spec:

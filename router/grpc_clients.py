@@ -42,7 +42,7 @@ from specmesh.protocol.steps import (
 from specmesh.protocol.trees import DraftTree
 from specmesh.router.metrics import STEP_BYTES_RECEIVED, STEP_BYTES_SENT
 from specmesh.router.step_stream import CountingChannel, StepStream
-from specmesh.rpc.service_common import channel_options
+from specmesh.rpc.grpc_options import channel_options
 from specmesh.rpc.tokenizer_files import TokenizerFiles
 from specmesh.rpc.wire import (
     constraint_to_pb,

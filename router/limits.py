@@ -13,8 +13,9 @@ Every violation is an `InvalidRequestError` (INVALID_ARGUMENT) naming the limit'
 numbers, except a full tokenizer queue: `TokenizerBusyError` (RESOURCE_EXHAUSTED). Image pixels
 are the target's to check (it decodes; the router never does): `specmesh.target_service.multimodal`.
 
-The process's own: `raise_fd_limit` at start, and `http_connection_cap`, the HTTP connections
-that fit under the fd limit with room left for everything else (`specmesh.router.http_gate`).
+The process's own: `raise_fd_limit` at start, `http_connection_cap`, the HTTP connections that
+fit under the fd limit with room left for everything else (`specmesh.router.http_gate`), and
+`grpc_connection_cap`, the gRPC port's share of that room.
 """
 
 from __future__ import annotations
@@ -197,6 +198,15 @@ def raise_fd_limit() -> int:
         return soft
     log.info("open files: soft limit raised from %d to the hard limit of %d", soft, hard)
     return hard
+
+
+def grpc_connection_cap(max_open_files: int) -> int:
+    """How many connections the public gRPC port holds at once: half of what
+    `http_connection_cap` leaves (the other half: the clients to targets and drafts, and files).
+    One gRPC connection carries any number of concurrent calls."""
+    if max_open_files == resource.RLIM_INFINITY:
+        max_open_files = 1 << 20
+    return max(1, (max_open_files - http_connection_cap(max_open_files)) // 2)
 
 
 def http_connection_cap(max_open_files: int) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import resource
 import secrets
 import time
 import uuid
@@ -35,6 +36,7 @@ from specmesh.router.limits import (
     check_prompt_tokens,
     check_request,
     check_stop_rules,
+    grpc_connection_cap,
     raise_fd_limit,
 )
 from specmesh.router.metrics_admission import counts_rejections
@@ -237,6 +239,7 @@ class RouterService:
             settings.address,
             settings.max_message_bytes,
             interceptors=api_key_interceptors(settings.api_key),
+            max_connections=grpc_connection_cap(resource.getrlimit(resource.RLIMIT_NOFILE)[0]),
         )
         self.servicer = GenerationServicer(self.host, settings)
         # malformed request bytes: INVALID_ARGUMENT
@@ -282,7 +285,8 @@ class RouterService:
         self.core = RouterCore(self.targets, self.drafts, self.settings.core)
         await self.core.start()
         await self.servicer.attach(self.core, await self._tokenizer())
-        log.info("router ready on port %d", self.port)
+        log.info("router ready on port %d, at most %d gRPC connections", self.port,
+                 self.host.max_connections)  # fmt: skip
 
     async def _tokenizer(self):
         """``--tokenizer``, else the one the targets serve (`fetch_tokenizer`), else None."""

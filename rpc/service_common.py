@@ -24,8 +24,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
-from specmesh.protocol.codec import GRPC_MAX_MESSAGE_BYTES, grpc_message_options
+from specmesh.protocol.codec import GRPC_MAX_MESSAGE_BYTES
 from specmesh.protocol.errors import SpecmeshError
+from specmesh.rpc.grpc_options import connection_cap, server_options
 from specmesh.rpc.held_batches import Hold, StepAnswers, batch_rids
 from specmesh.rpc.inline_steps import InlineSteps, for_device
 from specmesh.rpc.malformed import add_servicer
@@ -38,28 +39,6 @@ log = logging.getLogger(__name__)
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-# Servers accept pings as often as clients send them (clients ping every 30 s, idle or not).
-# Without this a long idle stream gets GOAWAY "too_many_pings" (the default minimum is 5 min).
-# SO_REUSEPORT off: a second process asking for a live port fails instead of sharing it.
-SERVER_OPTIONS = [
-    ("grpc.so_reuseport", 0),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
-    ("grpc.http2.max_ping_strikes", 0),
-]
-# Fast reconnects: a restarted replica is usable again within ~1 s, not after a 120 s backoff.
-CHANNEL_OPTIONS = [
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.min_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 1_000),
-]
-
-
-def channel_options(max_message_bytes: int = GRPC_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
-    return grpc_message_options(max_message_bytes) + CHANNEL_OPTIONS
 
 
 # -- the server host ---------------------------------------------------------------------------
@@ -76,12 +55,16 @@ class ServiceHost:
         address: str,
         max_message_bytes: int = GRPC_MAX_MESSAGE_BYTES,
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+        max_connections: int | None = None,
     ) -> None:
+        """``max_connections``: connections the port holds at once (default `connection_cap`);
+        grpc closes one more as it is accepted, so its client sees UNAVAILABLE and retries."""
         self.service_name = service_name
         self.address = address
         self.max_message_bytes = max_message_bytes
+        self.max_connections = max_connections or connection_cap()
         self.server = grpc.aio.server(
-            options=grpc_message_options(max_message_bytes) + SERVER_OPTIONS,
+            options=server_options(max_message_bytes, self.max_connections),
             interceptors=list(interceptors),
         )
         self.health = health.aio.HealthServicer()
@@ -381,7 +364,8 @@ async def serve_model(
     add_servicer(add_to_server, servicer, host.server)
     await host.start(credentials)
     tls = "TLS" if credentials is not None else "plaintext"
-    log.info("%s listening on %s (%s); loading", host.service_name, host.address, tls)
+    log.info("%s listening on %s (%s, at most %d connections); loading", host.service_name,
+             host.address, tls, host.max_connections)  # fmt: skip
     await servicer.attach(await asyncio.to_thread(load), warm_up)
     log.info("%s ready on port %d", host.service_name, host.port)
     await host.run_until_signal(grace_s)

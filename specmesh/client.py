@@ -22,8 +22,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from specmesh.protocol.sampling import SamplingParams
+from specmesh.rpc.grpc_options import channel_options
 from specmesh.rpc.security import TlsFiles, client_channel
-from specmesh.rpc.service_common import channel_options
 from specmesh.rpc.wire import sampling_to_pb
 from specmesh.v1 import generation_pb2, generation_pb2_grpc
 
