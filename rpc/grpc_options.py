@@ -19,6 +19,9 @@ SERVER_OPTIONS = [
 # A connection must finish its TLS / HTTP/2 handshake within this (grpc's default is 120 s): one
 # that sends nothing holds a slot of the port's connection cap (`connection_cap`) only this long
 HANDSHAKE_TIMEOUT_MS = 10_000
+# A connection without a call this long is sent GOAWAY (its client reconnects at its next call,
+# transparently): idle connections do not keep the cap's slots
+IDLE_TIMEOUT_MS = 300_000
 # Fast reconnects: a restarted replica is usable again within ~1 s, not after a 120 s backoff.
 CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", 30_000),
@@ -32,10 +35,12 @@ CHANNEL_OPTIONS = [
 
 def server_options(max_message_bytes: int, max_connections: int) -> list[tuple[str, int]]:
     """A service's server: ``max_connections`` at once (grpc closes one more as it is accepted,
-    and its client sees UNAVAILABLE), each with `HANDSHAKE_TIMEOUT_MS` to finish its handshake."""
+    and its client sees UNAVAILABLE), each with `HANDSHAKE_TIMEOUT_MS` to finish its handshake
+    and closed after `IDLE_TIMEOUT_MS` without a call."""
     limits = [
         ("grpc.max_allowed_incoming_connections", max_connections),
         ("grpc.server_handshake_timeout_ms", HANDSHAKE_TIMEOUT_MS),
+        ("grpc.max_connection_idle_ms", IDLE_TIMEOUT_MS),
     ]
     return grpc_message_options(max_message_bytes) + SERVER_OPTIONS + limits
 

@@ -1,7 +1,8 @@
 """The gRPC port's connection cap (`rpc.grpc_options`): a server holds at most ``max_connections``
 at once; one more is closed as it is accepted, and its client gets UNAVAILABLE at once while the
-held ones keep serving; a freed slot serves the next client; and a connection that sends nothing
-is closed once the handshake timeout passes, so silent sockets cannot hold the port. The
+held ones keep serving; a freed slot serves the next client; a connection that sends nothing
+is closed once the handshake timeout passes, and one without a call once the idle timeout
+passes, so neither silent sockets nor idle channels can hold the port. The
 router's cap is its share of the open-files limit (`router.limits.grpc_connection_cap`)."""
 
 from __future__ import annotations
@@ -22,9 +23,12 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
 @pytest.fixture
-def host(monkeypatch):
-    """A service's server holding at most `CAP` connections, its handshake timeout 0.5 s."""
+def host(request, monkeypatch):
+    """A service's server holding at most `CAP` connections, its handshake timeout 0.5 s; its
+    idle timeout a minute (in the ``idle`` test 0.5 s)."""
     monkeypatch.setattr(grpc_options, "HANDSHAKE_TIMEOUT_MS", 500)
+    idle = "idle" in request.node.name
+    monkeypatch.setattr(grpc_options, "IDLE_TIMEOUT_MS", 500 if idle else 60_000)
     loop = LoopThread()
 
     async def start() -> ServiceHost:
@@ -39,10 +43,10 @@ def host(monkeypatch):
 
 
 def _channel(port: int) -> grpc.Channel:
-    """A channel with a connection of its own (none shared with the test's other channels)."""
-    return grpc.insecure_channel(
-        f"127.0.0.1:{port}", options=[("grpc.use_local_subchannel_pool", 1)]
-    )
+    """A channel with a connection of its own (none shared with the test's other channels),
+    reconnecting as the project's clients do (within a second)."""
+    options = [*grpc_options.channel_options(), ("grpc.use_local_subchannel_pool", 1)]
+    return grpc.insecure_channel(f"127.0.0.1:{port}", options=options)
 
 
 def _status(channel: grpc.Channel, wait: bool = False) -> int:
@@ -82,6 +86,20 @@ def test_silent_sockets_are_closed_after_the_handshake_timeout(host) -> None:
     finally:
         for s in silent:
             s.close()
+
+
+def test_idle_channels_are_closed_after_the_idle_timeout(host) -> None:
+    """`CAP` channels that made a call and then sit idle fill the port until the server closes
+    them; the next client then connects, and an idle one reconnects at its next call."""
+    idle = [_channel(host.port) for _ in range(CAP)]
+    extra = _channel(host.port)
+    try:
+        assert [_status(c) for c in idle] == [SERVING] * CAP
+        assert _status(extra, wait=True) == SERVING
+        assert _status(idle[0], wait=True) == SERVING
+    finally:
+        for c in [*idle, extra]:
+            c.close()
 
 
 def test_the_routers_grpc_port_gets_half_of_what_http_leaves() -> None:
