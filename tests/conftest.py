@@ -102,6 +102,7 @@ def tiny_engine(tiny_dir: Path, speculate: bool):
 # accepted tokens would then see plain rounds (tested on its own: test_step_deadline.py,
 # test_hung_draft_e2e.py)
 PATIENT_DRAFT = {"draft_deadline_floor_s": 10.0}
+PATIENT_DRAFT_FLAGS = ("--draft-deadline-floor-s", "10")  # the same, for a router process
 
 
 def assert_speculated(results, min_mean_accept: float = 1.0) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import assert_speculated, llava_greedy
+from conftest import PATIENT_DRAFT_FLAGS, assert_speculated, llava_greedy
 from procs import Services
 
 from specmesh.client import GenerationClient
@@ -35,7 +35,7 @@ def serve_by_hand(services: Services, target: Path, draft: Path) -> tuple[str, s
     )  # fmt: skip
     # --speculation always: the random heads are never accepted, so adaptive would stop drafting.
     r = services.start("router", "router", "--target", t, "--draft", d, "--tokenizer", str(target),
-                       "--speculation", "always")  # fmt: skip
+                       "--speculation", "always", *PATIENT_DRAFT_FLAGS)  # fmt: skip
     for name in ("target", "draft", "router"):
         services.wait_ready(name)
     return r, t

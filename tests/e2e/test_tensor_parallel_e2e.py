@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import assert_accepted
+from conftest import PATIENT_DRAFT_FLAGS, assert_accepted
 from procs import Services, info
 
 from specmesh.client import GenerationClient
@@ -70,8 +70,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, copy_dir: Path):
         "draft", "draft", "--kind", "eagle3", "--model", draft_dir, "--target-model", target_dir,
         "--num-steps", "3", "--topk", "2", "--num-draft-tokens", "6", *threads,
     )  # fmt: skip
-    floor = ("--draft-deadline-floor-s", "10")  # a slow step on a loaded core stays speculative
-    router = services.start("router", "router", "--target", target, "--draft", draft, *floor)
+    router = services.start(
+        "router", "router", "--target", target, "--draft", draft, *PATIENT_DRAFT_FLAGS
+    )
     try:
         for name in services.running:
             services.wait_ready(name)
