@@ -1,11 +1,12 @@
 """One Step stream's answers on a model service: its writes, one at a time, and its held batches.
 
 A service may hold a batch back until something it needs is ready, holding neither its step
-thread nor the stream: the target holds a prefill until the grammars its requests ask for are
-compiled (`runtime.grammar`). The batches behind it run and are answered meanwhile, except one
-that names a request of a held batch (its release): that one is held behind it. Every answer
-carries its batch_id, so the client pairs them whatever their order (`router.step_stream`), and
-each request's work still runs in the order the stream sent it:
+thread nor the stream: the target holds a prefill, and the draft an extend that starts
+constrained requests, until the grammars they ask for are compiled (`runtime.grammar`). The
+batches behind it run and are answered meanwhile, except one that names a request of a held
+batch (its release): that one is held behind it. Every answer carries its batch_id, so the
+client pairs them whatever their order (`router.step_stream`), and each request's work still
+runs in the order the stream sent it:
 
     sent:      B1 prefill(a, new grammar)   B2 verify(x)   B3 release(a)   B4 verify(x)
     answered:  B2, B4 in turn;  B1 once a's grammar compiled;  B3 after B1
