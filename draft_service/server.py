@@ -16,7 +16,7 @@ from specmesh.protocol.errors import InvalidRequestError
 from specmesh.protocol.features import Feature
 from specmesh.protocol.steps import DraftStepResult, ExtendInput
 from specmesh.protocol.trees import DraftTree
-from specmesh.rpc.held_batches import Hold
+from specmesh.rpc.held_batches import Hold, batch_rids
 from specmesh.rpc.ownership import StreamOwner
 from specmesh.rpc.security import model_name
 from specmesh.rpc.service_common import ModelServicer, ServiceHost, log_failure
@@ -93,8 +93,10 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServicer):
             self._check_params(req.propose.params)
             inputs = [ExtendInput(r.request_id, [], r.root_token_id) for r in req.propose.requests]
             requests, propose = req.propose.requests, True
+        elif work == "prepare":  # its compiles ran while it was held (`hold`): nothing to do
+            return [draft_pb2.DraftStepResponse()]
         else:
-            raise InvalidRequestError("DraftStepRequest has no work (extend or propose)")
+            raise InvalidRequestError("DraftStepRequest has no work (extend, propose or prepare)")
         rids = [r.request_id for r in requests]
         if len(set(rids)) != len(rids):
             raise InvalidRequestError(f"batch lists a request id twice: {rids}")
@@ -114,18 +116,23 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServicer):
         return [draft_pb2.DraftStepResponse(results=results)]
 
     def hold(self, runtime: DraftRuntime, chunks: list) -> Hold | None:
-        """An extend that starts constrained requests waits, off the step thread, until their
-        grammars have compiled (`Grammars.compiling`), at most `COMPILE_TIMEOUT_S`: the step thread
-        keeps drafting the other batches meanwhile (`specmesh.rpc.held_batches`)."""
+        """An extend that starts constrained requests, or a prepare, waits off the step thread
+        until the grammars it names have compiled (`Grammars.compiling`), at most
+        `COMPILE_TIMEOUT_S`: the step thread keeps drafting the other batches meanwhile
+        (`specmesh.rpc.held_batches`). A prepare starts the compiles before the requests'
+        extends arrive, while the target compiles the same grammars for their prefill."""
         req = chunks[0]
-        if req.WhichOneof("work") != "extend":
+        work = req.WhichOneof("work")
+        if work == "extend":
+            constraints = [r.constraint for r in req.extend.requests if r.HasField("constraint")]
+        elif work == "prepare":
+            constraints = list(req.prepare.constraints)
+        else:
             return None
-        requests = req.extend.requests
-        constraints = [r.constraint for r in requests if r.HasField("constraint")]
         if not constraints:
             return None
         ready = runtime.grammars.grammars.compiling(readable_constraints(constraints))
-        return None if ready is None else Hold([r.request_id for r in requests], ready)
+        return None if ready is None else Hold(batch_rids(req), ready)
 
     def before_step(self, runtime: DraftRuntime) -> None:
         """A batch arrived: the pre-draft budget measures how long it waits behind one."""

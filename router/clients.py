@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Awaitable
 from typing import Protocol
 
+from specmesh.protocol.constraints import Constraint
 from specmesh.protocol.features import FeatureSpec
 from specmesh.protocol.steps import (
     DraftInfo,
@@ -61,3 +62,7 @@ class DraftClient(Protocol):
     async def step(self, extends: list[ExtendInput], propose: bool = True) -> DraftStepResult: ...
     async def release(self, rids: list[str]) -> None:
         """Free the requests' state, after every step already sent for them."""
+
+    async def prepare(self, constraints: list[Constraint]) -> None:
+        """Start compiling ``constraints`` that requests will bring with their starting extends
+        (nothing is awaited; a draft that shares the target's compiles does nothing)."""

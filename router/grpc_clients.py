@@ -27,6 +27,7 @@ from specmesh.protocol.codec import (
     join_state_rows,
     split_state_rows,
 )
+from specmesh.protocol.constraints import Constraint
 from specmesh.protocol.errors import ServiceDownError
 from specmesh.protocol.features import FeatureSpec
 from specmesh.protocol.steps import (
@@ -122,6 +123,12 @@ class _GrpcClient:
         release = common_pb2.ReleaseBatch(request_ids=[self.wire_id(r) for r in rids])
         with contextlib.suppress(ServiceDownError):  # a dead stream's state is freed with it
             await self.stream.send([self.request_type(release=release)])
+
+    async def prepare(self, constraints: list[Constraint]) -> None:
+        """A PrepareBatch, its answer dropped: the draft compiles while the target does."""
+        batch = draft_pb2.PrepareBatch(constraints=[constraint_to_pb(c) for c in constraints])
+        with contextlib.suppress(ServiceDownError):  # the extend meets the fault, if it lasts
+            await self.stream.send([self.request_type(prepare=batch)], open_stream=True)
 
     async def _answer(self, messages: list) -> list:
         return await self._checked(await self.stream.submit(messages))

@@ -17,6 +17,7 @@ from collections.abc import Awaitable
 from concurrent.futures import ThreadPoolExecutor
 
 from specmesh.draft_service.runtime import DraftRuntime
+from specmesh.protocol.constraints import Constraint
 from specmesh.protocol.features import Feature, FeatureSpec
 from specmesh.protocol.steps import (
     DraftStepResult,
@@ -119,3 +120,6 @@ class InProcessDraft(_Worker):
 
     async def release(self, rids: list[str]) -> None:
         await self._call(lambda: [self.runtime.release(r) for r in rids])
+
+    async def prepare(self, constraints: list[Constraint]) -> None:
+        """Nothing: in process the draft shares the target's compiles (`share_grammars`)."""

@@ -55,6 +55,21 @@ class Proposer:
                 groups[s.placement.draft].append((s, extend))
         await together(self._plan_and_draft(d, g, len(live)) for d, g in groups.items())
 
+    async def prepare(self, slots: list[Slot], pieces: dict[str, PrefillInput]) -> None:
+        """Each draft starts compiling the constraints of the requests whose prefill starts now
+        (a first piece), while the target compiles them for it: the requests' starting extends
+        then find them compiled instead of compiling in turn."""
+        if self.policy.mode == "never":
+            return
+        groups = defaultdict(list)
+        for s in slots:
+            constraint = s.request.params.constraint
+            first = s.rid in pieces and not pieces[s.rid].input_start
+            if constraint is not None and first and s.speculate and s.placement.draft is not None:
+                groups[s.placement.draft].append(constraint)
+        for draft, constraints in groups.items():
+            await draft.client.prepare(constraints)
+
     async def extend_pieces(
         self, slots: list[Slot], out: StepOutput, pieces: dict[str, PrefillInput]
     ) -> None:

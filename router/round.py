@@ -123,6 +123,7 @@ class RoundRunner:
         emits its first token and its draft extends over the prompt and proposes; after an
         earlier one its draft only extends over the piece's rows."""
         pieces = batch.pieces(sizes)
+        await self.proposer.prepare(batch.slots, pieces)
         out = await self._target(batch, batch.target.prefill, list(pieces.values()))
         if out is None:
             return

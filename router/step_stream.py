@@ -116,10 +116,11 @@ class StepStream:
         if not future.done():
             future.set_exception(asyncio.TimeoutError())
 
-    async def send(self, messages: list) -> None:
-        """Write a batch in order behind everything sent so far; no stream, nothing to do (the
-        service freed what the ended stream held)."""
-        await asyncio.shield(self._write(messages, next(self.ids), open_stream=False))
+    async def send(self, messages: list, *, open_stream: bool = False) -> None:
+        """Write a batch in order behind everything sent so far, its answer dropped; no stream,
+        nothing to do (a release: the service freed what the ended stream held), unless
+        ``open_stream``."""
+        await asyncio.shield(self._write(messages, next(self.ids), open_stream=open_stream))
 
     async def _write(self, messages: list, batch_id: int, *, open_stream: bool) -> None:
         async with self.write_lock:

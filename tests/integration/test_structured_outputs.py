@@ -99,7 +99,8 @@ def demo():
     }
     services = {"target": f"127.0.0.1:{target.host.port}", "draft": f"127.0.0.1:{draft.host.port}"}
     grpcs = {mode: GenerationClient(f"127.0.0.1:{r.port}") for mode, r in routers.items()}
-    yield SimpleNamespace(clients=clients, services=services, grpc=grpcs, draft=draft.runtime)
+    yield SimpleNamespace(clients=clients, services=services, grpc=grpcs, draft=draft.runtime,
+                          target=target.runtime)  # fmt: skip
     for client in [*clients.values(), *grpcs.values()]:
         client.close()
     for router in routers.values():
@@ -330,6 +331,36 @@ def test_a_compiling_grammar_holds_its_draft_batch_not_the_step_thread(demo, mon
         outbox.put(None)
         assert list(answers) == []
     assert wait_until(lambda: not demo.draft.grammars.tracks and not demo.draft.live)
+
+
+def test_the_draft_compiles_a_new_grammar_while_the_target_does(demo, monkeypatch) -> None:
+    """As the router sends a constrained request's prefill to the target it sends the draft a
+    PrepareBatch: the draft's compile starts while the target's is still running (blocked here
+    on an event), not after the prefill's answer, and the request is served."""
+    go, target = threading.Event(), demo.target.grammars
+    compile_ = target._compile
+
+    def blocked(constraint: Constraint):
+        go.wait(BLOCKED_S)
+        return compile_(constraint)
+
+    monkeypatch.setattr(target, "_compile", blocked)
+    schema = {"type": "object", "properties": {"prepared": {"type": "integer"}}}
+    constraint = Constraint.json_schema(schema)
+    params = SamplingParams(16, 0.0, constraint=constraint)
+    done: list = []
+    call = threading.Thread(target=lambda: done.append(collect(demo.grpc["always"].generate(
+        PROMPT, sampling=params))))  # fmt: skip
+    call.start()
+    try:
+        compiles = demo.draft.grammars.grammars._compiled  # the draft's, started or done
+        assert wait_until(lambda: constraint in compiles)
+        assert not done  # the target still compiles: no prefill answer yet
+    finally:
+        go.set()
+        call.join(60)
+    (_, text, last) = done[0]
+    assert last.finish_reason in ("stop", "length") and text.startswith("{")
 
 
 def _draft_step(batch_id: int, requests: list, feats: torch.Tensor) -> draft_pb2.DraftStepRequest:

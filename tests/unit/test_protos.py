@@ -202,7 +202,7 @@ def test_step_messages_share_framing() -> None:
         assert [fields[n].number for n in ("batch_id", "chunk_index", "more_chunks")] == [1, 2, 3]
     work = {
         target_pb2.TargetStepRequest: ("prefill", "decode", "verify", "release", "open"),
-        draft_pb2.DraftStepRequest: ("extend", "propose", "release"),
+        draft_pb2.DraftStepRequest: ("extend", "propose", "release", "prepare"),
     }
     for cls, names in work.items():
         got = {f.name for f in cls.DESCRIPTOR.oneofs_by_name["work"].fields}

@@ -53,20 +53,28 @@ class DraftInfo(_message.Message):
     def __init__(self, draft_kind: _Optional[str] = ..., model_path: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., draft_vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., aux_layer_ids: _Optional[_Iterable[int]] = ..., aux_numbering: _Optional[_Union[_common_pb2.AuxNumbering, str]] = ..., feature: _Optional[_Union[_common_pb2.Feature, str]] = ..., supports_images: _Optional[bool] = ..., num_steps: _Optional[int] = ..., topk: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., max_context_len: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., version: _Optional[str] = ..., occupancy: _Optional[_Union[_common_pb2.Occupancy, _Mapping]] = ...) -> None: ...
 
 class DraftStepRequest(_message.Message):
-    __slots__ = ("batch_id", "chunk_index", "more_chunks", "extend", "propose", "release")
+    __slots__ = ("batch_id", "chunk_index", "more_chunks", "extend", "propose", "release", "prepare")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
     MORE_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     EXTEND_FIELD_NUMBER: _ClassVar[int]
     PROPOSE_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
+    PREPARE_FIELD_NUMBER: _ClassVar[int]
     batch_id: int
     chunk_index: int
     more_chunks: bool
     extend: ExtendBatch
     propose: ProposeBatch
     release: _common_pb2.ReleaseBatch
-    def __init__(self, batch_id: _Optional[int] = ..., chunk_index: _Optional[int] = ..., more_chunks: _Optional[bool] = ..., extend: _Optional[_Union[ExtendBatch, _Mapping]] = ..., propose: _Optional[_Union[ProposeBatch, _Mapping]] = ..., release: _Optional[_Union[_common_pb2.ReleaseBatch, _Mapping]] = ...) -> None: ...
+    prepare: PrepareBatch
+    def __init__(self, batch_id: _Optional[int] = ..., chunk_index: _Optional[int] = ..., more_chunks: _Optional[bool] = ..., extend: _Optional[_Union[ExtendBatch, _Mapping]] = ..., propose: _Optional[_Union[ProposeBatch, _Mapping]] = ..., release: _Optional[_Union[_common_pb2.ReleaseBatch, _Mapping]] = ..., prepare: _Optional[_Union[PrepareBatch, _Mapping]] = ...) -> None: ...
+
+class PrepareBatch(_message.Message):
+    __slots__ = ("constraints",)
+    CONSTRAINTS_FIELD_NUMBER: _ClassVar[int]
+    constraints: _containers.RepeatedCompositeFieldContainer[_generation_pb2.Constraint]
+    def __init__(self, constraints: _Optional[_Iterable[_Union[_generation_pb2.Constraint, _Mapping]]] = ...) -> None: ...
 
 class ProposeParams(_message.Message):
     __slots__ = ("num_steps", "topk", "num_draft_tokens")
