@@ -149,7 +149,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--draft-deadline-floor-s",
         type=float,
         default=config_default(RouterConfig, "draft_deadline_floor_s"),
-        help="the adaptive draft deadline (4x the p99 of recent draft steps) is never shorter",
+        help="the adaptive draft deadline (4x the p99 of recent steady draft steps, scaled up for a "
+        "step over more rows) is never shorter",
     )
     add_speculation_arg(p)
     p.add_argument(

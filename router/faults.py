@@ -29,8 +29,10 @@ class CircuitBreaker:
 
 class StepDeadline:
     """How long to wait for a replica's step: ``factor`` times the p99 of its last ``window``
-    step latencies, at least ``floor_s`` and at most ``max_s`` (``max_s`` until ``min_samples``
-    steps were seen). A hung draft then costs a few normal rounds, not ``max_s``."""
+    steady step latencies, at least ``floor_s`` and at most ``max_s`` (``max_s`` until
+    ``min_samples`` steps were seen). A hung draft then costs a few normal rounds, not ``max_s``.
+    A step over more rows than the steady steps carried (a burst of prompts to extend over) gets
+    that deadline scaled by how many more (`seconds_for`): more work is not a hang."""
 
     def __init__(
         self,
@@ -47,10 +49,22 @@ class StepDeadline:
             min_samples,
         )
         self.latencies: deque[float] = deque(maxlen=window)
+        self.rows: deque[int] = deque(maxlen=window)
 
-    def observe(self, seconds: float) -> None:
-        """Record a step that answered in time (a timed-out step is not a latency)."""
+    def observe(self, seconds: float, rows: int = 1) -> None:
+        """Record a steady step over ``rows`` rows that answered in time (a timed-out step is not
+        a latency)."""
         self.latencies.append(seconds)
+        self.rows.append(max(1, rows))
+
+    def seconds_for(self, rows: int) -> float:
+        """The deadline of a step over ``rows`` rows: `seconds`, times how many more rows it
+        carries than the median steady step, at most ``max_s``."""
+        seconds = self.seconds
+        if not self.rows or seconds >= self.max_s:
+            return seconds
+        typical = sorted(self.rows)[len(self.rows) // 2]
+        return min(self.max_s, seconds * max(1.0, rows / typical))
 
     @property
     def seconds(self) -> float:

@@ -146,8 +146,13 @@ class DraftReplica(Replica):
         """Extend, then propose when ``plan`` speculates; None when the step failed or missed
         its deadline (any failure only costs speculation, never a request)."""
         started = time.monotonic()
+        # A steady step (what the policy's cost estimate and the deadline learn from): each
+        # request extends over at most one round's tokens (no prompt, no rounds held back).
+        rows, most = sum(len(e.committed_ids) for e in extends), self.info.num_draft_tokens
+        steady = all(not e.new and len(e.committed_ids) <= most for e in extends)
+        deadline = self.deadline.seconds if steady else self.deadline.seconds_for(rows)
         try:
-            async with asyncio.timeout(self.deadline.seconds):  # no task, unlike wait_for
+            async with asyncio.timeout(deadline):  # no task, unlike wait_for
                 res = await self.client.step(extends, plan.speculate)
         except Exception as e:
             log.warning("draft %s failed (%s: %s); continuing without speculation",
@@ -157,11 +162,12 @@ class DraftReplica(Replica):
             return None
         seconds = time.monotonic() - started
         self.breaker.record_success()
-        self.deadline.observe(seconds)
+        if steady:  # what a step's latency is learned from; a prompt's extend is more work
+            self.deadline.observe(seconds, rows)
         self.metrics.on_draft_step(self.name, seconds)
         if self.policy.measures:
             busy = self.policy.service_time(self.name, started, started + seconds)
-            if plan.speculate and _steady(extends, self.info.num_draft_tokens):
+            if plan.speculate and steady:
                 self.policy.observe_draft(self.name, len(extends), busy)
         return res
 
@@ -179,9 +185,3 @@ def _mark_preempted(out: StepOutput, placed: int) -> StepOutput:
             for rid, e in out.errors.items()
         }
     return out
-
-
-def _steady(extends: list[ExtendInput], num_draft_tokens: int) -> bool:
-    """A draft step the policy's cost estimate stands for: each request extends over at most
-    one round's tokens (no prompt, no rounds held back)."""
-    return all(not e.new and len(e.committed_ids) <= num_draft_tokens for e in extends)

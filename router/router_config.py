@@ -17,8 +17,9 @@ class RouterConfig:
     balance_micro_batches: bool | None = None
     max_waiting: int = 4096  # queued requests before admission says RESOURCE_EXHAUSTED
     # A draft step slower than its deadline counts as a draft failure. The deadline adapts:
-    # draft_deadline_factor x the p99 of the draft's recent steps, at least
-    # draft_deadline_floor_s, at most draft_timeout_s (also the deadline until 16 steps ran).
+    # draft_deadline_factor x the p99 of the draft's recent steady steps, at least
+    # draft_deadline_floor_s, at most draft_timeout_s (also the deadline until 16 steps ran);
+    # a step over more rows than a steady one gets it scaled by the ratio (`StepDeadline`).
     draft_timeout_s: float = 10.0
     draft_deadline_floor_s: float = 0.5
     draft_deadline_factor: float = 4.0
