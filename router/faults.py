@@ -31,8 +31,9 @@ class StepDeadline:
     """How long to wait for a replica's step: ``factor`` times the p99 of its last ``window``
     steady step latencies, at least ``floor_s`` and at most ``max_s`` (``max_s`` until
     ``min_samples`` steps were seen). A hung draft then costs a few normal rounds, not ``max_s``.
-    A step over more rows than the steady steps carried (a burst of prompts to extend over) gets
-    that deadline scaled by how many more (`seconds_for`): more work is not a hang."""
+    A step over more rows than the steady steps carried (a burst of prompts to extend over, a
+    larger batch) gets that deadline scaled by how many more (`seconds_for`): more work is not a
+    hang."""
 
     def __init__(
         self,
@@ -57,19 +58,18 @@ class StepDeadline:
         self.latencies.append(seconds)
         self.rows.append(max(1, rows))
 
-    def seconds_for(self, rows: int) -> float:
-        """The deadline of a step over ``rows`` rows: `seconds`, times how many more rows it
-        carries than the median steady step, at most ``max_s``."""
-        seconds = self.seconds
-        if not self.rows or seconds >= self.max_s:
-            return seconds
-        typical = sorted(self.rows)[len(self.rows) // 2]
-        return min(self.max_s, seconds * max(1.0, rows / typical))
-
     @property
     def seconds(self) -> float:
+        """The deadline of a steady step."""
+        return self.seconds_for(0)
+
+    def seconds_for(self, rows: int) -> float:
+        """The deadline of a step over ``rows`` rows: the steady one, times how many more rows
+        it carries than the median steady step, at most ``max_s``."""
         if len(self.latencies) < self.min_samples:
             return self.max_s
         ordered = sorted(self.latencies)
         p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
-        return min(self.max_s, max(self.floor_s, self.factor * p99))
+        typical = sorted(self.rows)[len(self.rows) // 2]
+        steady = max(self.floor_s, self.factor * p99)
+        return min(self.max_s, steady * max(1.0, rows / typical))

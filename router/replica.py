@@ -150,9 +150,8 @@ class DraftReplica(Replica):
         # request extends over at most one round's tokens (no prompt, no rounds held back).
         rows, most = sum(len(e.committed_ids) for e in extends), self.info.num_draft_tokens
         steady = all(not e.new and len(e.committed_ids) <= most for e in extends)
-        deadline = self.deadline.seconds if steady else self.deadline.seconds_for(rows)
-        try:
-            async with asyncio.timeout(deadline):  # no task, unlike wait_for
+        try:  # a timeout, not wait_for: no task
+            async with asyncio.timeout(self.deadline.seconds_for(rows)):
                 res = await self.client.step(extends, plan.speculate)
         except Exception as e:
             log.warning("draft %s failed (%s: %s); continuing without speculation",
