@@ -94,6 +94,7 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServicer):
             inputs = [ExtendInput(r.request_id, [], r.root_token_id) for r in req.propose.requests]
             requests, propose = req.propose.requests, True
         elif work == "prepare":  # its compiles ran while it was held (`hold`): nothing to do
+            _check_prepare(runtime, req.prepare)
             return [draft_pb2.DraftStepResponse()]
         else:
             raise InvalidRequestError("DraftStepRequest has no work (extend, propose or prepare)")
@@ -125,9 +126,9 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServicer):
         work = req.WhichOneof("work")
         if work == "extend":
             constraints = [r.constraint for r in req.extend.requests if r.HasField("constraint")]
-        elif work == "prepare":
+        elif work == "prepare" and len(req.prepare.constraints) <= runtime.cfg.max_requests:
             constraints = list(req.prepare.constraints)
-        else:
+        else:  # a prepare past the limit is refused as it runs, having compiled nothing
             return None
         if not constraints:
             return None
@@ -254,6 +255,15 @@ def _check_rows(
         f"tensor '{name}': {len(bad_rows)} of {t.shape[0]} rows hold NaN or Inf, in the "
         f"requests at batch positions {positions[:8]}"
     )
+
+
+def _check_prepare(runtime: DraftRuntime, batch: draft_pb2.PrepareBatch) -> None:
+    """A prepare names at most as many constraints as a batch has requests."""
+    if len(batch.constraints) > runtime.cfg.max_requests:
+        raise InvalidRequestError(
+            f"PrepareBatch names {len(batch.constraints)} constraints; at most "
+            f"{runtime.cfg.max_requests} (the draft's max_batch_size)"
+        )
 
 
 def make_servicer(

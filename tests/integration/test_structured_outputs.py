@@ -363,6 +363,33 @@ def test_the_draft_compiles_a_new_grammar_while_the_target_does(demo, monkeypatc
     assert last.finish_reason in ("stop", "length") and text.startswith("{")
 
 
+def test_a_prepare_is_answered_and_one_past_the_batch_limit_refused(demo) -> None:
+    """On the draft's Step stream: a PrepareBatch is answered once its grammar compiled (it
+    holds no request); one naming more constraints than a batch has requests is
+    INVALID_ARGUMENT, having compiled nothing."""
+    c, limit = generation_pb2.Constraint, demo.draft.cfg.max_requests
+    ok = c(kind="regex", text="prepared [0-9]+")
+    many = [c(kind="regex", text=f"too many {i}") for i in range(limit + 1)]
+    outbox: queue.Queue = queue.Queue()
+    outbox.put(
+        draft_pb2.DraftStepRequest(batch_id=1, prepare=draft_pb2.PrepareBatch(constraints=[ok]))
+    )
+    outbox.put(
+        draft_pb2.DraftStepRequest(batch_id=2, prepare=draft_pb2.PrepareBatch(constraints=many))
+    )
+    with grpc.insecure_channel(demo.services["draft"]) as channel:
+        stream = draft_pb2_grpc.DraftStub(channel).Step(iter(outbox.get, None), timeout=30)
+        answers = {a.batch_id: a for a in (next(stream), next(stream))}  # held ones included
+        outbox.put(None)
+    assert answers[1].status.code == 0 and not answers[1].results
+    assert answers[2].status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert f"at most {limit}" in answers[2].status.message
+    compiled = demo.draft.grammars.grammars._compiled
+    assert Constraint("regex", ok.text) in compiled
+    assert not any(Constraint("regex", m.text) in compiled for m in many)
+    assert wait_until(lambda: not demo.draft.live)
+
+
 def _draft_step(batch_id: int, requests: list, feats: torch.Tensor) -> draft_pb2.DraftStepRequest:
     states = split_hidden_states([len(r.token_ids) for r in requests], {"aux_hidden": feats})[0]
     batch = draft_pb2.ExtendBatch(requests=requests, states=states, propose_after=True)
