@@ -46,6 +46,7 @@ class StepAnswers:
         self._write = write  # writes one answer's messages
         self.last: asyncio.Future | None = None  # the newest write queued
         self.held: dict[str, asyncio.Task] = {}
+        self.running: set[asyncio.Task] = set()  # every held batch not yet answered
 
     def write(self, messages: list) -> None:
         """Queue ``messages`` behind every write queued before. A failed write is retrieved here
@@ -76,6 +77,7 @@ class StepAnswers:
         ready = behind if hold.ready is None else [*behind, asyncio.ensure_future(hold.ready)]
         task = asyncio.ensure_future(self._run(ready, run, batch_id))
         self.held.update(dict.fromkeys(hold.rids, task))
+        self.running.add(task)  # a batch that names no request (a draft's prepare) too
         task.add_done_callback(self._done)
 
     async def _run(
@@ -93,13 +95,14 @@ class StepAnswers:
 
     def _done(self, task: asyncio.Task) -> None:
         self.held = {rid: t for rid, t in self.held.items() if t is not task}
+        self.running.discard(task)
         if not task.cancelled():
             task.exception()  # retrieved: the task logs its own failures
 
     async def finish(self) -> None:
         """The stream's requests ended: until every held batch ran and every answer is written."""
-        while self.held:
-            await asyncio.wait(set(self.held.values()))
+        while self.running:
+            await asyncio.wait(set(self.running))
         await self.written()
 
     def cancel(self) -> None:

@@ -7,22 +7,20 @@ the problem with nothing held afterwards, ``tool_choice: required`` / named retu
 arguments validate, streamed calls arrive as ``tool_calls`` deltas, ``continuous_usage_stats``
 puts usage on every chunk, and unsupported OpenAI fields are 400s naming them. Over the gRPC
 API the draft gets the grammar with each request's starting extend and proposes within it
-(constrained rounds accept >= 2 tokens), a constraint the draft cannot read or compile is
-INVALID_ARGUMENT for its request alone, and no matcher outlives its request, cancelled or not."""
+(constrained rounds accept >= 2 tokens), compiles it while the target does (the router's
+PrepareBatch), and no matcher outlives its request, cancelled or not. The draft's Step stream
+alone: `test_draft_step_grammar.py`."""
 
 from __future__ import annotations
 
 import json
-import queue
 import re
 import threading
 from types import SimpleNamespace
 
-import grpc
 import jsonschema
 import openai
 import pytest
-import torch
 from grpc_harness import (
     LoopThread,
     collect,
@@ -40,9 +38,7 @@ from specmesh.draft_service.runtime import load_draft
 from specmesh.protocol.config import DraftConfig, SpecParams, TargetConfig
 from specmesh.protocol.constraints import Constraint
 from specmesh.protocol.sampling import SamplingParams
-from specmesh.runtime.codec import split_hidden_states
 from specmesh.target_service.runtime import TargetRuntime
-from specmesh.v1 import draft_pb2, draft_pb2_grpc, generation_pb2
 
 SCHEMA = {
     "type": "object",
@@ -265,74 +261,6 @@ def test_a_cancelled_request_leaves_no_matcher(demo) -> None:
     assert wait_until(lambda: not demo.draft.grammars.tracks and _empty(demo.services))
 
 
-def test_a_bad_constraint_fails_only_its_request_on_the_draft(demo) -> None:
-    """On the draft's Step stream: an unknown kind, a schema that does not compile and a
-    constraint on a later extend are INVALID_ARGUMENT each; the batch's other request is served,
-    and the draft holds nothing once the stream ends."""
-    width, c = 3 * 256, generation_pb2.Constraint
-    good = c(kind="json_schema", text=json.dumps(SCHEMA))
-    reqs = {
-        "kind": c(kind="ebnf", text="x"),
-        "objectx": c(kind="json_schema", text='{"type": "objectx"}'),
-        "ok": good,
-    }
-    extends = [draft_pb2.ExtendRequest(request_id=rid, token_ids=[5, 6, 7], next_token_id=93,
-                                       starts_request=True, constraint=con, output_start=3)
-               for rid, con in reqs.items()]  # fmt: skip
-    later = draft_pb2.ExtendRequest(request_id="ok", token_ids=[93], next_token_id=5,
-                                    constraint=good)  # fmt: skip
-    batches = [
-        _draft_step(1, extends, torch.randn(9, width)),
-        _draft_step(2, [later], torch.randn(1, width)),
-    ]
-    with grpc.insecure_channel(demo.services["draft"]) as channel:
-        out = list(draft_pb2_grpc.DraftStub(channel).Step(iter(batches), timeout=30))
-    first = {r.request_id: r for r in out[0].results}
-    invalid = grpc.StatusCode.INVALID_ARGUMENT.value[0]
-    assert first["ok"].status.code == 0 and first["ok"].tree.tokens[0] == 93
-    for rid in ("kind", "objectx"):
-        assert first[rid].status.code == invalid and rid in first[rid].status.message
-    assert out[1].results[0].status.code == invalid, out[1].results[0].status
-    assert "starting extend" in out[1].results[0].status.message
-    assert wait_until(lambda: not demo.draft.grammars.tracks and not demo.draft.live)
-
-
-def test_a_compiling_grammar_holds_its_draft_batch_not_the_step_thread(demo, monkeypatch) -> None:
-    """A starting extend whose constraint still compiles is held back on the draft, and an
-    extend of another request sent behind it on the same stream is drafted and answered
-    meanwhile; then the held one is answered. The compile waits for an event set only once the
-    other answer arrived: the order of the answers, not a clock, shows nothing waited for it."""
-    go, grammars = threading.Event(), demo.draft.grammars.grammars
-    compile_ = grammars._compile
-
-    def blocked(constraint: Constraint):
-        go.wait(BLOCKED_S)
-        return compile_(constraint)
-
-    monkeypatch.setattr(grammars, "_compile", blocked)
-    schema = {"type": "object", "properties": {"held": {"type": "integer"}}}
-    constraint = generation_pb2.Constraint(kind="json_schema", text=json.dumps(schema))
-    start = lambda rid, **kw: draft_pb2.ExtendRequest(
-        request_id=rid, token_ids=[5, 6, 7], next_token_id=93, starts_request=True, **kw
-    )
-    outbox: queue.Queue = queue.Queue()
-    with grpc.insecure_channel(demo.services["draft"]) as channel:
-        answers = draft_pb2_grpc.DraftStub(channel).Step(iter(outbox.get, None), timeout=30)
-        outbox.put(_draft_step(1, [start("held", constraint=constraint, output_start=3)],
-                               torch.randn(3, 3 * 256)))  # fmt: skip
-        outbox.put(_draft_step(2, [start("free")], torch.randn(3, 3 * 256)))
-        first = next(answers)
-        assert first.batch_id == 2 and not go.is_set()
-        assert first.results[0].status.code == 0 and len(first.results[0].tree.tokens) > 1
-        go.set()
-        second = next(answers)
-        assert second.batch_id == 1 and second.results[0].status.code == 0, second
-        assert second.results[0].tree.tokens[0] == 93
-        outbox.put(None)
-        assert list(answers) == []
-    assert wait_until(lambda: not demo.draft.grammars.tracks and not demo.draft.live)
-
-
 def test_the_draft_compiles_a_new_grammar_while_the_target_does(demo, monkeypatch) -> None:
     """As the router sends a constrained request's prefill to the target it sends the draft a
     PrepareBatch: the draft's compile starts while the target's is still running (blocked here
@@ -361,36 +289,3 @@ def test_the_draft_compiles_a_new_grammar_while_the_target_does(demo, monkeypatc
         call.join(60)
     (_, text, last) = done[0]
     assert last.finish_reason in ("stop", "length") and text.startswith("{")
-
-
-def test_a_prepare_is_answered_and_one_past_the_batch_limit_refused(demo) -> None:
-    """On the draft's Step stream: a PrepareBatch is answered once its grammar compiled (it
-    holds no request); one naming more constraints than a batch has requests is
-    INVALID_ARGUMENT, having compiled nothing."""
-    c, limit = generation_pb2.Constraint, demo.draft.cfg.max_requests
-    ok = c(kind="regex", text="prepared [0-9]+")
-    many = [c(kind="regex", text=f"too many {i}") for i in range(limit + 1)]
-    outbox: queue.Queue = queue.Queue()
-    outbox.put(
-        draft_pb2.DraftStepRequest(batch_id=1, prepare=draft_pb2.PrepareBatch(constraints=[ok]))
-    )
-    outbox.put(
-        draft_pb2.DraftStepRequest(batch_id=2, prepare=draft_pb2.PrepareBatch(constraints=many))
-    )
-    with grpc.insecure_channel(demo.services["draft"]) as channel:
-        stream = draft_pb2_grpc.DraftStub(channel).Step(iter(outbox.get, None), timeout=30)
-        answers = {a.batch_id: a for a in (next(stream), next(stream))}  # held ones included
-        outbox.put(None)
-    assert answers[1].status.code == 0 and not answers[1].results
-    assert answers[2].status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
-    assert f"at most {limit}" in answers[2].status.message
-    compiled = demo.draft.grammars.grammars._compiled
-    assert Constraint("regex", ok.text) in compiled
-    assert not any(Constraint("regex", m.text) in compiled for m in many)
-    assert wait_until(lambda: not demo.draft.live)
-
-
-def _draft_step(batch_id: int, requests: list, feats: torch.Tensor) -> draft_pb2.DraftStepRequest:
-    states = split_hidden_states([len(r.token_ids) for r in requests], {"aux_hidden": feats})[0]
-    batch = draft_pb2.ExtendBatch(requests=requests, states=states, propose_after=True)
-    return draft_pb2.DraftStepRequest(batch_id=batch_id, extend=batch)
