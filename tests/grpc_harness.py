@@ -187,3 +187,16 @@ def generate_all(
     for t in threads:
         t.join(90)
     return outputs, errors
+
+
+def block_compiles(grammars, monkeypatch, timeout_s: float = 15.0) -> threading.Event:
+    """Every compile of ``grammars`` (a service's `runtime.grammar.Grammars`) waits until the
+    returned event is set, at most ``timeout_s`` (a safety net, not a measure)."""
+    go, compile_ = threading.Event(), grammars._compile
+
+    def blocked(constraint):
+        go.wait(timeout_s)
+        return compile_(constraint)
+
+    monkeypatch.setattr(grammars, "_compile", blocked)
+    return go

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import grpc
 import pytest
 import torch
-from grpc_harness import LoopThread, serve_draft, wait_until
+from grpc_harness import LoopThread, block_compiles, serve_draft, wait_until
 
 from specmesh.defaults import REPO_MODELS
 from specmesh.draft_service.runtime import load_draft
@@ -23,7 +23,6 @@ from specmesh.protocol.constraints import Constraint
 from specmesh.runtime.codec import split_hidden_states
 from specmesh.v1 import draft_pb2, draft_pb2_grpc, generation_pb2
 
-BLOCKED_S = 15  # the most a blocked compile waits for its event (a safety net, not a measure)
 SCHEMA = {
     "type": "object",
     "properties": {"name": {"type": "string", "maxLength": 20}, "line": {"type": "integer"}},
@@ -82,14 +81,7 @@ def test_a_compiling_grammar_holds_its_draft_batch_not_the_step_thread(draft, mo
     extend of another request sent behind it on the same stream is drafted and answered
     meanwhile; then the held one is answered. The compile waits for an event set only once the
     other answer arrived: the order of the answers, not a clock, shows nothing waited for it."""
-    go, grammars = threading.Event(), draft.runtime.grammars.grammars
-    compile_ = grammars._compile
-
-    def blocked(constraint: Constraint):
-        go.wait(BLOCKED_S)
-        return compile_(constraint)
-
-    monkeypatch.setattr(grammars, "_compile", blocked)
+    go = block_compiles(draft.runtime.grammars.grammars, monkeypatch)
     schema = {"type": "object", "properties": {"held": {"type": "integer"}}}
     constraint = generation_pb2.Constraint(kind="json_schema", text=json.dumps(schema))
     start = lambda rid, **kw: draft_pb2.ExtendRequest(
@@ -143,14 +135,7 @@ def test_a_prepare_is_answered_and_one_past_the_batch_limit_refused(draft) -> No
 def test_a_held_prepare_is_answered_after_its_client_stopped_sending(draft, monkeypatch) -> None:
     """The client half-closes its Step stream while a prepare (a held batch naming no request)
     still compiles: the answer still comes before the stream ends."""
-    go, grammars = threading.Event(), draft.runtime.grammars.grammars
-    compile_ = grammars._compile
-
-    def blocked(constraint: Constraint):
-        go.wait(BLOCKED_S)
-        return compile_(constraint)
-
-    monkeypatch.setattr(grammars, "_compile", blocked)
+    go = block_compiles(draft.runtime.grammars.grammars, monkeypatch)
     prepare = draft_pb2.PrepareBatch(
         constraints=[generation_pb2.Constraint(kind="regex", text="late")]
     )

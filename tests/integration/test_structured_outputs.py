@@ -23,6 +23,7 @@ import openai
 import pytest
 from grpc_harness import (
     LoopThread,
+    block_compiles,
     collect,
     num_accepted,
     serve_draft,
@@ -69,7 +70,6 @@ WEATHER = {
 }
 ASK = [{"role": "user", "content": "Describe the function fibonacci as JSON"}]
 MAX_TOKENS = 120  # the demo model finishes these documents well within it
-BLOCKED_S = 15  # the most a blocked compile waits for its event (a safety net, not a measure)
 
 
 @pytest.fixture(scope="module")
@@ -265,14 +265,7 @@ def test_the_draft_compiles_a_new_grammar_while_the_target_does(demo, monkeypatc
     """As the router sends a constrained request's prefill to the target it sends the draft a
     PrepareBatch: the draft's compile starts while the target's is still running (blocked here
     on an event), not after the prefill's answer, and the request is served."""
-    go, target = threading.Event(), demo.target.grammars
-    compile_ = target._compile
-
-    def blocked(constraint: Constraint):
-        go.wait(BLOCKED_S)
-        return compile_(constraint)
-
-    monkeypatch.setattr(target, "_compile", blocked)
+    go = block_compiles(demo.target.grammars, monkeypatch)
     schema = {"type": "object", "properties": {"prepared": {"type": "integer"}}}
     constraint = Constraint.json_schema(schema)
     params = SamplingParams(16, 0.0, constraint=constraint)
