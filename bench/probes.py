@@ -78,6 +78,9 @@ class TimedDraft:
     async def release(self, rids: list[str]) -> None:
         await self.log.timed("draft", lambda: self.inner.release(rids))
 
+    async def prepare(self, constraints: list) -> None:
+        await self.inner.prepare(constraints)  # a write, not a step: not timed
+
 
 def time_split(log: CallLog, wall_s: float) -> dict[str, Any]:
     """The in-process split (the cluster reports none: its router is another process)."""

@@ -126,7 +126,7 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServicer):
         work = req.WhichOneof("work")
         if work == "extend":
             constraints = [r.constraint for r in req.extend.requests if r.HasField("constraint")]
-        elif work == "prepare" and len(req.prepare.constraints) <= runtime.cfg.max_requests:
+        elif work == "prepare" and not _too_many(runtime, req.prepare):
             constraints = list(req.prepare.constraints)
         else:  # a prepare past the limit is refused as it runs, having compiled nothing
             return None
@@ -257,9 +257,13 @@ def _check_rows(
     )
 
 
-def _check_prepare(runtime: DraftRuntime, batch: draft_pb2.PrepareBatch) -> None:
+def _too_many(runtime: DraftRuntime, batch: draft_pb2.PrepareBatch) -> bool:
     """A prepare names at most as many constraints as a batch has requests."""
-    if len(batch.constraints) > runtime.cfg.max_requests:
+    return len(batch.constraints) > runtime.cfg.max_requests
+
+
+def _check_prepare(runtime: DraftRuntime, batch: draft_pb2.PrepareBatch) -> None:
+    if _too_many(runtime, batch):
         raise InvalidRequestError(
             f"PrepareBatch names {len(batch.constraints)} constraints; at most "
             f"{runtime.cfg.max_requests} (the draft's max_batch_size)"
