@@ -115,7 +115,7 @@ def _gpu_paths(engine) -> None:
     """The target's decode and verify and the draft's extend through their static-shape runners,
     eagerly, as a GPU replays them (on CPU the target and the extend run ragged): the draft's
     handshake first, which names the aux layers the target's runners are built with."""
-    from specmesh.target_service.graphs import TargetGraphs
+    from specmesh.target_service.runtime import TargetGraphs
 
     t = engine.target
     t.configure(engine.draft.info().needs)

@@ -46,10 +46,10 @@ from specmesh.protocol.config import SpecParams
 from specmesh.protocol.errors import KVCacheFullError
 from specmesh.protocol.trees import DraftTree
 from specmesh.runtime.attention.base import AttentionBackend
-from specmesh.runtime.draft_sizes import DraftSizes
 from specmesh.runtime.kv_cache import KVCache
 from specmesh.runtime.model_runner import BatchItem, run_batch
 from specmesh.runtime.models.layers import KVPair
+from specmesh.runtime.static_shapes import DraftSizes
 
 if TYPE_CHECKING:
     from specmesh.draft_service.grammar import BatchGrammar, FrontierGrammar

@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 from specmesh.runtime.graph_runner import GraphRunner
-from specmesh.runtime.graph_sizes import draft_extend_sizes
 from specmesh.runtime.model_runner import BatchItem
+from specmesh.runtime.static_shapes import draft_extend_sizes
 
 if TYPE_CHECKING:
     from specmesh.draft_service.feature_drafter import FeatureDrafter

@@ -34,7 +34,7 @@ import torch
 from specmesh.runtime.attention.base import AttentionMetadata
 from specmesh.runtime.graph_runner import GraphRunner
 from specmesh.runtime.model_runner import reserve_tokens
-from specmesh.runtime.padding import bucket_size
+from specmesh.runtime.static_shapes import bucket_size
 
 if TYPE_CHECKING:
     from specmesh.draft_service.drafter import RootState, TreeDrafter

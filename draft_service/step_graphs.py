@@ -15,10 +15,9 @@ import torch
 
 from specmesh.draft_service.drafter import RootState, TreeDrafter
 from specmesh.draft_service.step_batch import StepBatch
-from specmesh.runtime.draft_sizes import DraftSizes
 from specmesh.runtime.graph_runner import GraphRunner
-from specmesh.runtime.graph_sizes import draft_step_sizes
 from specmesh.runtime.models.layers import KVPair
+from specmesh.runtime.static_shapes import DraftSizes, draft_step_sizes
 
 
 @dataclass

@@ -25,7 +25,7 @@ def next_pow2(n: int) -> int:
 
 
 def kernel_impl(attention_backend: str) -> str:
-    """The implementation of the speculative kernels (tree build, tree verify, compaction) that
+    """The implementation of the speculative kernels (tree build, tree verify) that
     goes with an attention backend: Triton beside the Triton / FlashInfer backends (on CUDA, or
     under the interpreter on CPU), the torch references beside the torch backend."""
     return "torch" if attention_backend == "torch" else "triton"

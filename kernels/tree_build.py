@@ -17,7 +17,7 @@ Tree index layout (per request)::
 
 A handful of device operations for the batch, no read back: the draft's trees leave as these
 two tensors (one host copy), and the target derives depths, masks and links itself
-(`specmesh.runtime.tree`).
+(`specmesh.target_service.verify.Tree`).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """A draft tree as it crosses a boundary: tokens and parent indices, nothing derived.
 
 The draft builds it from its kernel's output, the router forwards (and may cut) it, the target
-turns it into `specmesh.runtime.tree.Tree` (depths, ancestor mask, sibling links) once, where the
-mask is used, and validates it there. Node 0 is the root: the request's pending token.
+turns it into `specmesh.target_service.verify.Tree` (depths, ancestor mask, sibling links)
+once, where the mask is used, and validates it there. Node 0 is the root: the request's pending token.
 """
 
 from __future__ import annotations

@@ -23,11 +23,10 @@ from specmesh.protocol.steps import DraftStepResult, ExtendInput, PrefillInput, 
 from specmesh.router.draft_rows import must_send, split_rows, with_backlog
 from specmesh.router.policy import Plan
 from specmesh.router.prefill_plan import next_context_token
-from specmesh.router.tasks import together
+from specmesh.router.replica import DraftReplica, together
 
 if TYPE_CHECKING:
     from specmesh.router.core import RouterCore
-    from specmesh.router.replica import DraftReplica
     from specmesh.router.slot import Slot
 
 Sent = list[tuple["Slot", ExtendInput]]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterable
 from typing import TYPE_CHECKING, TypeVar
 
 from specmesh.protocol.errors import KVCacheFullError, ServiceDownError
@@ -184,3 +184,13 @@ def _mark_preempted(out: StepOutput, placed: int) -> StepOutput:
             for rid, e in out.errors.items()
         }
     return out
+
+
+async def together(steps: Iterable[Awaitable[Answer]]) -> list[Answer]:
+    """Several replicas' steps awaited at once (`asyncio.gather`), except that a lone step is
+    awaited directly: no task, so the message it writes goes out in this turn of the event loop
+    instead of a later one (a round is most often one micro-batch on one target and one draft)."""
+    steps = list(steps)
+    if len(steps) == 1:
+        return [await steps[0]]
+    return list(await asyncio.gather(*steps))

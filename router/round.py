@@ -44,9 +44,8 @@ from specmesh.protocol.steps import Logprob, PrefillInput, StepOutput, VerifyInp
 from specmesh.protocol.trees import DraftTree
 from specmesh.router.prefill_plan import plan_pieces, prefill_piece
 from specmesh.router.propose import Proposer
-from specmesh.router.replica import Preempted, TargetReplica
+from specmesh.router.replica import Preempted, TargetReplica, together
 from specmesh.router.slot import Ahead, Slot
-from specmesh.router.tasks import together
 
 if TYPE_CHECKING:
     from specmesh.router.core import RouterCore

@@ -38,8 +38,6 @@ from typing import TypeVar
 import torch
 
 from specmesh.runtime.attention.base import AttentionBackend, AttentionMetadata
-from specmesh.runtime.graph_buffers import GraphBuffers
-from specmesh.runtime.graph_sizes import GraphSizes
 from specmesh.runtime.kv_cache import KVCache
 from specmesh.runtime.model_runner import (
     BatchItem,
@@ -48,7 +46,7 @@ from specmesh.runtime.model_runner import (
     reserve_batch,
 )
 from specmesh.runtime.models.layers import KVPair
-from specmesh.runtime.padding import Selectable, bucket_size, unpad
+from specmesh.runtime.static_shapes import GraphBuffers, GraphSizes, Selectable, bucket_size, unpad
 
 T = TypeVar("T")
 

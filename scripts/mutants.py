@@ -134,7 +134,7 @@ MUTANTS = (
     Mutant(
         "tree-mask-without-ancestors",
         "a tree node attends to the prefix and itself but not to its ancestors",
-        "runtime/tree.py",
+        "target_service/verify.py",
         "seen[i] = depths[p] + 1, seen[p] | 1 << i",
         "seen[i] = depths[p] + 1, 1 << i  # mutant: no ancestors",
         ORACLE_TESTS,

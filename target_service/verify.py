@@ -7,13 +7,13 @@ state; these functions only read and advance it through the runtime."""
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from specmesh.kernels.compaction import compact_accepted
 from specmesh.protocol.errors import InvalidRequestError, KVCacheFullError, SpecmeshError
 from specmesh.protocol.features import Feature
 from specmesh.protocol.sampling import SamplingParams
@@ -21,12 +21,63 @@ from specmesh.protocol.steps import Logprob, StepOutput, VerifyInput
 from specmesh.protocol.trees import DraftTree
 from specmesh.runtime.model_runner import BatchItem, run_batch
 from specmesh.runtime.sampling import TokenHistory
-from specmesh.runtime.tree import Tree
-from specmesh.target_service.acceptance import accept_trees, padded_row_index
+from specmesh.target_service.acceptance import accept_trees
 from specmesh.target_service.batching import ordered_outputs, pick_logprobs, run_isolated
 
 if TYPE_CHECKING:
     from specmesh.target_service.runtime import TargetRuntime
+
+
+@dataclass(frozen=True)
+class Tree:
+    """A draft tree as the target verifies it: tokens and parent indices, node 0 the root,
+    and what is derived from them (depths, the ancestor mask, first-child / next-sibling links),
+    built and validated once (`from_parents`), so a tree from the wire cannot disagree with
+    itself."""
+
+    tokens: torch.Tensor  # [N] int64, tokens[0] is the root (the request's pending token)
+    parents: torch.Tensor  # [N] int64, parents[0] == -1, parents[i] < i
+    depths: torch.Tensor  # [N] int64
+    mask: torch.Tensor  # [N, N] bool, i sees j iff j is an ancestor of i or j == i
+    first_child: torch.Tensor  # [N] int64, -1 for a leaf
+    next_sibling: torch.Tensor  # [N] int64, -1 for the last child
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.numel()
+
+    @staticmethod
+    def from_parents(tokens: list[int] | torch.Tensor, parents: list[int] | torch.Tensor) -> Tree:
+        tokens_t = torch.as_tensor(
+            tokens, dtype=torch.int64, device="cpu"
+        )  # trees live on the host
+        par = [int(p) for p in parents]
+        n = len(par)
+        if n == 0 or tokens_t.numel() != n:
+            raise InvalidRequestError(f"tree has {tokens_t.numel()} tokens and {n} parents")
+        if par[0] != -1 or any(not 0 <= p < i for i, p in enumerate(par) if i):
+            raise InvalidRequestError(
+                f"tree parents must be -1 for node 0 and < i for node i: {par}"
+            )
+        # Host lists first, one tensor per field at the end: a tree is small, a torch op per
+        # node is not. ``seen[i]``: bit j set iff node j is i or one of its ancestors.
+        depths, seen = [0] * n, [1] + [0] * (n - 1)
+        first_child, next_sibling, last_child = [-1] * n, [-1] * n, [-1] * n
+        for i in range(1, n):
+            p = par[i]
+            depths[i], seen[i] = depths[p] + 1, seen[p] | 1 << i
+            if first_child[p] < 0:
+                first_child[p] = i
+            else:
+                next_sibling[last_child[p]] = i
+            last_child[p] = i
+        mask = torch.tensor([[bits >> j & 1 for j in range(n)] for bits in seen], dtype=torch.bool)
+        as_t = lambda xs: torch.tensor(xs, dtype=torch.int64)
+        return Tree(tokens_t, as_t(par), as_t(depths), mask, as_t(first_child), as_t(next_sibling))
+
+    @staticmethod
+    def chain(tokens: list[int]) -> Tree:
+        return Tree.from_parents(tokens, list(range(-1, len(tokens) - 1)))
 
 
 @dataclass
@@ -148,16 +199,17 @@ def decide(
     acceptance = accept_trees(rows, logits, n_max, rt.kernel_impl)
     result = acceptance.result
     # One device-to-host copy for the batch (each row's path, its length, its bonus token);
-    # the per-request bookkeeping below is host-side.
+    # the per-request bookkeeping below is host-side, and so are the accepted rows' indices.
     fields = (result.accept_path, result.accept_len[:, None], result.bonus[:, None])
     host = torch.cat([f.to(torch.int64) for f in fields], 1).tolist()
-    paths, lens, bonuses = [h[:-2] for h in host], [h[-2] for h in host], [h[-1] for h in host]
-    flat, _ = compact_accepted(result.accept_path, result.accept_len, rt.kernel_impl, sum(lens))
-    row_of = padded_row_index([r.tree.num_nodes for r in rows], n_max, flat.device)
-    feats = rt.select_feature(res.select(row_of[flat]), feature)
+    paths = [h[: h[-2]] for h in host]
+    feats = rt.select_feature(res, feature)
+    if feats is not None:  # the paths' rows, flat in row order: one index copy to the device
+        kept = [row0 + i for row0, path in zip(_starts(rows), paths, strict=True) for i in path]
+        feats = feats[torch.tensor(kept, device=feats.device)]
     decided, start = [], 0
-    for b, (row, full_path, n, bonus) in enumerate(zip(rows, paths, lens, bonuses, strict=True)):
-        path = full_path[:n]
+    for b, (row, path, h) in enumerate(zip(rows, paths, host, strict=True)):
+        n, bonus = len(path), h[-1]
         path_ids = row.tree.tokens[path].tolist()
         tokens = [*path_ids[1:], bonus]
         d = Decided(row, path, path_ids, tokens, _rows(feats, start, n))
@@ -191,6 +243,11 @@ def keep(
             out.logprobs[rid] = d.logprobs
         rt.advance(rid, d.tokens, out)
     return out
+
+
+def _starts(rows: list[VerifyRow]) -> list[int]:
+    """Each tree's first row in the forward's flat output."""
+    return [0, *itertools.accumulate(r.tree.num_nodes for r in rows)][:-1]
 
 
 def _rows(feats: torch.Tensor | None, start: int, n: int) -> torch.Tensor | None:

@@ -165,7 +165,7 @@ def test_bf16_static_runners_equal_bf16_eager_on_cuda(pair, backend: str) -> Non
     so the target's runners run eagerly on their static buffers ("eager-static", the path a
     graph replays). (FlashInfer's graph path uses other kernels than its eager one; it is
     checked above.)"""
-    from specmesh.target_service.graphs import TargetGraphs
+    from specmesh.target_service.runtime import TargetGraphs
 
     prompts = PROMPTS[:2]
     params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)

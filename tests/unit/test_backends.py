@@ -33,8 +33,8 @@ class CpuMetadataFreeTorch(TorchBackend):
 def test_backend_greedy_speculative_equals_transformers(
     copy_dir: Path, oracle, backend: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With the triton backend the speculative kernels (tree build, greedy tree verify,
-    compaction) are the Triton ones too. The EAGLE-3 draft predicts its target (`copy_drafts`):
+    """With the triton backend the speculative kernels (tree build, greedy tree verify)
+    are the Triton ones too. The EAGLE-3 draft predicts its target (`copy_drafts`):
     rounds accept draft tokens, so the kept paths' KV is read back through the backend."""
     called = _spy_triton_kernels(monkeypatch)
     engine = Engine(
@@ -58,7 +58,7 @@ def test_backend_greedy_speculative_equals_transformers(
     assert_accepted(results, min_tokens=3)
     # The backend under test computed the attention, in both services.
     assert target_calls["forward"] > 0 and draft_calls["forward"] > 0
-    want = {"verify_tree_greedy", "compact_accepted"} if backend == "triton" else set()
+    want = {"verify_tree_greedy"} if backend == "triton" else set()
     assert called == want
 
 
@@ -76,10 +76,10 @@ def _count_forwards(backend: AttentionBackend) -> dict[str, int]:
 
 
 def _spy_triton_kernels(monkeypatch: pytest.MonkeyPatch) -> set[str]:
-    from specmesh.kernels import compaction, tree_verify
+    from specmesh.kernels import tree_verify
 
     called: set[str] = set()
-    for module, name in [(tree_verify, "verify_tree_greedy"), (compaction, "compact_accepted")]:
+    for module, name in [(tree_verify, "verify_tree_greedy")]:
         fn = getattr(module, f"{name}_triton")
         spy = lambda *a, _fn=fn, _name=name, **k: called.add(_name) or _fn(*a, **k)
         monkeypatch.setattr(module, f"{name}_triton", spy)

@@ -16,7 +16,7 @@ from specmesh.protocol.config import SpecParams
 from specmesh.protocol.sampling import SamplingParams
 from specmesh.router.engine import Engine
 from specmesh.runtime.tiny import make_tiny_deepseek
-from specmesh.target_service.graphs import TargetGraphs
+from specmesh.target_service.runtime import TargetGraphs
 
 pytestmark = list(cpu_triton().marks)
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [40, 41, 42]]

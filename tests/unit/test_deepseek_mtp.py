@@ -23,8 +23,8 @@ from specmesh.protocol.sampling import SamplingParams
 from specmesh.protocol.steps import ExtendInput, PrefillInput
 from specmesh.router.engine import Engine
 from specmesh.runtime.config import CheckpointError
-from specmesh.runtime.draft_sizes import DraftSizes
 from specmesh.runtime.loader import load_tensors
+from specmesh.runtime.static_shapes import DraftSizes
 from specmesh.runtime.tiny import make_tiny_deepseek
 from specmesh.target_service.runtime import TargetRuntime
 

@@ -1,4 +1,4 @@
-"""Draft-decode buffer sizes (`runtime/draft_sizes.py`, DESIGN.md §4 invariant 5; SGLang PR
+"""Draft-decode buffer sizes (`runtime/static_shapes.py`, DESIGN.md §4 invariant 5; SGLang PR
 #27460, where a kv-indices buffer sized without topk overflowed once topk > 1)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 from specmesh.draft_service.runtime import load_draft
 from specmesh.protocol.config import DraftConfig, SpecParams
 from specmesh.protocol.steps import ExtendInput
-from specmesh.runtime.draft_sizes import DraftSizes
+from specmesh.runtime.static_shapes import DraftSizes
 from specmesh.runtime.tiny import make_tiny_target
 
 MAX_BS, STEPS, CONTEXT = 4, 3, 100

@@ -23,11 +23,11 @@ from specmesh.runtime.attention.flashinfer_backend import (
 )
 from specmesh.runtime.attention.torch_backend import TorchBackend, make_backend
 from specmesh.runtime.graph_runner import GraphRunner
-from specmesh.runtime.graph_sizes import decode_sizes, verify_sizes
 from specmesh.runtime.kv_cache import KVCache
 from specmesh.runtime.model_runner import BatchItem, build_metadata, run_batch
 from specmesh.runtime.models.causal_lm import load_causal_lm
-from specmesh.runtime.tree import Tree
+from specmesh.runtime.static_shapes import decode_sizes, verify_sizes
+from specmesh.target_service.verify import Tree
 
 
 class _FakeWrapper:

@@ -14,7 +14,7 @@ from gpu_support import assert_greedy_up_to_rounding, spy_graph_replays
 from specmesh.protocol.config import SpecParams
 from specmesh.protocol.sampling import SamplingParams
 from specmesh.router.engine import Engine
-from specmesh.target_service.graphs import TargetGraphs
+from specmesh.target_service.runtime import TargetGraphs
 
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [40, 41, 42]]
 

@@ -22,11 +22,11 @@ from specmesh.runtime.graph_runner import (
     capture_batch_sizes,
     graphs_enabled,
 )
-from specmesh.runtime.graph_sizes import GraphSizes, decode_sizes, verify_sizes
 from specmesh.runtime.kv_cache import KVCache
 from specmesh.runtime.model_runner import BatchItem, run_batch
 from specmesh.runtime.models.causal_lm import AuxLayers, ModelOutput, load_causal_lm
-from specmesh.runtime.tree import Tree
+from specmesh.runtime.static_shapes import GraphSizes, decode_sizes, verify_sizes
+from specmesh.target_service.verify import Tree
 
 PROMPT_LENS = [5, 3, 7]  # 3 requests: padded to the bucket of 4
 
@@ -196,7 +196,7 @@ def test_engine_through_static_paths_equals_transformers(copy_dir: Path, oracle)
     with draft tokens accepted (the EAGLE-3 draft predicts its target: `copy_drafts`)."""
     from specmesh.protocol.sampling import SamplingParams
     from specmesh.router.engine import Engine
-    from specmesh.target_service.graphs import TargetGraphs
+    from specmesh.target_service.runtime import TargetGraphs
 
     engine = Engine(copy_dir / "target", draft_model=copy_dir / "eagle3", draft_kind="eagle3",
                     spec=SpecParams(2, 2, 4))  # fmt: skip
@@ -231,8 +231,7 @@ def test_target_graphs_are_captured_up_front_with_aux_states(tiny_dir: Path) -> 
     """Decode and every declared tree size are captured when the graphs are built (before the
     service reports ready), with the aux layers on whatever feature is current; a tree size that
     was not declared runs eagerly instead of capturing on the request path."""
-    from specmesh.target_service.graphs import TargetGraphs
-    from specmesh.target_service.runtime import TargetRuntime
+    from specmesh.target_service.runtime import TargetGraphs, TargetRuntime
 
     t = TargetRuntime.from_dir(tiny_dir / "target", dtype="fp32", max_context=32)
     seen: list[tuple] = []

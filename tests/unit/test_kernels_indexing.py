@@ -1,4 +1,4 @@
-"""Index kernels: accepted-token compaction and KV index gathering, Triton against reference."""
+"""Index kernels: KV index gathering, Triton against reference."""
 
 import os
 
@@ -9,22 +9,8 @@ if not torch.cuda.is_available():
 
 import pytest
 
-from specmesh.kernels.compaction import compact_accepted
 from specmesh.kernels.kv_indices import gather_kv_indices
 from specmesh.kernels.testing import kernel_devices
-
-
-@pytest.mark.parametrize("device", kernel_devices())
-def test_compaction(device: str) -> None:
-    path = torch.tensor([[0, -1, -1, -1], [0, 2, 3, -1], [0, 1, 2, 3], [0, 3, -1, -1]])
-    lens = torch.tensor([1, 3, 4, 2])  # all rejected, partial, full chain, partial
-    flat, cu = compact_accepted(path, lens, impl="torch")
-    assert flat.tolist() == [0, 4, 6, 7, 8, 9, 10, 11, 12, 15]
-    assert cu.tolist() == [0, 1, 4, 8, 10]
-    for rows in ([0], [1], [0, 1, 2, 3]):  # batch of one, and the whole batch
-        ref = compact_accepted(path[rows], lens[rows], impl="torch")
-        out = compact_accepted(path[rows].to(device), lens[rows].to(device), impl="triton")
-        assert all(torch.equal(a.cpu(), b) for a, b in zip(out, ref, strict=True))
 
 
 def kv_case(device: str):

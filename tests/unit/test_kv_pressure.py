@@ -25,8 +25,8 @@ from specmesh.router.in_process import InProcessDraft, InProcessTarget
 from specmesh.router.policy import Plan
 from specmesh.router.request import Request
 from specmesh.router.router_config import RouterConfig
-from specmesh.runtime.tree import Tree
 from specmesh.target_service.runtime import TargetRuntime
+from specmesh.target_service.verify import Tree
 
 CASES = ("eagle3", "oracle", "failing_draft", "no_speculation")
 

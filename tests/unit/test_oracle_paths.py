@@ -45,7 +45,7 @@ def test_out_of_order_acceptance_equals_transformers(tiny_dir: Path, oracle, bac
 
 def test_out_of_order_acceptance_through_static_runners(tiny_dir: Path, oracle) -> None:
     """Verify through the eager-static runner (the CUDA-graph wiring, padded to the tree size)."""
-    from specmesh.target_service.graphs import TargetGraphs
+    from specmesh.target_service.runtime import TargetGraphs
 
     engine = oracle_engine(tiny_dir / "target")
     t = engine.target

@@ -13,7 +13,7 @@ from specmesh.runtime.attention.torch_backend import make_backend
 from specmesh.runtime.kv_cache import KVCache
 from specmesh.runtime.model_runner import BatchItem, run_batch
 from specmesh.runtime.models.causal_lm import AuxLayers, ModelOutput, load_causal_lm
-from specmesh.runtime.padding import PAD_RID, bucket_size, pad_batch, run_padded, unpad
+from specmesh.runtime.static_shapes import PAD_RID, bucket_size, pad_batch, run_padded, unpad
 
 TENSOR_FIELDS = [f.name for f in dataclasses.fields(ModelOutput)]
 

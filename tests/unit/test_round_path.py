@@ -14,8 +14,10 @@ from specmesh.bench.round_trace import trace_rounds
 # the draft's static-shape runners as on a GPU, not what a CUDA graph replays there (a forward,
 # the draft's whole search): 164 in 45, where the CPU's eager path crosses 190 in 49; 150 in 43
 # once `always` recorded no costs for the adaptive policy and verifies reused their feature key;
-# 148 in 42 once a round looked for a draft to give back only while a request ran without one.)
-MAX_FUNCTIONS, MAX_FILES = 148, 42
+# 148 in 42 once a round looked for a draft to give back only while a request ran without one;
+# 146 in 35 once the verify indexed its accepted rows from the paths it reads back anyway, the
+# static-shape sizes, buffers and padding were one module and the target's tree its verify's.)
+MAX_FUNCTIONS, MAX_FILES = 146, 35
 OFF = ("PreDrafter", "PredraftBudget", "PredraftRuntime", "DraftGrammars", "RunAhead",
        "TensorParallel", "_send_ahead")  # fmt: skip
 

@@ -21,8 +21,8 @@ from specmesh.protocol.trees import DraftTree
 from specmesh.runtime.config import CheckpointError
 from specmesh.runtime.models.causal_lm import AuxLayers, load_causal_lm
 from specmesh.runtime.tiny import make_tiny_target
-from specmesh.runtime.tree import Tree
 from specmesh.target_service.runtime import TargetRuntime
+from specmesh.target_service.verify import Tree
 
 LLAMA3_ROPE = {
     "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

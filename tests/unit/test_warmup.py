@@ -7,8 +7,7 @@ from __future__ import annotations
 from specmesh.protocol.config import TargetConfig
 from specmesh.protocol.sampling import SamplingParams
 from specmesh.protocol.steps import PrefillInput
-from specmesh.target_service.graphs import TargetGraphs
-from specmesh.target_service.runtime import TargetRuntime
+from specmesh.target_service.runtime import TargetGraphs, TargetRuntime
 from specmesh.target_service.warmup import PROMPT, warm_up
 
 
