@@ -242,16 +242,24 @@ class KVCache:
     def commit(self, rid: str, length: int) -> None:
         self.get(rid).committed_len = length
 
-    def accept_path(self, rid: str, path: list[int], num_nodes: int) -> None:
-        """Keep the tree nodes on ``path`` (indices into the ``num_nodes`` speculative tokens,
-        root first) as committed tokens, by permuting slot ids; the rest stay reserved."""
-        req = self.get(rid)
-        base = req.committed_len
-        on_path = set(path)
-        order = [*path, *(i for i in range(num_nodes) if i not in on_path)]  # host-side
-        row = self.req_to_slot[req.row, base : base + num_nodes]
-        row.copy_(row[torch.tensor(order, dtype=torch.int64, device=row.device)])
-        req.committed_len = base + len(path)
+    def accept_paths(self, paths: list[tuple[str, list[int], int]]) -> None:
+        """For each ``(rid, path, num_nodes)``: keep the tree nodes on ``path`` (indices into
+        the request's ``num_nodes`` speculative tokens, root first) as committed tokens, by
+        permuting slot ids; the rest stay reserved. The batch's permutations are one gather and
+        one scatter of the slot table (their indices built on the host, one copy)."""
+        reqs = [self.get(rid) for rid, _, _ in paths]  # all known before anything changes
+        width, dst, src = self.req_to_slot.shape[1], [], []
+        for req, (_, path, num_nodes) in zip(reqs, paths, strict=True):
+            first = req.row * width + req.committed_len
+            on_path = set(path)
+            order = [*path, *(i for i in range(num_nodes) if i not in on_path)]
+            dst.extend(range(first, first + num_nodes))
+            src.extend(first + i for i in order)
+            req.committed_len += len(path)
+        if dst:
+            flat = self.req_to_slot.view(-1)
+            index = torch.tensor([dst, src], dtype=torch.int64).to(flat.device)
+            flat[index[0]] = flat[index[1]]
 
     def move_entries(self, rid: str, src: int, dst: int, num: int) -> None:
         """Move ``rid``'s token indices ``[src, src + num)`` to ``[dst, dst + num)`` by permuting

@@ -29,6 +29,9 @@ if TYPE_CHECKING:
     from specmesh.target_service.verify import VerifyRow
 
 
+_LINKS = (("ids", 0), ("first_child", -1), ("next_sibling", -1))  # Tree fields, padding
+
+
 @dataclass
 class Acceptance:
     result: TreeVerifyResult
@@ -49,18 +52,14 @@ def accept_trees(
     ``sample_offset + depth(i)`` generated tokens: exactly what plain decoding would see had it
     emitted that path, so verification stays lossless."""
     bs = len(inputs)
-    # tokens, first child, next sibling of every node; padding: token 0, no links
-    host = torch.full((3, bs, n_max), -1, dtype=torch.int64)
-    host[0] = 0
-    for b, inp in enumerate(inputs):
-        n = inp.tree.num_nodes
-        host[:, b, :n] = torch.stack((inp.tree.tokens, inp.tree.first_child, inp.tree.next_sibling))
-    # The trees are built on the host and verified where the logits are: one copy.
-    tree = host.to(logits.device).unbind(0)
+    # tokens, first child, next sibling of every node; padding: token 0, no links. Built from
+    # the trees' host ints and verified where the logits are: one tensor, one copy.
+    host = [[_padded(getattr(i.tree, f), n_max, fill) for i in inputs] for f, fill in _LINKS]
+    tree = torch.tensor(host, dtype=torch.int64).to(logits.device).unbind(0)
     counts = [i.tree.num_nodes for i in inputs]
     padded = pad_rows(logits, counts, n_max).flatten(0, 1)  # [bs * n_max, vocab]
     if any(i.grammar is not None for i in inputs):  # -inf where a node's path forbids a token
-        trees = [(i.tree.tokens.tolist(), i.tree.parents.tolist()) for i in inputs]
+        trees = [(list(i.tree.ids), list(i.tree.parents)) for i in inputs]
         allow = padded_masks([i.grammar for i in inputs], trees, n_max, padded.shape[-1])
         padded = mask_logits(padded, allow)
     params = [i.params for i in inputs for _ in range(n_max)]
@@ -80,23 +79,22 @@ def node_histories(
 ) -> tuple[list[TokenHistory | None] | None, list[int]]:
     """Per padded node: the request's history extended by the path to it, and the tokens
     generated before the one it predicts. (None, ...) when no request keeps a history."""
-    generated = [i.sample_offset + d for i in inputs for d in _padded(i.tree.depths, n_max)]
+    generated = [i.sample_offset + d for i in inputs for d in _padded(i.tree.levels, n_max)]
     if all(i.history is None for i in inputs):
         return None, generated
     histories: list[TokenHistory | None] = []
     for inp in inputs:
         nodes: list[TokenHistory | None] = [inp.history] + [None] * (n_max - 1)
         if inp.history is not None:
-            toks, parents = inp.tree.tokens.tolist(), inp.tree.parents.tolist()
+            toks, parents = inp.tree.ids, inp.tree.parents
             for i in range(1, inp.tree.num_nodes):
                 nodes[i] = nodes[parents[i]].extended([toks[i]])
         histories.extend(nodes)
     return histories, generated
 
 
-def _padded(depths: torch.Tensor, n_max: int) -> list[int]:
-    d = depths.tolist()
-    return d + [0] * (n_max - len(d))
+def _padded(xs: tuple[int, ...], n_max: int, fill: int = 0) -> list[int]:
+    return [*xs, *[fill] * (n_max - len(xs))]
 
 
 def padded_row_index(

@@ -1,14 +1,14 @@
 """Tree verification on the target: every request's tree forwarded in one batch (prefix +
 ancestors + self mask, positions ``committed + depth``), a path of each accepted greedily or by
 lossless tree sampling (`acceptance`), and the path's KV kept by length (rollback is the KV
-cache's `accept_path`). Plain decoding is the one-node tree. The runtime owns every request's
+cache's `accept_paths`). Plain decoding is the one-node tree. The runtime owns every request's
 state; these functions only read and advance it through the runtime."""
 
 from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -33,31 +33,34 @@ class Tree:
     """A draft tree as the target verifies it: tokens and parent indices, node 0 the root,
     and what is derived from them (depths, the ancestor mask, first-child / next-sibling links),
     built and validated once (`from_parents`), so a tree from the wire cannot disagree with
-    itself."""
+    itself. What the forward reads is a tensor (one per field); what the acceptance reads stays
+    host ints, joined into one tensor for the batch (`acceptance.accept_trees`)."""
 
     tokens: torch.Tensor  # [N] int64, tokens[0] is the root (the request's pending token)
-    parents: torch.Tensor  # [N] int64, parents[0] == -1, parents[i] < i
     depths: torch.Tensor  # [N] int64
     mask: torch.Tensor  # [N, N] bool, i sees j iff j is an ancestor of i or j == i
-    first_child: torch.Tensor  # [N] int64, -1 for a leaf
-    next_sibling: torch.Tensor  # [N] int64, -1 for the last child
+    ids: tuple[int, ...]  # the tokens as host ints
+    parents: tuple[int, ...]  # parents[0] == -1, parents[i] < i
+    levels: tuple[int, ...]  # the depths as host ints
+    first_child: tuple[int, ...]  # -1 for a leaf
+    next_sibling: tuple[int, ...]  # -1 for the last child
 
     @property
     def num_nodes(self) -> int:
-        return self.tokens.numel()
+        return len(self.ids)
 
     @staticmethod
-    def from_parents(tokens: list[int] | torch.Tensor, parents: list[int] | torch.Tensor) -> Tree:
-        tokens_t = torch.as_tensor(
-            tokens, dtype=torch.int64, device="cpu"
-        )  # trees live on the host
-        par = [int(p) for p in parents]
+    def from_parents(
+        tokens: Sequence[int] | torch.Tensor, parents: Sequence[int] | torch.Tensor
+    ) -> Tree:
+        ids = tuple(int(t) for t in tokens)
+        par = tuple(int(p) for p in parents)
         n = len(par)
-        if n == 0 or tokens_t.numel() != n:
-            raise InvalidRequestError(f"tree has {tokens_t.numel()} tokens and {n} parents")
+        if n == 0 or len(ids) != n:
+            raise InvalidRequestError(f"tree has {len(ids)} tokens and {n} parents")
         if par[0] != -1 or any(not 0 <= p < i for i, p in enumerate(par) if i):
             raise InvalidRequestError(
-                f"tree parents must be -1 for node 0 and < i for node i: {par}"
+                f"tree parents must be -1 for node 0 and < i for node i: {list(par)}"
             )
         # Host lists first, one tensor per field at the end: a tree is small, a torch op per
         # node is not. ``seen[i]``: bit j set iff node j is i or one of its ancestors.
@@ -72,8 +75,10 @@ class Tree:
                 next_sibling[last_child[p]] = i
             last_child[p] = i
         mask = torch.tensor([[bits >> j & 1 for j in range(n)] for bits in seen], dtype=torch.bool)
-        as_t = lambda xs: torch.tensor(xs, dtype=torch.int64)
-        return Tree(tokens_t, as_t(par), as_t(depths), mask, as_t(first_child), as_t(next_sibling))
+        return Tree(
+            torch.tensor(ids, dtype=torch.int64), torch.tensor(depths, dtype=torch.int64), mask,
+            ids, par, tuple(depths), tuple(first_child), tuple(next_sibling),
+        )  # fmt: skip
 
     @staticmethod
     def chain(tokens: list[int]) -> Tree:
@@ -210,7 +215,7 @@ def decide(
     decided, start = [], 0
     for b, (row, path, h) in enumerate(zip(rows, paths, host, strict=True)):
         n, bonus = len(path), h[-1]
-        path_ids = row.tree.tokens[path].tolist()
+        path_ids = [row.tree.ids[i] for i in path]
         tokens = [*path_ids[1:], bonus]
         d = Decided(row, path, path_ids, tokens, _rows(feats, start, n))
         if row.params.logprobs is not None:  # node path[k]'s row drew tokens[k]
@@ -232,12 +237,12 @@ def keep(
     if features is None and decided and decided[0].features is not None:
         features = torch.cat([d.features for d in decided])
     out, key = StepOutput(features=features), rt.feature_key(feature)
+    trees = [(d.row.rid, d.path, d.row.tree.num_nodes) for d in decided]
+    rt.cache.accept_paths([t for t in trees if t[2] > 1])
     for d in decided:
-        rid, n = d.row.rid, d.row.tree.num_nodes
-        if n == 1:
+        rid = d.row.rid
+        if d.row.tree.num_nodes == 1:
             rt.cache.commit(rid, rt.cache.get(rid).committed_len + 1)
-        else:
-            rt.cache.accept_path(rid, d.path, n)
         rt.prefixes.extend(rid, d.path_ids, d.features, key)
         if d.logprobs is not None:
             out.logprobs[rid] = d.logprobs
