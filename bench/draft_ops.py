@@ -50,15 +50,17 @@ class OpCount(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def _patched(count: OpCount) -> Iterator[None]:
-    """Stages tagged, and the runners' forwards and the search body (graph replays on a GPU)
-    not counted."""
+def patched(
+    count: OpCount, stages: tuple[tuple[str, str | None, str, str], ...] = STAGES
+) -> Iterator[None]:
+    """``stages`` tagged (module, class or None for a module's function, name, label), and the
+    runners' forwards and the search body (graph replays on a GPU) not counted."""
     import importlib
 
     from specmesh.draft_service.search_graph import SearchGraphs
     from specmesh.runtime.graph_runner import GraphRunner
 
-    saved: list[tuple[type, str, Callable]] = []
+    saved: list[tuple[object, str, Callable]] = []
 
     def quiet(fn):
         def run(self, *args, **kwargs):
@@ -90,8 +92,9 @@ def _patched(count: OpCount) -> Iterator[None]:
     targets = [(GraphRunner, "_forward", quiet), (SearchGraphs, "_search", quiet)]
     for name in HOST_READS:  # no operator on CPU, a device-to-host copy and sync on a GPU
         targets.append((torch.Tensor, name, lambda fn, n=name: host_read(fn, f"{n} (host read)")))
-    for module, cls, name, label in STAGES:
-        owner = getattr(importlib.import_module(module), cls)
+    for module, cls, name, label in stages:
+        owner = importlib.import_module(module)
+        owner = owner if cls is None else getattr(owner, cls)
         targets.append((owner, name, lambda fn, label=label: tagged(fn, label)))
     for owner, name, wrap in targets:
         saved.append((owner, name, getattr(owner, name)))
@@ -120,7 +123,7 @@ def count_round_ops(models_dir: Path, batch_size: int, rounds: int) -> collectio
     rows = lambda n: torch.randn(n, width, generator=gen)
     runtime.step([ExtendInput(r, list(range(3, 40)), 50, rows(37), new=True) for r in rids])
     count = OpCount()
-    with _patched(count), count:
+    with patched(count), count:
         for _ in range(rounds):
             runtime.step([ExtendInput(r, [50, 51, 52], 53, rows(3)) for r in rids])
     return collections.Counter({k: v / rounds for k, v in count.counts.items()})

@@ -1,0 +1,24 @@
+"""The host work of a target verify, in operators dispatched outside its captured forward
+(`bench/verify_ops.py`): on a GPU each is a launch or a copy of a few microseconds, so the count
+may only go down, and what a request adds to a batch least of all. Counts are deterministic."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from specmesh.bench.draft_ops import split_reads
+from specmesh.bench.verify_ops import count_verify_ops
+
+# 91 / 280 while the kept paths were permuted one request at a time (a host-to-device copy and
+# three ops each) and the acceptance stacked every tree's tensors; lower these as the verify gets
+# shorter, never raise them for a feature.
+MAX_OPS = {1: 81, 8: 179}
+
+
+def test_a_verify_dispatches_at_most_its_budget(tmp_path: Path) -> None:
+    for batch, budget in MAX_OPS.items():
+        counts, reads = split_reads(count_verify_ops(tmp_path / "models", batch, rounds=2))
+        total = sum(counts.values())
+        assert 0 < total <= budget, (batch, total, counts.most_common(10))
+        assert {stage for stage, _ in counts} == {"rows", "decide", "keep"}
+        assert not reads.get("keep") and not reads.get("rows")  # the one read is decide's
