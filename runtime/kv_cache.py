@@ -139,7 +139,8 @@ class KVCache:
 
     def reserve_all(self, demands: dict[str, int]) -> None:
         """`reserve` for every request of ``demands`` (rid -> tokens): all checked first, then
-        the new slot ids written to the table in one host-to-device copy."""
+        the new slot ids written to the table (their places and values: one copy to the
+        device)."""
         needs = {}
         for rid, num_tokens in demands.items():
             self.get(rid)
@@ -166,12 +167,9 @@ class KVCache:
             pages.extend(new_pages)
         if not pages:
             return
-        slots = torch.tensor(pages, dtype=torch.int64)
-        if ps > 1:
-            slots = (slots[:, None] * ps + torch.arange(ps)).flatten()
-        dev = self.req_to_slot.device
-        index = torch.tensor(flat_index, dtype=torch.int64).to(dev)
-        self.req_to_slot.view(-1).index_copy_(0, index, slots.to(dev))
+        slots = [page * ps + i for page in pages for i in range(ps)]
+        both = torch.tensor([flat_index, slots], dtype=torch.int64).to(self.req_to_slot.device)
+        self.req_to_slot.view(-1).index_copy_(0, both[0], both[1])
 
     def release(self, rid: str) -> None:
         """Free ``rid``'s row and its own pages, then drop its prefix references."""
