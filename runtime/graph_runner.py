@@ -7,7 +7,7 @@ a captured batch size (`capture_batch_sizes`) and written into one set of static
 
     run(items):  can_run(items)                 same width, no embeddings, bs <= max_bs
                  bs = bucket_size(len(items))   the smallest captured batch size that holds them
-                 fill buffers (below)            reserve KV, copy ids / positions / metadata
+                 fill buffers (below)            reserve KV; ids, positions, indptrs: one copy
                  replay graph[bs]               (eager-static: call the model on the buffers)
                  unpad(output, raw_num_tokens)  EVERY output field cut back (invariant 2)
 
@@ -21,7 +21,10 @@ Buffer layout for a bucket of ``bs`` requests, ``raw_bs`` of them real (q = toke
 Padding requests are whole requests of ``q`` rows whose K/V all go to ``pad_slot`` (the cache's
 scratch slot, which no request owns), and which see only ``pad_slot``: they
 read and write nothing a real request owns, so they cannot corrupt real KV (capture runs a batch
-of padding requests only). Stale entries past the last indptr are never read. The buffers are
+of padding requests only). Stale entries past the last indptr are never read. The ids, positions and
+indptrs (`GraphBuffers.header`) are computed on the host for the whole bucket, padding included,
+and written with the KV slots' table indices in one copy; the slots are gathered into place
+from the request-to-slot table, the masks are one more copy. The buffers are
 sized by `GraphSizes` (the upper bounds ``max_bs * max_kv_per_req``, invariant 5); nothing on the
 replay path reads a size back from the device (invariant 3).
 
@@ -35,6 +38,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import TypeVar
 
+import numpy as np
 import torch
 
 from specmesh.runtime.attention.base import AttentionBackend, AttentionMetadata
@@ -42,8 +46,9 @@ from specmesh.runtime.kv_cache import KVCache
 from specmesh.runtime.model_runner import (
     BatchItem,
     ForwardModel,
-    build_batch,
-    reserve_batch,
+    HostLayout,
+    host_layout,
+    reserve_tokens,
 )
 from specmesh.runtime.models.layers import KVPair
 from specmesh.runtime.static_shapes import GraphBuffers, GraphSizes, Selectable, bucket_size, unpad
@@ -240,7 +245,10 @@ class GraphRunner:
     def _fill(
         self, items: list[BatchItem], hidden_in: torch.Tensor | None, bs: int
     ) -> AttentionMetadata:
-        """Reserve the real requests' KV and copy the padded batch into the static buffers."""
+        """Reserve the real requests' KV and write the padded batch into the static buffers:
+        its integers computed on the host (`host_layout`, the padding's included) and copied
+        to the device at once, the header straight from there, the KV slots gathered from the
+        request-to-slot table into place."""
         q, buf = self.sizes.tokens_per_req, self.buffers
         raw_bs, num_pad = len(items), bs - len(items)
         raw = raw_bs * q
@@ -250,43 +258,69 @@ class GraphRunner:
         pad_mask = num_pad * q * q if self.sizes.has_mask else 0
         self.sizes.check(bs, kv_raw + num_pad * q, mask_raw + pad_mask)
         if items:
-            reserve_batch(self.cache, items)
-            batch = build_batch(self.cache, items, with_cpu=False)
-            real = batch.meta
-            buf.kv_indptr[: raw_bs + 1].copy_(real.kv_indptr)
-            buf.kv_indices[:kv_raw].copy_(real.kv_indices)
-            buf.out_slots[:raw].copy_(real.out_slots)
-            buf.input_ids[:raw].copy_(batch.input_ids)
-            buf.positions[:raw].copy_(batch.positions)
-            if buf.custom_mask is not None:
-                buf.custom_mask[:mask_raw].copy_(real.custom_mask)
-                buf.mask_indptr[: raw_bs + 1].copy_(real.mask_indptr)
-            if hidden_in is not None:
-                buf.hidden_in[:raw].copy_(hidden_in)
-        else:
-            buf.kv_indptr[0] = 0
-            if buf.mask_indptr is not None:
-                buf.mask_indptr[0] = 0
+            reserve_tokens(self.cache, {it.rid: n for it, n in zip(items, kv_lens, strict=True)})
+        lay = host_layout(self.cache, items, masks=self.sizes.has_mask)
+        staged = torch.from_numpy(self._host_ints(lay, num_pad, kv_raw, mask_raw))
+        staged = staged.to(buf.header.device)  # the one copy of the batch's integers
+        head = buf.header.numel()
+        buf.header.copy_(staged[:head])
+        table = self.cache.req_to_slot.view(-1)
+        torch.index_select(table, 0, staged[head : head + kv_raw], out=buf.kv_indices[:kv_raw])
+        torch.index_select(table, 0, staged[head + kv_raw :], out=buf.out_slots[:raw])
+        if lay.ids is None:  # ids already on the device
+            buf.input_ids[:raw].copy_(torch.cat([it.input_ids for it in items]))
+        if lay.masks:
+            buf.custom_mask[:mask_raw].copy_(torch.cat([m.flatten() for m in lay.masks]))
+        if hidden_in is not None:
+            buf.hidden_in[:raw].copy_(hidden_in)
         if num_pad:
-            self.fill_padding(raw_bs, num_pad, kv_raw, mask_raw)
+            self._pad_rows(raw_bs, num_pad, kv_raw, mask_raw)
         cpu = [*kv_lens, *[q] * num_pad] if self.backend.needs_cpu_metadata else None
         return buf.metadata(bs, q, cpu)
 
+    def _host_ints(self, lay: HostLayout, num_pad: int, kv_raw: int, mask_raw: int) -> np.ndarray:
+        """The header (`GraphBuffers.header`: ids, positions, kv and mask indptrs, the padding
+        requests' included), then the table indices the KV slots are gathered from."""
+        n, b, q = self.buffers.input_ids.numel(), self.sizes.max_bs + 1, self.sizes.tokens_per_req
+        raw_bs = len(lay.kv_indptr) - 1
+        raw = raw_bs * q
+        head = np.zeros(2 * n + 2 * b, dtype=np.int64)  # padding rows: token 0 at position 0
+        if lay.ids is not None:
+            head[:raw] = lay.ids
+        head[n : n + raw] = lay.positions
+        steps = np.arange(1, num_pad + 1, dtype=np.int64) * q  # padding requests: q rows each
+        kv = 2 * n
+        head[kv : kv + raw_bs + 1] = lay.kv_indptr
+        head[kv + raw_bs + 1 : kv + raw_bs + 1 + num_pad] = kv_raw + steps
+        if lay.mask_indptr is not None:
+            m = kv + b
+            head[m : m + raw_bs + 1] = lay.mask_indptr
+            head[m + raw_bs + 1 : m + raw_bs + 1 + num_pad] = mask_raw + steps * q
+        return np.concatenate([head, lay.kv_at, lay.out_at])
+
     def fill_padding(self, raw_bs: int, num_pad: int, kv_raw: int, mask_raw: int) -> None:
-        """Padding requests after the ``raw_bs`` real ones: q rows each, their K/V in pad_slot,
-        seeing only pad_slot. (A batch that fills its bucket has none: none of these ops runs,
-        each a dispatch, and on a GPU a launch, in every draft step.)"""
+        """Padding requests after the ``raw_bs`` real ones, for a caller that lays a batch out
+        itself (a draft search): q rows each, their K/V in pad_slot, seeing only pad_slot. (A
+        batch that fills its bucket has none: none of these ops runs, each a dispatch, and on
+        a GPU a launch, in every draft step.)"""
         q, buf = self.sizes.tokens_per_req, self.buffers
         bs, raw = raw_bs + num_pad, raw_bs * q
         n = bs * q
         buf.kv_indptr[raw_bs + 1 : bs + 1].copy_(buf.pad_rows[:num_pad] + kv_raw)
-        buf.kv_indices[kv_raw : kv_raw + num_pad * q].fill_(self.pad_slot)
-        buf.out_slots[raw:n].fill_(self.pad_slot)
         buf.input_ids[raw:n].zero_()
         buf.positions[raw:n].zero_()
+        if buf.custom_mask is not None:
+            buf.mask_indptr[raw_bs + 1 : bs + 1].copy_(buf.pad_rows[:num_pad] * q + mask_raw)
+        self._pad_rows(raw_bs, num_pad, kv_raw, mask_raw)
+
+    def _pad_rows(self, raw_bs: int, num_pad: int, kv_raw: int, mask_raw: int) -> None:
+        """The padding requests' rows outside the header: K/V slots, input hidden, masks."""
+        q, buf = self.sizes.tokens_per_req, self.buffers
+        raw, n = raw_bs * q, (raw_bs + num_pad) * q
+        buf.kv_indices[kv_raw : kv_raw + num_pad * q].fill_(self.pad_slot)
+        buf.out_slots[raw:n].fill_(self.pad_slot)
         if buf.hidden_in is not None:
             buf.hidden_in[raw:n].zero_()
         if buf.custom_mask is not None:
             pad_mask = num_pad * q * q
             buf.custom_mask[mask_raw : mask_raw + pad_mask].copy_(buf.pad_mask[:pad_mask])
-            buf.mask_indptr[raw_bs + 1 : bs + 1].copy_(buf.pad_rows[:num_pad] * q + mask_raw)

@@ -56,46 +56,80 @@ def build_metadata(
     return build_batch(cache, items, with_cpu=with_cpu).meta
 
 
-def build_batch(cache: KVCache, items: list[BatchItem], *, with_cpu: bool = True) -> DeviceBatch:
-    """Ragged metadata, token ids and positions for ``items``. ``with_cpu=False`` leaves the
-    metadata's CPU-side fields ``None``, as the sync-free GPU path does (invariant 3); backends
-    that need them must cope. Every integer is computed on the host (numpy) and copied to the
-    device at once, where the slots are gathered from the request-to-slot table (ids already on
-    the device, a draft step's, are joined there); a custom mask is one more copy."""
+_NONE = np.zeros(0, dtype=np.int64)  # what an empty batch concatenates to
+
+
+@dataclass
+class HostLayout:
+    """A ragged batch's integers, computed on the host (numpy): flat indices into the cache's
+    request-to-slot table of every row's KV (``kv_at``) and of its new tokens' slots
+    (``out_at``), the indptrs, positions, token ids (None when they are on the device) and
+    the custom masks (None when no item has one)."""
+
+    kv_at: np.ndarray
+    out_at: np.ndarray
+    qo_indptr: np.ndarray
+    kv_indptr: np.ndarray
+    positions: np.ndarray
+    ids: np.ndarray | None
+    masks: list[torch.Tensor] | None
+    mask_indptr: np.ndarray | None
+
+
+def host_layout(cache: KVCache, items: list[BatchItem], *, masks: bool = False) -> HostLayout:
+    """`HostLayout` of ``items``; ``masks``: every item's full mask (causal where it has
+    none), else only when one has a mask."""
     q_lens = [it.q_len for it in items]
     kv_lens = [it.start + it.q_len for it in items]
     table = cache.req_to_slot
     row = np.array([cache.get(it.rid).row for it in items], dtype=np.int64) * table.shape[1]
     qo_indptr, kv_indptr = _indptr(q_lens), _indptr(kv_lens)
     on_host = all(it.input_ids.device.type == "cpu" for it in items)
-    parts = [
+    with_masks = masks or any(it.mask is not None for it in items)
+    full = [_full_mask(it) for it in items] if with_masks else None
+    return HostLayout(
         _segments(row, kv_indptr),  # token indices 0 .. kv_len of each row
         _segments(row + np.array([it.start for it in items], dtype=np.int64), qo_indptr),
         qo_indptr,
         kv_indptr,
-        np.concatenate([_positions(it) for it in items]),
-        np.concatenate([it.input_ids.numpy() for it in items]) if on_host else np.zeros(0),
-    ]
-    masks = None
-    if any(it.mask is not None for it in items):
-        masks = [_full_mask(it) for it in items]
-        parts.append(_indptr([m.numel() for m in masks]))
+        np.concatenate([_NONE, *(_positions(it) for it in items)]),
+        np.concatenate([_NONE, *(it.input_ids.numpy() for it in items)]) if on_host else None,
+        full,
+        None if full is None else _indptr([m.numel() for m in full]),
+    )
+
+
+def build_batch(cache: KVCache, items: list[BatchItem], *, with_cpu: bool = True) -> DeviceBatch:
+    """Ragged metadata, token ids and positions for ``items``. ``with_cpu=False`` leaves the
+    metadata's CPU-side fields ``None``, as the sync-free GPU path does (invariant 3); backends
+    that need them must cope. Every integer is computed on the host (`host_layout`) and copied
+    to the device at once, where the slots are gathered from the request-to-slot table (ids
+    already on the device, a draft step's, are joined there); a custom mask is one more copy."""
+    lay = host_layout(cache, items)
+    parts = [lay.kv_at, lay.out_at, lay.qo_indptr, lay.kv_indptr, lay.positions,
+             _NONE if lay.ids is None else lay.ids]  # fmt: skip
+    if lay.mask_indptr is not None:
+        parts.append(lay.mask_indptr)
+    table = cache.req_to_slot
     dev = table.device
     flat = torch.from_numpy(np.concatenate(parts).astype(np.int64, copy=False)).to(dev)
     kv_at, out_at, qo, kv, positions, ids, *mask_indptr = flat.split([len(a) for a in parts])
+    q_lens, kv_lens = [it.q_len for it in items], [it.start + it.q_len for it in items]
     meta = AttentionMetadata(
         qo_indptr=qo,
         kv_indptr=kv,
         kv_indices=table.view(-1)[kv_at],
         out_slots=table.view(-1)[out_at],
-        custom_mask=None if masks is None else torch.cat([m.flatten() for m in masks]).to(dev),
+        custom_mask=None
+        if lay.masks is None
+        else torch.cat([m.flatten() for m in lay.masks]).to(dev),
         mask_indptr=mask_indptr[0] if mask_indptr else None,
         q_lens_cpu=q_lens if with_cpu else None,
         kv_lens_cpu=kv_lens if with_cpu else None,
         max_q_len=max(q_lens) if with_cpu else None,
         max_kv_len=max(kv_lens) if with_cpu else None,
     )
-    if not on_host:
+    if lay.ids is None:
         ids = torch.cat([it.input_ids.to(dev) for it in items])
     return DeviceBatch(meta, ids, positions)
 

@@ -180,6 +180,10 @@ def draft_extend_sizes(max_bs: int, width: int, max_context: int) -> GraphSizes:
 class GraphBuffers:
     """Everything a captured forward reads, allocated once at the sizes' upper bounds."""
 
+    # [2 * max_num_tokens + 2 * (max_bs + 1)] int64: input_ids, positions, kv_indptr and
+    # mask_indptr, in that order (the fields below are views of it), so a runner writes all four
+    # from the host in one copy
+    header: torch.Tensor
     input_ids: torch.Tensor  # [max_num_tokens] int64
     positions: torch.Tensor  # [max_num_tokens] int64
     out_slots: torch.Tensor  # [max_num_tokens] int64, where each row's K/V is written
@@ -202,17 +206,20 @@ class GraphBuffers:
         n, q, bs = sizes.max_num_tokens, sizes.tokens_per_req, sizes.max_bs
         ints = dict(dtype=torch.int64, device=device)
         tril = torch.ones(q, q, dtype=torch.bool, device=device).tril().flatten()
+        header = torch.zeros(2 * n + 2 * (bs + 1), **ints)
+        input_ids, positions, kv_indptr, mask_indptr = header.split([n, n, bs + 1, bs + 1])
         return GraphBuffers(
-            input_ids=torch.zeros(n, **ints),
-            positions=torch.zeros(n, **ints),
+            header=header,
+            input_ids=input_ids,
+            positions=positions,
             out_slots=torch.full((n,), pad_slot, **ints),
             qo_indptr=torch.arange(0, (bs + 1) * q, q, **ints),
-            kv_indptr=torch.zeros(bs + 1, **ints),
+            kv_indptr=kv_indptr,
             kv_indices=torch.full((sizes.kv_indices_capacity,), pad_slot, **ints),
             custom_mask=torch.zeros(sizes.mask_capacity, dtype=torch.bool, device=device)
             if sizes.has_mask
             else None,
-            mask_indptr=torch.zeros(bs + 1, **ints) if sizes.has_mask else None,
+            mask_indptr=mask_indptr if sizes.has_mask else None,
             hidden_in=None
             if hidden_in is None
             else torch.zeros(n, hidden_in[0], dtype=hidden_in[1], device=device),
