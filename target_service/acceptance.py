@@ -118,5 +118,9 @@ def _row_index(counts: tuple[int, ...], n_max: int, device: str) -> torch.Tensor
 
 
 def pad_rows(x: torch.Tensor, counts: list[int], n_max: int) -> torch.Tensor:
+    """``x``'s rows (each request's ``counts[b]`` in turn) as ``[bs, n_max, ...]``, padding
+    rows copying row 0; trees of equal size are the grid already (a view, nothing copied)."""
+    if all(c == n_max for c in counts):
+        return x.view(len(counts), n_max, *x.shape[1:])
     idx = padded_row_index(counts, n_max, x.device)
     return x[idx].view(len(counts), n_max, *x.shape[1:])
