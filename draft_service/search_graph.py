@@ -76,8 +76,8 @@ class SearchGraphs:
         for step, runner in self.runners.items():
             self.metas[id(runner)], bucket = batch.layout(runner, step)
         n = bs * k
-        self.logits[:bs].copy_(torch.stack([s.logits for s in states]))
-        self.hidden[:bs].copy_(torch.stack([s.hidden for s in states]))
+        torch.stack([s.logits for s in states], out=self.logits[:bs])
+        torch.stack([s.hidden for s in states], out=self.hidden[:bs])
         self.roots[:bs].copy_(torch.tensor(roots))
         self.positions[:n].copy_(batch.positions)
         self.out_slots[:, :n].copy_(batch.out_slots)
