@@ -16,8 +16,9 @@ from specmesh.bench.round_trace import trace_rounds
 # once `always` recorded no costs for the adaptive policy and verifies reused their feature key;
 # 148 in 42 once a round looked for a draft to give back only while a request ran without one;
 # 146 in 35 once the verify indexed its accepted rows from the paths it reads back anyway, the
-# static-shape sizes, buffers and padding were one module and the target's tree its verify's.)
-MAX_FUNCTIONS, MAX_FILES = 146, 35
+# static-shape sizes, buffers and padding were one module and the target's tree its verify's;
+# 145 once a graph runner reserved the KV lengths it had computed.)
+MAX_FUNCTIONS, MAX_FILES = 145, 35
 OFF = ("PreDrafter", "PredraftBudget", "PredraftRuntime", "DraftGrammars", "RunAhead",
        "TensorParallel", "_send_ahead")  # fmt: skip
 
