@@ -140,24 +140,35 @@ def split_reads(counts: collections.Counter) -> tuple[collections.Counter, colle
     return ops, reads
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m specmesh.bench.draft_ops", description=__doc__,
+def parse_args(prog: str, doc: str, batch_size: int, argv: list[str] | None) -> argparse.Namespace:
+    """The command line of an operator count (this one's, `bench.verify_ops`')."""
+    p = argparse.ArgumentParser(prog=f"python -m {prog}", description=doc,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=batch_size)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--top", type=int, default=25, help="operators listed")
     p.add_argument("--models", help="where the tiny pair is built (default: a temp dir)")
-    args = p.parse_args(argv)
-    counts = count_round_ops(Path(args.models or tempfile.mkdtemp()), args.batch_size, args.rounds)
+    return p.parse_args(argv)
+
+
+def report(counts: collections.Counter, batch_size: int, what: str, top: int) -> None:
+    """The total of ``counts`` (``what``: what they are counted for), per stage, and the
+    ``top`` (stage, operator) rows."""
     ops, reads = split_reads(counts)
     stages = collections.Counter()
     for (stage, _), n in ops.items():
         stages[stage] += n
-    print(f"batch {args.batch_size}: {sum(ops.values()):.0f} operators a round outside the "
-          f"captured forwards ({', '.join(f'{s} {n:.0f}' for s, n in stages.most_common())}); "
+    print(f"batch {batch_size}: {sum(ops.values()):.0f} operators {what} "
+          f"({', '.join(f'{s} {n:.0f}' for s, n in stages.most_common())}); "
           f"host reads: {dict(reads) or 'none'}")  # fmt: skip
-    for (stage, op), n in counts.most_common(args.top):
+    for (stage, op), n in counts.most_common(top):
         print(f"  {stage:8s} {op:44s} {n:6.1f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args("specmesh.bench.draft_ops", __doc__, 1, argv)
+    counts = count_round_ops(Path(args.models or tempfile.mkdtemp()), args.batch_size, args.rounds)
+    report(counts, args.batch_size, "a round outside the captured forwards", args.top)
     return 0
 
 

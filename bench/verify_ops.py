@@ -13,14 +13,13 @@ the batch is per-request work. Counts are deterministic.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import tempfile
 from pathlib import Path
 
 import torch
 
-from specmesh.bench.draft_ops import OpCount, patched, split_reads
+from specmesh.bench.draft_ops import OpCount, parse_args, patched, report
 
 NUM_NODES = 8
 PARENTS = (-1, 0, 0, 1, 1, 2, 3, 5)  # a top-2 tree of 8 nodes
@@ -58,24 +57,10 @@ def count_verify_ops(models_dir: Path, batch_size: int, rounds: int) -> collecti
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m specmesh.bench.verify_ops", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--top", type=int, default=25, help="operators listed")
-    p.add_argument("--models", help="where the tiny pair is built (default: a temp dir)")
-    args = p.parse_args(argv)
+    args = parse_args("specmesh.bench.verify_ops", __doc__, 8, argv)
     torch.set_num_threads(1)
     counts = count_verify_ops(Path(args.models or tempfile.mkdtemp()), args.batch_size, args.rounds)
-    ops, reads = split_reads(counts)
-    stages = collections.Counter()
-    for (stage, _), n in ops.items():
-        stages[stage] += n
-    print(f"batch {args.batch_size}: {sum(ops.values()):.0f} operators a verify outside the "
-          f"captured forward ({', '.join(f'{s} {n:.0f}' for s, n in stages.most_common())}); "
-          f"host reads: {dict(reads) or 'none'}")  # fmt: skip
-    for (stage, op), n in counts.most_common(args.top):
-        print(f"  {stage:8s} {op:44s} {n:6.1f}")
+    report(counts, args.batch_size, "a verify outside the captured forward", args.top)
     return 0
 
 
