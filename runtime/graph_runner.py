@@ -270,7 +270,7 @@ class GraphRunner:
         if lay.ids is None:  # ids already on the device
             buf.input_ids[:raw].copy_(torch.cat([it.input_ids for it in items]))
         if lay.masks:
-            buf.custom_mask[:mask_raw].copy_(torch.cat([m.flatten() for m in lay.masks]))
+            buf.custom_mask[:mask_raw].copy_(lay.mask())
         if hidden_in is not None:
             buf.hidden_in[:raw].copy_(hidden_in)
         if num_pad:

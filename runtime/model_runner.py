@@ -25,8 +25,8 @@ class BatchItem:
     rid: str
     input_ids: torch.Tensor  # [q_len] int64
     start: int  # token index of the first new token in the request's KV row
-    positions: torch.Tensor | None = None  # [q_len]; default start + arange(q_len)
-    mask: torch.Tensor | None = None  # [q_len, start + q_len] bool; None = causal
+    positions: torch.Tensor | None = None  # [q_len] on the host; default start + arange(q_len)
+    mask: torch.Tensor | None = None  # [q_len, start + q_len] bool on the host; None = causal
     input_embeds: torch.Tensor | None = None  # [q_len, hidden]; replaces the token embedding
 
     @property
@@ -64,7 +64,7 @@ class HostLayout:
     """A ragged batch's integers, computed on the host (numpy): flat indices into the cache's
     request-to-slot table of every row's KV (``kv_at``) and of its new tokens' slots
     (``out_at``), the indptrs, positions, token ids (None when they are on the device) and
-    the custom masks (None when no item has one)."""
+    the custom masks (None when no item has one; `mask` joins them into one tensor)."""
 
     kv_at: np.ndarray
     out_at: np.ndarray
@@ -72,8 +72,12 @@ class HostLayout:
     kv_indptr: np.ndarray
     positions: np.ndarray
     ids: np.ndarray | None
-    masks: list[torch.Tensor] | None
+    masks: list[np.ndarray] | None
     mask_indptr: np.ndarray | None
+
+    def mask(self) -> torch.Tensor:
+        """The masks, flat and joined, on the host: what a batch's ``custom_mask`` holds."""
+        return torch.from_numpy(np.concatenate([m.ravel() for m in self.masks or ()]))
 
 
 def host_layout(cache: KVCache, items: list[BatchItem], *, masks: bool = False) -> HostLayout:
@@ -95,7 +99,7 @@ def host_layout(cache: KVCache, items: list[BatchItem], *, masks: bool = False) 
         np.concatenate([_NONE, *(_positions(it) for it in items)]),
         np.concatenate([_NONE, *(it.input_ids.numpy() for it in items)]) if on_host else None,
         full,
-        None if full is None else _indptr([m.numel() for m in full]),
+        None if full is None else _indptr([m.size for m in full]),
     )
 
 
@@ -120,9 +124,7 @@ def build_batch(cache: KVCache, items: list[BatchItem], *, with_cpu: bool = True
         kv_indptr=kv,
         kv_indices=table.view(-1)[kv_at],
         out_slots=table.view(-1)[out_at],
-        custom_mask=None
-        if lay.masks is None
-        else torch.cat([m.flatten() for m in lay.masks]).to(dev),
+        custom_mask=None if lay.masks is None else lay.mask().to(dev),
         mask_indptr=mask_indptr[0] if mask_indptr else None,
         q_lens_cpu=q_lens if with_cpu else None,
         kv_lens_cpu=kv_lens if with_cpu else None,
@@ -149,11 +151,11 @@ def _segments(first: np.ndarray, indptr: np.ndarray) -> np.ndarray:
     return np.repeat(first - indptr[:-1], np.diff(indptr)) + np.arange(indptr[-1])
 
 
-def _full_mask(it: BatchItem) -> torch.Tensor:
-    if it.mask is not None:
-        return it.mask.bool()
+def _full_mask(it: BatchItem) -> np.ndarray:
+    if it.mask is not None:  # a host tensor: a view, nothing copied
+        return it.mask.numpy().astype(bool, copy=False)
     kv_len = it.start + it.q_len
-    return torch.arange(kv_len)[None, :] <= torch.arange(it.q_len)[:, None] + it.start
+    return np.arange(kv_len)[None, :] <= np.arange(it.q_len)[:, None] + it.start
 
 
 def reserve_batch(cache: KVCache, items: list[BatchItem]) -> None:

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from specmesh.protocol.errors import InvalidRequestError, KVCacheFullError, SpecmeshError
@@ -159,8 +160,9 @@ def _verify_item(rt: TargetRuntime, row: VerifyRow, demand: dict[str, int]) -> B
         )
     if n == 1:  # plain decode sees its whole prefix: causal, the decode graph's mode
         return BatchItem(row.rid, row.tree.tokens, base)
-    mask = torch.cat([torch.ones(n, base, dtype=torch.bool), row.tree.mask], dim=1)
-    return BatchItem(row.rid, row.tree.tokens, base, base + row.tree.depths, mask)
+    mask = np.ones((n, base + n), dtype=bool)  # the prefix, then the tree's ancestors
+    mask[:, base:] = row.tree.mask.numpy()
+    return BatchItem(row.rid, row.tree.tokens, base, base + row.tree.depths, torch.from_numpy(mask))
 
 
 @dataclass
