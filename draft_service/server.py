@@ -7,6 +7,8 @@ pending token). Request ownership by stream and the stream's cleanup are `ModelS
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from specmesh import __version__
@@ -244,7 +246,7 @@ def _check_rows(
         raise CodecError(
             f"tensor '{name}': dtype {DTYPE_NAMES[t.dtype]}, expected the target's {want}"
         )
-    if bool(torch.isfinite(t.sum(dtype=torch.float32))):  # one pass; else find the rows
+    if math.isfinite(t.sum(dtype=torch.float32).item()):  # one pass; else find the rows
         return
     bad_rows = (~torch.isfinite(t).all(dim=1)).nonzero().flatten()
     if not len(bad_rows):  # finite values whose fp32 sum overflowed
