@@ -7,8 +7,6 @@ pending token). Request ownership by stream and the stream's cleanup are `ModelS
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from specmesh import __version__
@@ -23,7 +21,7 @@ from specmesh.rpc.ownership import StreamOwner
 from specmesh.rpc.security import model_name
 from specmesh.rpc.service_common import ModelServicer, ServiceHost, log_failure
 from specmesh.rpc.wire import constraint_from_pb, needs_to_pb, readable_constraints, status_pb
-from specmesh.runtime.codec import DTYPE_NAMES, DTYPES, join_hidden_states
+from specmesh.runtime.codec import DTYPE_NAMES, DTYPES, all_finite, join_hidden_states
 from specmesh.runtime.config import parse_dtype
 from specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
@@ -246,11 +244,9 @@ def _check_rows(
         raise CodecError(
             f"tensor '{name}': dtype {DTYPE_NAMES[t.dtype]}, expected the target's {want}"
         )
-    if math.isfinite(t.sum(dtype=torch.float32).item()):  # one pass; else find the rows
+    if all_finite(t):  # one pass; else find the rows
         return
     bad_rows = (~torch.isfinite(t).all(dim=1)).nonzero().flatten()
-    if not len(bad_rows):  # finite values whose fp32 sum overflowed
-        return
     bounds = torch.tensor(rows).cumsum(0)
     positions = torch.searchsorted(bounds, bad_rows, right=True).unique().tolist()
     raise CodecError(

@@ -20,6 +20,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 
 from specmesh.protocol.codec import (
@@ -42,6 +43,24 @@ DTYPES: dict[str, torch.dtype] = {
 }
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 assert set(DTYPES) == set(ITEMSIZE), "every wire dtype has a torch dtype"
+
+# A float is NaN or Inf exactly when its exponent bits are all set: (the same-width int view,
+# the exponent's bits) per float dtype.
+_EXPONENT_BITS = {
+    torch.bfloat16: (torch.int16, 0x7F80),
+    torch.float16: (torch.int16, 0x7C00),
+    torch.float32: (torch.int32, 0x7F800000),
+}
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether a host float tensor holds no NaN or Inf: one pass over its bits (numpy), a
+    third of what summing it in fp32 costs and free of that sum's overflow."""
+    view, bits = _EXPONENT_BITS[t.dtype]
+    if not t.numel():
+        return True
+    return int(np.bitwise_and(t.contiguous().view(view).numpy(), bits).max()) != bits
+
 
 # tensor_of views immutable bytes on purpose (see the module docstring). torch warns about that
 # once per process (TORCH_WARN_ONCE); spend the warning here, silenced, without touching the

@@ -15,6 +15,7 @@ from specmesh.protocol.codec import (
 )
 from specmesh.runtime.codec import (
     DTYPES,
+    all_finite,
     join_hidden_states,
     rows_of,
     split_hidden_states,
@@ -169,3 +170,17 @@ def test_limits() -> None:
         "grpc.max_send_message_length": GRPC_MAX_MESSAGE_BYTES,
         "grpc.max_receive_message_length": GRPC_MAX_MESSAGE_BYTES,
     }
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_all_finite_finds_every_nan_and_inf_and_nothing_else(dtype: torch.dtype) -> None:
+    """The draft's check of the feature rows it receives: exactly the non-finite values, the
+    largest finite ones (whose fp32 sum would overflow) and an empty tensor passing."""
+    t = torch.randn(5, 64, generator=torch.Generator().manual_seed(0)).to(dtype)
+    assert all_finite(t) and all_finite(t[:0])
+    assert all_finite(torch.full((64, 64), torch.finfo(dtype).max, dtype=dtype))
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        u = t.clone()
+        u[3, 7] = bad
+        assert not all_finite(u)
+        assert not all_finite(u[2:4, 5:9])  # a view that is not contiguous
