@@ -269,8 +269,8 @@ class GraphRunner:
         torch.index_select(table, 0, staged[head + kv_raw :], out=buf.out_slots[:raw])
         if lay.ids is None:  # ids already on the device
             buf.input_ids[:raw].copy_(torch.cat([it.input_ids for it in items]))
-        if lay.masks:
-            buf.custom_mask[:mask_raw].copy_(lay.mask())
+        if lay.mask is not None and mask_raw:
+            buf.custom_mask[:mask_raw].copy_(torch.from_numpy(lay.mask))
         if hidden_in is not None:
             buf.hidden_in[:raw].copy_(hidden_in)
         if num_pad:

@@ -57,6 +57,7 @@ def build_metadata(
 
 
 _NONE = np.zeros(0, dtype=np.int64)  # what an empty batch concatenates to
+_NO_MASK = np.zeros(0, dtype=bool)
 
 
 @dataclass
@@ -64,7 +65,7 @@ class HostLayout:
     """A ragged batch's integers, computed on the host (numpy): flat indices into the cache's
     request-to-slot table of every row's KV (``kv_at``) and of its new tokens' slots
     (``out_at``), the indptrs, positions, token ids (None when they are on the device) and
-    the custom masks (None when no item has one; `mask` joins them into one tensor)."""
+    the custom masks, flat and joined (None when no item has one), and where each begins."""
 
     kv_at: np.ndarray
     out_at: np.ndarray
@@ -72,12 +73,8 @@ class HostLayout:
     kv_indptr: np.ndarray
     positions: np.ndarray
     ids: np.ndarray | None
-    masks: list[np.ndarray] | None
+    mask: np.ndarray | None  # bool: what a batch's ``custom_mask`` holds
     mask_indptr: np.ndarray | None
-
-    def mask(self) -> torch.Tensor:
-        """The masks, flat and joined, on the host: what a batch's ``custom_mask`` holds."""
-        return torch.from_numpy(np.concatenate([m.ravel() for m in self.masks or ()]))
 
 
 def host_layout(cache: KVCache, items: list[BatchItem], *, masks: bool = False) -> HostLayout:
@@ -98,7 +95,7 @@ def host_layout(cache: KVCache, items: list[BatchItem], *, masks: bool = False) 
         kv_indptr,
         np.concatenate([_NONE, *(_positions(it) for it in items)]),
         np.concatenate([_NONE, *(it.input_ids.numpy() for it in items)]) if on_host else None,
-        full,
+        None if full is None else np.concatenate([_NO_MASK, *(m.ravel() for m in full)]),
         None if full is None else _indptr([m.size for m in full]),
     )
 
@@ -124,7 +121,7 @@ def build_batch(cache: KVCache, items: list[BatchItem], *, with_cpu: bool = True
         kv_indptr=kv,
         kv_indices=table.view(-1)[kv_at],
         out_slots=table.view(-1)[out_at],
-        custom_mask=None if lay.masks is None else lay.mask().to(dev),
+        custom_mask=None if lay.mask is None else torch.from_numpy(lay.mask).to(dev),
         mask_indptr=mask_indptr[0] if mask_indptr else None,
         q_lens_cpu=q_lens if with_cpu else None,
         kv_lens_cpu=kv_lens if with_cpu else None,
