@@ -126,6 +126,37 @@ def test_verify_keeps_accepted_path_kv_by_length(tiny_dir: Path, oracle) -> None
     assert out.tokens["r0"] == [ref[4]]
 
 
+def test_verify_answers_the_feature_rows_of_each_accepted_path(tiny_dir: Path, oracle) -> None:
+    """The rows a verify answers (what the draft extends over) are the accepted nodes' own, in
+    request order: against transformers' hidden states of prompt + path, for a batch whose
+    first request accepts a branch that is not the first."""
+    target, ids = tiny_dir / "target", (2, 3, 1)
+    rt = TargetRuntime(
+        TargetConfig(str(target), num_kv_slots=512, aux_layer_ids=ids, aux_convention="input")
+    )
+    rt.configure(FeatureSpec(Feature.AUX_HIDDEN))
+    prompts = {"r0": [3, 4, 5, 6], "r1": [9, 8, 7]}
+    refs = {rid: oracle(target, p, 4) for rid, p in prompts.items()}
+    params = SamplingParams()
+    rt.prefill([PrefillInput(rid, p, params) for rid, p in prompts.items()], Feature.AUX_HIDDEN)
+    r0, r1 = refs["r0"], refs["r1"]
+    wrong = (r0[1] + 1) % 300
+    trees = [
+        VerifyInput("r0", DraftTree.of([r0[0], wrong, r0[1], r0[2]], [-1, 0, 0, 2])),
+        VerifyInput("r1", DraftTree.chain([r1[0], r1[1]])),
+    ]
+    out = rt.verify(trees, Feature.AUX_HIDDEN)
+    assert out.tokens == {"r0": r0[1:4], "r1": r1[1:3]}
+    expected = []
+    for rid, accepted in (("r0", 3), ("r1", 2)):
+        seq = prompts[rid] + refs[rid][:accepted]
+        hs = _hf_logits(target, seq, output_hidden_states=True).hidden_states
+        expected.append(torch.cat([hs[i][0] for i in ids], -1)[len(prompts[rid]) :])
+    torch.testing.assert_close(
+        out.features, torch.cat(expected), **reorder_tolerance(torch.float32)
+    )
+
+
 def test_chunked_prefill_on_cached_prefix_equals_full_prefill(tiny_dir: Path) -> None:
     target = tiny_dir / "target"
     prompt = list(range(20, 57))
