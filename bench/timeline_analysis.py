@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from specmesh.bench.timeline_hops import format_hops, hop_segments
+
 ROUND = "round"
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 COPY_CALLS = ("cudaMemcpyAsync", "cudaMemcpy")
@@ -106,7 +108,7 @@ class Timeline:
         rounds = sorted((s.start, s.end) for s in spans if s.label == ROUND)
         if not rounds:
             raise ValueError("no round span: nothing to split")
-        self.rounds = rounds
+        self.rounds, self.spans = rounds, spans
         self._starts = [r[0] for r in rounds]
         self.totals: dict[tuple[str, str], StageTotals] = defaultdict(StageTotals)
         self._by_thread: dict[tuple[str, int], list[Span]] = defaultdict(list)
@@ -233,6 +235,7 @@ class Timeline:
             "device_busy_ms_per_round": sum(self.busy_ns) / 1e6 / n,
             "device_calls_of_unmatched_threads": self.by_time_only,
             "hops": self.hops(),
+            "hop_segments": hop_segments(self.spans, lambda t: self.round_of(t) is not None),
             "tokens_per_round": tokens_per_round,
             "stages": stages,
         }  # fmt: skip
@@ -262,4 +265,8 @@ def format_summary(title: str, summary: dict[str, Any], device: bool) -> str:
                       f"{s['graph_launches_per_round']:.1f}", f"{s['syncs_per_round']:.1f}",
                       f"{s['sync_wait_ms_per_round']:.3f}"]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n\nAll figures per round (means); host ms include nested stages."
+    text = "\n".join(lines) + "\n\nAll figures per round (means); host ms include nested stages."
+    hops = format_hops(summary.get("hop_segments", {}))
+    if not hops:
+        return text
+    return f"{text}\n\nA call, cut where it changes hands (`bench.timeline_hops`):\n\n{hops}"

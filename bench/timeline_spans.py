@@ -27,6 +27,7 @@ STAGES: tuple[tuple[str, str, str], ...] = (
     ("specmesh.router.round", "RoundRunner._emit", "router.emit"),
     ("specmesh.router.step_stream", "StepStream._write", "router.stream_write"),
     ("specmesh.router.step_stream", "StepStream._answer", "router.stream_wait"),
+    ("specmesh.rpc.wire", "Reassembler.add", "wire.arrive"),  # a message read, any process
     ("specmesh.rpc.service_common", "ModelServicer._step", "service.step"),
     ("specmesh.rpc.service_common", "ModelServicer._answer", "service.answer"),
     ("specmesh.draft_service.server", "DraftServicer.run_batch", "draft.rpc_batch"),

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from specmesh.bench.timeline_analysis import NO_STAGE, Span, Timeline, load_trace
+from specmesh.bench.timeline_hops import SEGMENTS, format_hops, hop_segments
 
 MS = 1_000_000  # ns
 
@@ -87,6 +88,31 @@ def test_hops_are_the_calls_beyond_the_services(tmp_path: Path) -> None:
     assert hops == {"router.verify_call beyond target.rpc_batch": pytest.approx(2.0)}
 
 
+def test_a_call_is_cut_where_it_changes_hands() -> None:
+    """Router write, the service's read, its step (worker hand-offs around the batch), the
+    router's read: eight segments that add up to the call; a call missing a span is left out."""
+    us = 1000
+    spans = [
+        Span("router", "router.verify_call", 1, 0, 1000 * us),
+        Span("router", "router.stream_write", 1, 40 * us, 60 * us),
+        Span("target", "wire.arrive", 2, 100 * us, 110 * us),  # a first chunk
+        Span("target", "wire.arrive", 2, 200 * us, 300 * us),  # the batch whole
+        Span("target", "service.step", 2, 320 * us, 900 * us),
+        Span("target", "target.rpc_batch", 3, 400 * us, 850 * us),
+        Span("router", "wire.arrive", 1, 940 * us, 960 * us),
+        # a draft call whose service never read it: not counted
+        Span("router", "router.draft_call", 1, 2000 * us, 3000 * us),
+        Span("router", "router.stream_write", 1, 2010 * us, 2020 * us),
+    ]
+    hops = hop_segments(spans)
+    assert set(hops) == {"router.verify_call"}
+    got = hops["router.verify_call"]
+    ms = [got[s] for s in SEGMENTS]
+    assert ms == pytest.approx([0.04, 0.26, 0.02, 0.08, 0.45, 0.05, 0.06, 0.04])
+    assert sum(ms) == pytest.approx(1.0) and got["calls"] == 1
+    assert "| hand-off in | 0.080 |" in format_hops(hops)
+
+
 def test_in_process_run_on_the_tiny_pair(tmp_path: Path) -> None:
     from specmesh.bench.round_timeline import main
 
@@ -121,3 +147,13 @@ def test_cluster_run_times_every_process(tmp_path: Path) -> None:
     assert all(math.isfinite(ms) for ms in summary["hops"].values())  # signs are timing's
     assert {("router", "router.stream_write"), ("draft", "service.step"),
             ("target", "service.answer")} <= seen  # fmt: skip
+    calls = {row["stage"]: row for row in summary["stages"] if row["process"] == "router"}
+    for call in ("router.verify_call", "router.draft_call"):  # every round's call, cut whole
+        segments = summary["hop_segments"][call]
+        assert segments["calls"] == pytest.approx(
+            calls[call]["calls_per_round"] * summary["rounds"]
+        )
+        assert sum(segments[s] for s in SEGMENTS) == pytest.approx(
+            calls[call]["host_ms_per_round"] / calls[call]["calls_per_round"], rel=1e-6
+        )
+        assert segments["the service's batch"] > 0
