@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import argparse
 
-DEFAULT_CPU_MS = 2.0
+# On CPU a hand-off to the worker and back costs about 0.2 ms (0.08 in, 0.13 out on the hop's
+# tiny pair, `bench.round_timeline --cluster`'s cut of a call): 2 % or more of any step under
+# this, which is also as long as the loop may stall between reads.
+DEFAULT_CPU_MS = 10.0
 
 
 class InlineSteps:
     """Whether a step may run on the event loop itself instead of the worker thread.
 
-    Handing a step to the worker and its answer back costs about 0.25 ms of thread wake-ups and
-    GIL hand-overs (bench/hop.py's profile), which for a small model is a good part of a round.
+    Handing a step to the worker and its answer back costs about 0.2 ms of thread wake-ups and
+    GIL hand-overs (`DEFAULT_CPU_MS`), which for a small model is a good part of a round.
     A step runs inline only when (1) the worker is idle (every job submitted before has finished
     and been collected on this loop), so runtime work keeps its submission order and never runs
     on two threads at once, and (2) the recent steps were short (an exponential average below
@@ -31,7 +34,7 @@ class InlineSteps:
 
 
 def for_device(device: str, max_ms: float | None) -> InlineSteps:
-    """The service's policy: ``max_ms`` when given (``--inline-step-ms``), else 2 ms on CPU and
+    """The service's policy: ``max_ms`` when given (``--inline-step-ms``), else 10 ms on CPU and
     off on a GPU, whose steps then keep to the worker thread (they wait on the device, and the
     hand-off on a GPU is not yet measured against them). Inline steps on a GPU run on the
     calling thread, the event loop's: the service's device is made current there."""
@@ -51,6 +54,6 @@ def add_inline_arg(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="MS",
         help="run a step on the service's event loop, not its worker thread (no thread hand-off "
-        "each way), while recent steps averaged under MS and no other work is queued; default 2 "
-        "on CPU, 0 (off) on a GPU",
+        "each way), while recent steps averaged under MS and no other work is queued; default "
+        f"{DEFAULT_CPU_MS:g} on CPU, 0 (off) on a GPU",
     )
