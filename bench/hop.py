@@ -2,7 +2,7 @@
 and a random EAGLE-3 head) served in process and as a cluster, batch 1.
 
     python -m specmesh.bench.hop [--out DIR] [--repeats 3] [--only plain|eagle3] [--profile]
-        [--inline-step-ms MS]
+        [--inline-step-ms MS] [--pin]
 
 Six configurations, each (configuration, repeat) in a fresh `bench.worker` process, repeats
 interleaved (A1 B1 C1 D1 E1 F1 A2 ...): in process plain, cluster plain, cluster plain with the
@@ -20,6 +20,9 @@ its services one after the other could reach over that floor.
 
 A round is one streamed chunk after the first (prefill's) token: a decode step, or one draft +
 verify. ms/round = (last chunk - first chunk) / rounds, over a run's requests.
+
+``--pin`` gives each device a core, as `specmesh bench --pin` does: in process on core 0, the
+cluster's target on core 0 and its draft, router and the measuring client on core 1.
 
 ``--profile`` then runs the cluster once more per mode with each service under `cProfile`
 (`bench.hop_profile`: every Python thread, merged), profiling exactly one run of requests (after
@@ -48,7 +51,7 @@ from specmesh.bench.report import write_json
 from specmesh.bench.runners import RunSpec
 from specmesh.bench.session import cpu_model
 from specmesh.bench.spawn import run_worker
-from specmesh.bench.worker import Job
+from specmesh.bench.worker import ONE_DEVICE, TWO_DEVICES, Job
 from specmesh.defaults import ModelChoice
 from specmesh.protocol.config import SpecParams
 
@@ -153,6 +156,7 @@ def measure(
     num_requests: int,
     only: str | None = None,
     inline_step_ms: float | None = None,
+    pin: bool = False,
 ) -> list[dict]:
     """Every (configuration, repeat) in its own worker process; one aggregated entry each.
     ``only``: the plain configurations, or the EAGLE-3 ones."""
@@ -167,9 +171,10 @@ def measure(
     order = [(r, c) for r in range(repeats) for c in configs]  # interleaved
     for i, (repeat, c) in enumerate(order):
         runtime = {} if c.inline_step_ms is None else {"inline_step_ms": c.inline_step_ms}
+        cpus = {} if not pin else TWO_DEVICES if c.run.backend == "cluster" else ONE_DEVICE
         job = Job(c.run, models.target, models.draft, runtime, threads, prompts, pad,
                   (DRAFT_KIND, SPEC), target_args=list(c.target_args),
-                  router_args=list(c.router_args))  # fmt: skip
+                  router_args=list(c.router_args), cpus=cpus)  # fmt: skip
         res = run_worker(WORKER, job.to_json(), threads, WORKER_TIMEOUT_S)
         res |= {"repeat": repeat, "ms_per_round": ms_per_round(res), "label": c.label}
         by_label.setdefault(c.label, []).append(res)
@@ -289,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="run only the plain or only the EAGLE-3 configurations")  # fmt: skip
     parser.add_argument("--inline-step-ms", type=float, metavar="MS",
                         help="one more EAGLE-3 cluster, its services given --inline-step-ms MS")  # fmt: skip
+    parser.add_argument("--pin", action="store_true",
+                        help="a core per device: in process on core 0; the cluster's target on "
+                        "core 0, its draft, router and the client on core 1")  # fmt: skip
     args = parser.parse_args(argv)
     if min(args.repeats, args.num_requests) < 1:
         parser.error("--repeats and --num-requests must be >= 1")
@@ -303,7 +311,7 @@ def run_hop(out: Path, args: argparse.Namespace) -> None:
     models = build_models(out / "models")
     threads = model_threads(2)  # what each cluster model service gets: the same in process
     configs = measure(
-        models, threads, args.repeats, args.num_requests, args.only, args.inline_step_ms
+        models, threads, args.repeats, args.num_requests, args.only, args.inline_step_ms, args.pin
     )
     floor = hop_floor.measure()
     comparisons = with_floor(compare(configs), configs, floor)
@@ -315,7 +323,7 @@ def run_hop(out: Path, args: argparse.Namespace) -> None:
             "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
             "duration_s": time.time() - started, "target": TARGET_DIMS, "spec": asdict(SPEC),
             "prompt_len": PROMPT_LEN, "max_new_tokens": MAX_NEW_TOKENS,
-            "num_requests": args.num_requests, "aux_layer_ids": AUX_LAYER_IDS,
+            "num_requests": args.num_requests, "aux_layer_ids": AUX_LAYER_IDS, "pin": args.pin,
         },
         "configs": configs,
         "comparisons": comparisons,

@@ -4,6 +4,7 @@ loop, so the tests stay synchronous."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,6 +21,7 @@ from specmesh.protocol.config import DraftConfig, SpecParams, TargetConfig
 from specmesh.protocol.sampling import SamplingParams
 from specmesh.router.router_config import RouterConfig
 from specmesh.router.server import RouterService, RouterSettings
+from specmesh.rpc.inline_steps import InlineSteps
 from specmesh.rpc.security import TlsFiles
 from specmesh.rpc.service_common import start_model
 from specmesh.target_service import server as target_server
@@ -108,6 +110,20 @@ def count_batches(servicer) -> dict:
 
     servicer.run_batch = run_batch
     return counter
+
+
+@contextlib.contextmanager
+def held_worker(servicer) -> Iterator[None]:
+    """Every Step batch of ``servicer`` waits until the block ends: its steps go to its worker
+    thread (never inline on the event loop, `rpc.inline_steps`), whose next job is a wait."""
+    inline, servicer.inline = servicer.inline, InlineSteps(max_ms=0)
+    gate = threading.Event()
+    servicer.worker.submit(gate.wait)
+    try:
+        yield
+    finally:
+        gate.set()
+        servicer.inline = inline
 
 
 def wait_until(predicate, timeout_s: float = 10.0) -> bool:

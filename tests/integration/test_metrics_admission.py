@@ -11,14 +11,13 @@ the target, and a preempted one waits to be replayed; no series has a ``_created
 
 from __future__ import annotations
 
-import threading
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import grpc
 import pytest
-from grpc_harness import collect, greedy, serve_router, serve_target, wait_until
+from grpc_harness import collect, greedy, held_worker, serve_router, serve_target, wait_until
 from http_raw import request
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -158,10 +157,8 @@ def test_refusals_are_counted_by_reason_and_waiting_requests_by_theirs(stack, fr
              grpc.StatusCode.RESOURCE_EXHAUSTED)  # fmt: skip
     running = client.generate(prompt_token_ids=[30, 31, 32], sampling=greedy(40), request_id="a")
     first = next(running)
-    gate = threading.Event()
-    stack.target.worker.submit(gate.wait)  # the worker's next round waits at the target
     with ThreadPoolExecutor(2) as pool:
-        try:
+        with held_worker(stack.target):  # the worker's next round waits at the target
             run = lambda p: collect(client.generate(prompt_token_ids=p, sampling=greedy(4)))[0]
             waiting = [pool.submit(run, p) for p in ([40, 41], [42, 43])]
             assert wait_until(lambda: len(front.router.core.waiting) == 2)
@@ -170,8 +167,6 @@ def test_refusals_are_counted_by_reason_and_waiting_requests_by_theirs(stack, fr
             _refused(client.generate(prompt_token_ids=[9, 8], sampling=greedy(4)),
                      grpc.StatusCode.RESOURCE_EXHAUSTED)  # fmt: skip
             during = _scrape(front.port)
-        finally:
-            gate.set()
         outputs = [f.result(60) for f in waiting]
     ids = [*first.token_ids, *collect(running)[0]]
     assert ids == stack.expected([30, 31, 32], 40)

@@ -11,12 +11,11 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-import threading
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from grpc_harness import collect, greedy, serve_router, serve_target, wait_until
+from grpc_harness import collect, greedy, held_worker, serve_router, serve_target, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from specmesh.client import GenerationClient
@@ -71,14 +70,10 @@ def test_target_metrics_endpoint_shows_kv_held_while_streaming(stack) -> None:
         assert wait_until(lambda: _scrape(port)[used] == 0)
         responses = stack.client.generate(prompt_token_ids=PROMPT, sampling=greedy(30))
         next(responses)  # prefilled: the target holds the request's KV
-        gate = threading.Event()
-        stack.target.worker.submit(gate.wait)  # hold the target's worker: the request waits
-        try:
+        with held_worker(stack.target):  # the request waits at the target
             during = _scrape(port)
             refresh()
             router_during = router_usage()
-        finally:
-            gate.set()
         ids = [*next(responses).token_ids]
         collect(responses)
         assert during[used] >= len(PROMPT) and during[held] == 1
