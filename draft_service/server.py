@@ -7,6 +7,8 @@ pending token). Request ownership by stream and the stream's cleanup are `ModelS
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from specmesh import __version__
@@ -140,11 +142,12 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServicer):
         if runtime.ahead is not None:
             runtime.budget.arrived()
 
-    def after_answer(self, runtime: DraftRuntime, stream: StreamOwner) -> None:
-        """What the step left for after its answer (pre-drafting) runs on the worker now, while
+    def follow_up(self, runtime: DraftRuntime, stream: StreamOwner) -> Callable[[], None] | None:
+        """What the step left for after its answer (pre-drafting) runs on the worker then, while
         the target verifies; the stream's next batch queues behind it."""
-        if runtime.pending is not None:
-            self._submit(runtime.after_step).add_done_callback(log_failure)
+        if runtime.pending is None:
+            return None
+        return lambda: self._submit(runtime.after_step).add_done_callback(log_failure)
 
     # -- codec -------------------------------------------------------------------------------------
     def _extend_inputs(

@@ -54,6 +54,24 @@ class StepAnswers:
         self.last = asyncio.ensure_future(self._write_after(self.last, messages))
         self.last.add_done_callback(_retrieved)
 
+    async def write_now(self, messages: list) -> None:
+        """Write ``messages`` at once and return when written: no task, no turn of the event
+        loop before the write starts (about 0.05 ms a write on CPU, `write` takes both). Behind
+        a write still queued it waits its turn as `write` does; a held batch's write that comes
+        meanwhile queues behind this one."""
+        if self.last is not None and not self.last.done():
+            self.write(messages)
+            await self.written()
+            return
+        done = asyncio.get_running_loop().create_future()
+        self.last = done
+        try:
+            await self._write(messages)
+        except BaseException:
+            done.cancel()  # a queued write behind it fails too (`_write_after`)
+            raise
+        done.set_result(None)
+
     async def _write_after(self, before: asyncio.Future | None, messages: list) -> None:
         if before is not None:  # a failed write broke the stream: this one fails too
             await asyncio.wait([before])

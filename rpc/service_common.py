@@ -17,7 +17,7 @@ import contextlib
 import logging
 import signal
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -101,20 +101,9 @@ class ServiceHost:
     async def set_ready(self) -> None:
         await self.health.set(self.service_name, SERVING)
 
-    @contextlib.asynccontextmanager
-    async def work(self, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
-        if self.draining:
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE, f"{self.service_name} is shutting down"
-            )
-        self._inflight += 1
-        self._idle.clear()
-        try:
-            yield
-        finally:
-            self._inflight -= 1
-            if not self._inflight:
-                self._idle.set()
+    def work(self, context: grpc.aio.ServicerContext) -> _Work:
+        """``async with host.work(context)``: one unit of work, refused once draining."""
+        return _Work(self, context)
 
     async def shutdown(self, grace_s: float) -> None:
         """NOT_SERVING first, then refuse new work, wait for in-flight work, then stop."""
@@ -133,6 +122,31 @@ class ServiceHost:
         await stop.wait()
         log.info("%s: signal received, draining for up to %.0f s", self.service_name, grace_s)
         await self.shutdown(grace_s)
+
+
+class _Work:
+    """A unit of work in flight on a `ServiceHost` (a class, not a generator: it wraps every
+    step)."""
+
+    __slots__ = ("context", "host")
+
+    def __init__(self, host: ServiceHost, context: grpc.aio.ServicerContext) -> None:
+        self.host, self.context = host, context
+
+    async def __aenter__(self) -> None:
+        host = self.host
+        if host.draining:
+            await self.context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"{host.service_name} is shutting down"
+            )
+        host._inflight += 1
+        host._idle.clear()
+
+    async def __aexit__(self, *exc: object) -> None:
+        host = self.host
+        host._inflight -= 1
+        if not host._inflight:
+            host._idle.set()
 
 
 class StreamRefusedError(SpecmeshError):
@@ -223,9 +237,10 @@ class ModelServicer:
         compiles); None (run it in turn) by default."""
         return None
 
-    def after_answer(self, runtime, stream: StreamOwner) -> None:
-        """Called once a batch of ``stream``'s is answered (the draft's pre-drafting, the
-        target's run-ahead); nothing by default."""
+    def follow_up(self, runtime, stream: StreamOwner) -> Callable[[], object] | None:
+        """What runs once a batch of ``stream``'s is answered, its write started (the draft's
+        pre-drafting, the target's run-ahead); None (nothing) by default."""
+        return None
 
     def occupancy(
         self, runtime, num_requests: int, kv_slots: tuple[int, int]
@@ -242,11 +257,12 @@ class ModelServicer:
         return self.info(await self._ready(context))
 
     async def Step(self, request_iterator, context) -> None:
-        """Answers are written in order, each started before the work that follows it (the
-        target's run-ahead, the draft's pre-drafting) takes the loop, and awaited only before
-        the next is written: a write costs about 0.1 ms of gRPC round trips through the event
-        loop (timed in both processes on the hop benchmark), which would otherwise delay that
-        work on every round. A batch held back (`hold`) is answered once it ran, the batches
+        """Answers are written in order. One with work to follow (`follow_up`: the target's
+        run-ahead, the draft's pre-drafting) is started before that work takes the loop, and
+        awaited only before the next is written: a write costs about 0.1 ms of gRPC round trips
+        through the event loop (timed in both processes on the hop benchmark), which would
+        otherwise delay that work on every round. One without is written at once (no task and
+        no turn of the loop before it starts). A batch held back (`hold`) is answered once it ran, the batches
         behind it meanwhile (`specmesh.rpc.held_batches`)."""
         runtime = await self._ready(context)
         stream = self.owners.open(context.peer())
@@ -260,9 +276,13 @@ class ModelServicer:
                 await answers.written()
                 if isinstance(answer, StreamRefusedError):
                     await abort_with(context, answer)
-                answers.write(frame(answer, chunks[0].batch_id))
+                messages, work = frame(answer, chunks[0].batch_id), self.follow_up(runtime, stream)
+                if work is None:  # nothing to overlap with the write: written before the next
+                    await answers.write_now(messages)
+                    continue
+                answers.write(messages)
                 await asyncio.sleep(0)  # the write's first step: its message is handed to gRPC
-                self.after_answer(runtime, stream)
+                work()
             await answers.finish()
         finally:
             answers.cancel()  # the stream ended under a write: nothing reads its outcome

@@ -11,6 +11,8 @@ offset, pending token) is the runtime's.
 from __future__ import annotations
 
 import asyncio
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from specmesh import __version__
@@ -158,12 +160,14 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServicer):
         )
         return None if ready is None else Hold([r.request_id for r in requests], ready)
 
-    def after_answer(self, runtime: TargetRuntime, stream: StreamOwner) -> None:
+    def follow_up(self, runtime: TargetRuntime, stream: StreamOwner) -> Callable[[], None] | None:
         """A verify of one-node trees was answered: decide those requests' next step now,
         while the router handles this one (`target_service.run_ahead`)."""
         plain, feature = self.plain.pop(stream.id, ([], Feature.NONE))
-        if plain:  # with the feature that batch returned: the next one likely asks the same
-            self.run_soon(runtime.ahead.run, runtime, plain, feature)
+        if not plain:
+            return None
+        # with the feature that batch returned: the next one likely asks the same
+        return functools.partial(self.run_soon, runtime.ahead.run, runtime, plain, feature)
 
     def _open(self, runtime: TargetRuntime, stream: StreamOwner, needs: FeatureSpec) -> None:
         """The handshake: serve ``needs`` unless its aux layers do not fit the model
