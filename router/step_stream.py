@@ -98,7 +98,7 @@ class StepStream:
     async def _answer(self, batch_id: int, future: asyncio.Future, timer) -> list:
         try:
             return await future
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self._break(ServiceDownError(f"{self.peer}: no answer within {self.timeout_s:.0f} s"))
             raise ServiceDownError(f"{self.peer}: step timed out") from None
         finally:
@@ -114,7 +114,7 @@ class StepStream:
     @staticmethod
     def _expire(future: asyncio.Future) -> None:
         if not future.done():
-            future.set_exception(asyncio.TimeoutError())
+            future.set_exception(TimeoutError())
 
     async def send(self, messages: list, *, open_stream: bool = False) -> None:
         """Write a batch in order behind everything sent so far, its answer dropped; no stream,
