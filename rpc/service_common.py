@@ -262,8 +262,8 @@ class ModelServicer:
         awaited only before the next is written: a write costs about 0.1 ms of gRPC round trips
         through the event loop (timed in both processes on the hop benchmark), which would
         otherwise delay that work on every round. One without is written at once (no task and
-        no turn of the loop before it starts). A batch held back (`hold`) is answered once it ran, the batches
-        behind it meanwhile (`specmesh.rpc.held_batches`)."""
+        no turn of the loop before it starts). A batch held back (`hold`) is answered once it
+        ran, the batches behind it meanwhile (`specmesh.rpc.held_batches`)."""
         runtime = await self._ready(context)
         stream = self.owners.open(context.peer())
         answers = StepAnswers(lambda messages: _write(context, messages))
