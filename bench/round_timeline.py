@@ -3,7 +3,7 @@ a gRPC cluster, host time, and on a GPU the device work, graph launches and host
 
     python -m specmesh.bench.round_timeline [--target-model DIR --draft-model DIR]
         [--device cuda --dtype bf16 --attention-backend triton] [--batch-sizes 1,8]
-        [--cluster] [--max-new-tokens 64] [--out DIR]
+        [--cluster [--inline-step-ms MS]] [--max-new-tokens 64] [--out DIR]
 
 Without models it builds the near-free tiny pair of `bench.hop` (no download). For each batch
 size: a warm-up run, a run with the stages timed (`bench.timeline_spans`: router, draft and
@@ -96,7 +96,8 @@ async def _cluster(args: argparse.Namespace, spec: SpecParams, traces: Path) -> 
     from specmesh.defaults import ModelChoice
 
     models = ModelChoice(args.target_model, args.draft_model, args.draft_kind)
-    runtime = {"device": args.device, "dtype": args.dtype, "attention_backend": args.attention_backend}  # fmt: skip
+    runtime = {"device": args.device, "dtype": args.dtype, "attention_backend": args.attention_backend,
+               "inline_step_ms": args.inline_step_ms}  # fmt: skip
     router_args = ["--max-batch-size", str(max(args.sizes)), "--num-micro-batches", "1"]
     spawn = TimelineSpawn(traces, "cluster", device=args.device == "cuda")
     prompts = _prompts(args.target_model, max(args.sizes), args.prompt_len)
@@ -151,7 +152,8 @@ def _write(out: Path, args: argparse.Namespace, results: dict[str, Any], started
             "torch": torch.__version__, "target": args.target_model, "draft": args.draft_model,
             "dtype": args.dtype, "attention_backend": args.attention_backend,
             "cuda_graph": not args.disable_cuda_graph, "spec": args.spec,
-            "max_new_tokens": args.max_new_tokens, "duration_s": time.time() - started}  # fmt: skip
+            "max_new_tokens": args.max_new_tokens, "inline_step_ms": args.inline_step_ms,
+            "duration_s": time.time() - started}  # fmt: skip
     (out / "timeline.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     (out / "timeline.md").write_text(f"{json.dumps(meta)}\n\n{text}\n")
     return text
@@ -175,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--cluster", action="store_true", help="also through a gRPC cluster")
     p.add_argument("--no-in-process", action="store_true", help="only the cluster")
+    p.add_argument("--inline-step-ms", type=float, metavar="MS",
+                   help="the cluster's services given --inline-step-ms MS (default: theirs)")  # fmt: skip
     p.add_argument("--out", help="default: a new temp dir")
     args = p.parse_args(argv)
     args.sizes = [int(b) for b in args.batch_sizes.split(",")]
