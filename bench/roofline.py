@@ -106,6 +106,15 @@ def profile_decode(rt: TargetRuntime, batch: int, context: int, steps: int, path
             "gpu_busy_ms_per_step": busy_us / 1e3 / steps}  # fmt: skip
 
 
+# The rated HBM bandwidth of the cards this has run on, TB/s, by a part of the device's name.
+NOMINAL_BANDWIDTH_TBS = {"H100 PCIe": 2.0, "H200": 4.8, "H100": 3.35}
+
+
+def nominal_bandwidth_tbs(device_name: str) -> float | None:
+    """The rated bandwidth of the named card, or None for one not in the table."""
+    return next((v for k, v in NOMINAL_BANDWIDTH_TBS.items() if k in device_name), None)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     rt = TargetRuntime(TargetConfig(
@@ -116,7 +125,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         max_requests=max(batch_sizes), num_kv_slots=max(batch_sizes) * (args.context + args.steps + 128),
     ))  # fmt: skip
     measured = copy_bandwidth("cuda")
-    nominal = args.nominal_bandwidth_tbs * 1e12
+    device = torch.cuda.get_device_name(0)
+    nominal_tbs = args.nominal_bandwidth_tbs or nominal_bandwidth_tbs(device)
+    nominal = nominal_tbs * 1e12 if nominal_tbs else None
     rows = []
     for b in batch_sizes:
         with decoding(rt, b, args.context, args.steps) as rids:
@@ -127,20 +138,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "batch_size": b, "step_ms_min": min(times) * 1e3, "step_ms_median": med * 1e3,
             "step_ms_max": max(times) * 1e3, "bytes_per_step": nbytes,
             "bound_ms_measured_bw": nbytes / measured * 1e3,
-            "bound_ms_nominal_bw": nbytes / nominal * 1e3,
+            "bound_ms_nominal_bw": nbytes / nominal * 1e3 if nominal else None,
             "pct_of_bound_measured_bw": 100 * nbytes / measured / med,
-            "pct_of_bound_nominal_bw": 100 * nbytes / nominal / med,
+            "pct_of_bound_nominal_bw": 100 * nbytes / nominal / med if nominal else None,
             "tokens_per_s": b / med,
         })  # fmt: skip
     profiled = None
     if args.profile:
-        profiled = profile_decode(rt, batch_sizes[0], args.context, 20, args.profile)
+        pb = args.profile_batch or batch_sizes[0]
+        profiled = profile_decode(rt, pb, args.context, 20, args.profile)
     return {
-        "device": torch.cuda.get_device_name(0), "profile": profiled, "target": args.target_model,
+        "device": device, "profile": profiled, "target": args.target_model,
         "dtype": args.dtype, "attention_backend": args.attention_backend,
         "cuda_graph": rt.graphs is not None, "fused_kernels": rt.model.fused,
         "context": args.context, "steps": args.steps,
-        "copy_bandwidth_tbs": measured / 1e12, "nominal_bandwidth_tbs": args.nominal_bandwidth_tbs,
+        "copy_bandwidth_tbs": measured / 1e12, "nominal_bandwidth_tbs": nominal_tbs,
         "rows": rows,
     }  # fmt: skip
 
@@ -156,8 +168,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-sizes", default="1,8,32")
     p.add_argument("--context", type=int, default=512, help="prompt tokens per request")
     p.add_argument("--steps", type=int, default=100, help="timed decode steps per batch size")
-    p.add_argument("--nominal-bandwidth-tbs", type=float, default=3.35, help="H100 SXM: 3.35")
+    p.add_argument(
+        "--nominal-bandwidth-tbs",
+        type=float,
+        help="the card's rated bandwidth (default: by its name, H100 3.35, H200 4.8)",
+    )
     p.add_argument("--profile", help="write a torch.profiler table of decode steps here")
+    p.add_argument(
+        "--profile-batch", type=int, help="profile at this batch size (default: the first)"
+    )
     p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args(argv)
     emit_json(run(args), args.out)

@@ -24,7 +24,7 @@
 #                pair comes back as OUT/demo-pair.tar.part-* (cat them | tar x)
 # JSON results are merged into OUT/gpu_results.json. Runs are chosen by SPECMESH_SPEED_RUNS and
 # SPECMESH_CLUSTER_RUNS (model:config lists, defaults below), SPECMESH_ROOFLINE_BACKENDS /
-# _VARIANTS and SPECMESH_BATCH_SIZES (default 1,8,32).
+# _VARIANTS, SPECMESH_ROOFLINE_PROFILE_BATCH (default 1) and SPECMESH_BATCH_SIZES (default 1,8,32).
 #
 # What the machine lacks is installed from wheels in $SPECMESH_WHEELS (default .whl/; the list
 # is in bench/README.md, "On a GPU"); torch, triton and grpcio are usually there. Each phase has
@@ -97,6 +97,7 @@ roofline() {  # decode step of the 8B-shaped target vs bytes / bandwidth, per ba
       [ "$variant" = unfused ] && flags=(--no-fused-kernels) name=$backend-unfused
       "$PY" -m specmesh.bench.roofline --target-model "$SYNTH/target" --attention-backend \
         "$backend" "${flags[@]}" --profile "$OUT/profile-$name.txt" \
+        --profile-batch "${SPECMESH_ROOFLINE_PROFILE_BATCH:-1}" \
         --out "$JSON/roofline-$name.json" || return 1
     done
   done

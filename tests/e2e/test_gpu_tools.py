@@ -53,3 +53,13 @@ def test_gpu_check_lists_its_phases() -> None:
     assert proc.returncode == 2
     for phase in ("env", "tests", "e2e", "roofline", "speed", "cluster", "train"):
         assert f"#     {phase} " in proc.stdout, phase
+
+
+def test_roofline_rates_the_card_it_runs_on():
+    """The nominal bound is the card's own: an H200 is not rated as an H100 (round 5 was)."""
+    from specmesh.bench.roofline import nominal_bandwidth_tbs
+
+    assert nominal_bandwidth_tbs("NVIDIA H200") == 4.8
+    assert nominal_bandwidth_tbs("NVIDIA H100 80GB HBM3") == 3.35
+    assert nominal_bandwidth_tbs("NVIDIA H100 PCIe") == 2.0
+    assert nominal_bandwidth_tbs("NVIDIA GeForce RTX 4090") is None
