@@ -24,10 +24,10 @@ from specmesh.cli.serve_args import (
     add_served_name_arg,
     add_speculation_arg,
     add_tensor_parallel_arg,
-    apply_threads,
     choose_runtime_from_args,
     config_default,
     int_list,
+    prepare_process,
     resolved,
 )
 from specmesh.protocol.config import DRAFT_KINDS, DraftConfig, TargetConfig
@@ -226,7 +226,7 @@ def _runtime_kwargs(
 
 
 def run_target(args: argparse.Namespace) -> int:
-    apply_threads(args)
+    prepare_process(args)
     from specmesh.rpc.service_common import serve_model
     from specmesh.target_service import server
     from specmesh.target_service.runtime import TargetRuntime
@@ -268,7 +268,7 @@ def run_target(args: argparse.Namespace) -> int:
 
 
 def run_draft(args: argparse.Namespace) -> int:
-    apply_threads(args)
+    prepare_process(args)
     from specmesh.draft_service import server
     from specmesh.draft_service.runtime import load_draft
     from specmesh.protocol.config import SpecParams
@@ -326,7 +326,7 @@ def _model_service_credentials(args: argparse.Namespace):
 
 
 def run_router(args: argparse.Namespace) -> int:
-    apply_threads(args)
+    prepare_process(args)
     from specmesh.router.server import RouterSettings, serve
 
     split = lambda s: tuple(a.strip() for a in s.split(",") if a.strip())

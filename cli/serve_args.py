@@ -47,8 +47,13 @@ def add_listen_args(p: argparse.ArgumentParser, port: int) -> None:
     )
 
 
-def apply_threads(args: argparse.Namespace) -> None:
-    """Several services on one CPU must not each start a thread per core."""
+def prepare_process(args: argparse.Namespace) -> None:
+    """A service's process before it loads anything: its heap keeps freed message buffers
+    (`specmesh.rpc.heap`), and several services on one CPU must not each start a thread per
+    core."""
+    from specmesh.rpc.heap import keep_freed_memory
+
+    keep_freed_memory()
     if args.threads > 0:
         import torch
 

@@ -45,7 +45,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from specmesh.router.metrics_admission import REASONS, rejection_reason
 from specmesh.router.metrics_admission import counts_rejections as counts_rejections  # for core
 from specmesh.router.metrics_live import KvOccupancy, LiveCores
-from specmesh.router.metrics_request import ChoiceGroups, RequestCursor, RequestSeries
+from specmesh.router.metrics_request import ChoiceGroups, RequestCursor, RequestSeries, labelled
 
 if TYPE_CHECKING:
     from specmesh.protocol.steps import StepOutput, VerifyInput
@@ -194,14 +194,17 @@ class RouterMetrics:
     def on_round(self, slots: list[Slot], trees: list[VerifyInput], out: StepOutput) -> None:
         """After a verify round's emit: the trees verified, and what each request streamed."""
         now = time.monotonic()
-        ITERATION_TOKENS.labels(self.model).observe(sum(map(len, out.tokens.values())))
+        labelled(ITERATION_TOKENS, self.model).observe(sum(map(len, out.tokens.values())))
+        drafts = draft_tokens = 0
         for s, verified in zip(slots, trees, strict=True):
             nodes = verified.tree.num_nodes
             if s.rid in out.tokens and nodes > 1:
-                NUM_DRAFTS.labels(self.model).inc()
-                NUM_DRAFT_TOKENS.labels(self.model).inc(nodes - 1)
+                drafts, draft_tokens = drafts + 1, draft_tokens + nodes - 1
             if self.core.slots.get(s.rid) is s:  # else on_finish counted it already
                 self._advance(s.request, now)
+        if drafts:
+            labelled(NUM_DRAFTS, self.model).inc(drafts)
+            labelled(NUM_DRAFT_TOKENS, self.model).inc(draft_tokens)
 
     def on_plan(self, target: str, tree_size: int) -> None:
         """The speculation policy's plan for a micro-batch verified by ``target``."""
@@ -257,8 +260,8 @@ class RouterMetrics:
     def _advance(self, r: Request, now: float) -> None:
         cur = self._cursor(r)
         for accept_len in r.accept_lens[cur.rounds :]:
-            NUM_ACCEPTED.labels(self.model).inc(accept_len - 1)
+            labelled(NUM_ACCEPTED, self.model).inc(accept_len - 1)
             for pos in range(accept_len - 1):
-                ACCEPTED_PER_POS.labels(self.model, str(pos)).inc()
+                labelled(ACCEPTED_PER_POS, self.model, str(pos)).inc()
         cur.rounds = len(r.accept_lens)
         REQUESTS.stream(self.model, r, cur, now)
