@@ -88,7 +88,8 @@ def cluster_runner(args: argparse.Namespace, spec: SpecParams, stack: contextlib
     router_args = ["--max-batch-size", str(max(args.sizes))]
     if args.num_micro_batches is not None:
         router_args += ["--num-micro-batches", str(args.num_micro_batches)]
-    extra = {"draft": shlex.split(args.draft_args), "target": shlex.split(args.target_args)}
+    extra = {"draft": shlex.split(args.draft_args), "target": shlex.split(args.target_args),
+             "router": shlex.split(args.router_args)}  # fmt: skip
 
     def spawn(children: list, kind: str, flags: list[str]) -> str:
         return spawn_service(children, kind, [*flags, *extra.get(kind, [])])
@@ -203,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
                    "service, as one string: --draft-args='--predraft 4'")  # fmt: skip
     p.add_argument("--target-args", default="", help="--cluster: extra flags of the target "
                    "service: --target-args=--no-run-ahead")  # fmt: skip
+    p.add_argument("--router-args", default="", help="--cluster: extra flags of the router: "
+                   "--router-args=--shared-memory")  # fmt: skip
     p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args(argv)
     args.sizes = [int(b) for b in args.batch_sizes.split(",")]

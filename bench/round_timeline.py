@@ -99,6 +99,7 @@ async def _cluster(args: argparse.Namespace, spec: SpecParams, traces: Path) -> 
     runtime = {"device": args.device, "dtype": args.dtype, "attention_backend": args.attention_backend,
                "inline_step_ms": args.inline_step_ms}  # fmt: skip
     router_args = ["--max-batch-size", str(max(args.sizes)), "--num-micro-batches", "1"]
+    router_args += ["--shared-memory"] if args.shared_memory else []
     spawn = TimelineSpawn(traces, "cluster", device=args.device == "cuda")
     prompts = _prompts(args.target_model, max(args.sizes), args.prompt_len)
     out = {}
@@ -153,6 +154,7 @@ def _write(out: Path, args: argparse.Namespace, results: dict[str, Any], started
             "dtype": args.dtype, "attention_backend": args.attention_backend,
             "cuda_graph": not args.disable_cuda_graph, "spec": args.spec,
             "max_new_tokens": args.max_new_tokens, "inline_step_ms": args.inline_step_ms,
+            "shared_memory": args.shared_memory,
             "duration_s": time.time() - started}  # fmt: skip
     (out / "timeline.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     (out / "timeline.md").write_text(f"{json.dumps(meta)}\n\n{text}\n")
@@ -179,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-in-process", action="store_true", help="only the cluster")
     p.add_argument("--inline-step-ms", type=float, metavar="MS",
                    help="the cluster's services given --inline-step-ms MS (default: theirs)")  # fmt: skip
+    p.add_argument("--shared-memory", action="store_true",
+                   help="the cluster's feature rows through shared memory (router flag)")  # fmt: skip
     p.add_argument("--out", help="default: a new temp dir")
     args = p.parse_args(argv)
     args.sizes = [int(b) for b in args.batch_sizes.split(",")]

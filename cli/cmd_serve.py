@@ -123,6 +123,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--tokenizer", metavar="DIR", help="default: the target's model path when it is a local dir"
     )
+    p.add_argument(
+        "--shared-memory",
+        action="store_true",
+        help="the targets and drafts run on this host, as this user, sharing /dev/shm: feature "
+        "rows go from target to draft through shared memory instead of through this router "
+        "(docs/architecture.md)",
+    )
     add_served_name_arg(p)
     p.add_argument(
         "--max-batch-size",
@@ -347,6 +354,7 @@ def run_router(args: argparse.Namespace) -> int:
             served_model_name=args.served_model_name,
         ),
         tokenizer=args.tokenizer,
+        shared_memory=args.shared_memory,
         max_new_tokens=args.max_new_tokens,
         max_message_bytes=args.max_message_mb << 20,
         connect_timeout_s=args.connect_timeout,

@@ -16,6 +16,7 @@ from specmesh.draft_service.runtime import DraftRuntime
 from specmesh.protocol.codec import CodecError
 from specmesh.protocol.errors import InvalidRequestError
 from specmesh.protocol.features import Feature
+from specmesh.protocol.shared_rows import RegionMaps
 from specmesh.protocol.steps import DraftStepResult, ExtendInput
 from specmesh.protocol.trees import DraftTree
 from specmesh.rpc.held_batches import Hold, batch_rids
@@ -88,7 +89,7 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServicer):
             if batch.propose_after:
                 self._check_params(batch.propose_params)
             states = [c.extend.states for c in chunks]
-            inputs = self._extend_inputs(runtime, batch, states, res.errors)
+            inputs = self._extend_inputs(runtime, stream, batch, states, res.errors)
             self._drop_refused(runtime, stream, batch.requests, res.errors)
             requests, propose = batch.requests, batch.propose_after
         elif work == "propose":
@@ -151,11 +152,11 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServicer):
 
     # -- codec -------------------------------------------------------------------------------------
     def _extend_inputs(
-        self, runtime: DraftRuntime, batch, states: list, errors: dict
+        self, runtime: DraftRuntime, stream: StreamOwner, batch, states: list, errors: dict
     ) -> list[ExtendInput]:
         """The batch's extends; one whose constraint is unreadable goes to ``errors`` alone."""
         rows = [len(r.token_ids) for r in batch.requests]
-        features, mm = self._decode_states(runtime, states, rows)
+        features, mm = self._decode_states(runtime, states, rows, stream)
         inputs, start = [], 0
         for r, n in zip(batch.requests, rows, strict=True):
             cut = lambda t: None if t is None else t[start : start + n]  # noqa: B023
@@ -185,11 +186,16 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServicer):
                 runtime.release(r.request_id)
         self.owners.settle(stream, list(refused), runtime.holds)
 
-    def _decode_states(self, runtime: DraftRuntime, states: list, rows: list[int]):
-        """The batch's feature rows and multimodal embeddings, checked against the requests."""
+    def _decode_states(
+        self, runtime: DraftRuntime, states: list, rows: list[int], stream: StreamOwner
+    ):
+        """The batch's feature rows and multimodal embeddings, checked against the requests;
+        rows in shared memory are read through the stream's own mappings."""
         if not any(s.ByteSize() for s in states):
             return None, None
-        row_counts, tensors = join_hidden_states(states)
+        if stream.shared is None:
+            stream.shared = RegionMaps()
+        row_counts, tensors = join_hidden_states(states, stream.shared)
         if row_counts != rows:
             raise InvalidRequestError(
                 f"states.row_counts {row_counts} do not match the requests' token counts {rows}"

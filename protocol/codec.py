@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from specmesh.protocol.shared_rows import RegionMaps, SharedRowsError, intact
 from specmesh.v1 import common_pb2, tensor_pb2
 
 # Payload budget per stream message; above it a batch is split into chunks.
@@ -61,13 +62,17 @@ class CodecError(ValueError):
 
 @dataclass(frozen=True, eq=False)
 class RowBlock:
-    """Rows ``[start, stop)`` (in bytes) of ``buffer``, each ``width`` elements of ``dtype``."""
+    """Rows ``[start, stop)`` (in bytes) of ``buffer``, each ``width`` elements of ``dtype``.
+    ``origin`` is set when ``buffer`` is a shared-memory region (`specmesh.protocol.
+    shared_rows`): its name and ``base``, where the writer's logical position of byte ``i`` of
+    the region is ``base + i``. Such a block travels as a reference and reads as a copy."""
 
     dtype: str
     width: int
-    buffer: bytes
+    buffer: bytes | memoryview
     start: int = 0
     stop: int | None = None
+    origin: tuple[str, int] | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -95,22 +100,43 @@ class RowBlock:
         first, last, _ = rows.indices(self.num_rows)
         last = max(first, last)
         at = lambda r: self.start + r * self.row_bytes
-        return RowBlock(self.dtype, self.width, self.buffer, at(first), at(last))
+        return RowBlock(self.dtype, self.width, self.buffer, at(first), at(last), self.origin)
 
     def tobytes(self) -> bytes:
-        """The rows' payload: the buffer itself when the block spans it, else one copy."""
-        if self.start == 0 and self.stop == len(self.buffer):
+        """The rows' payload: the buffer itself when the block spans it, else one copy (of
+        shared rows checked to be whole after copying)."""
+        if self.origin is None and self.start == 0 and self.stop == len(self.buffer):
             return self.buffer
-        return self.buffer[self.start : self.stop]
+        data = bytes(self.buffer[self.start : self.stop])
+        self.check_intact()
+        return data
+
+    def check_intact(self) -> None:
+        """Raise `CodecError` if these are shared rows that the writer has written over."""
+        if self.origin is not None and not intact(self.buffer, self.origin[1] + self.start):
+            raise CodecError(
+                f"shared rows in {self.origin[0]} were written over before they were read"
+            )
 
     def write_to(self, msg: tensor_pb2.Tensor) -> None:
-        """Fill a (message field's) Tensor with these rows: the payload is copied once, there."""
-        msg.dtype, msg.data = self.dtype, self.tobytes()
+        """Fill a (message field's) Tensor with these rows: the payload is copied once, there,
+        or for shared rows, where they lie."""
+        msg.dtype = self.dtype
         msg.shape[:] = self.shape
+        if self.origin is None:
+            msg.data = self.tobytes()
+            return
+        name, base = self.origin
+        ref = msg.shm
+        ref.region, ref.offset, ref.byte_size = name, self.start, self.stop - self.start
+        ref.position = base + self.start
 
     @staticmethod
-    def from_pb(msg: tensor_pb2.Tensor, *, name: str = "rows") -> RowBlock:
-        """A ``[rows, width]`` Tensor message's payload, its size checked against its shape."""
+    def from_pb(
+        msg: tensor_pb2.Tensor, *, name: str = "rows", regions: RegionMaps | None = None
+    ) -> RowBlock:
+        """A ``[rows, width]`` Tensor message's payload, its size checked against its shape;
+        shared rows only where ``regions`` maps them (a reader on the writer's host)."""
         if msg.dtype not in ITEMSIZE:
             raise CodecError(
                 f"tensor '{name}': unknown dtype '{msg.dtype}' (one of {list(ITEMSIZE)})"
@@ -118,10 +144,10 @@ class RowBlock:
         shape = list(msg.shape)
         if len(shape) != 2 or shape[0] < 0 or shape[1] < 1:
             raise CodecError(f"tensor '{name}': shape {shape}, expected [rows, width]")
-        if msg.WhichOneof("payload") == "shm":
-            raise CodecError(f"tensor '{name}': shared-memory payloads are not supported yet")
-        data = msg.data
         needed = shape[0] * shape[1] * ITEMSIZE[msg.dtype]
+        if msg.WhichOneof("payload") == "shm":
+            return _shared_block(msg, name, needed, regions)
+        data = msg.data
         if len(data) != needed:
             raise CodecError(
                 f"tensor '{name}': {len(data)} bytes but shape {shape} of {msg.dtype} needs {needed}"
@@ -140,12 +166,37 @@ class RowBlock:
                     f"{first.dtype} x {first.width}"
                 )
         adjacent = all(
-            b.buffer is a.buffer and b.start == a.stop for a, b in itertools.pairwise(blocks)
+            b.buffer is a.buffer and b.start == a.stop and b.origin == a.origin
+            for a, b in itertools.pairwise(blocks)
         )
         if adjacent:
-            return RowBlock(first.dtype, first.width, first.buffer, first.start, blocks[-1].stop)
+            return RowBlock(first.dtype, first.width, first.buffer, first.start,
+                            blocks[-1].stop, first.origin)  # fmt: skip
         data = b"".join(memoryview(b.buffer)[b.start : b.stop] for b in blocks)
+        for b in blocks:
+            b.check_intact()
         return RowBlock(first.dtype, first.width, data)
+
+
+def _shared_block(
+    msg: tensor_pb2.Tensor, name: str, needed: int, regions: RegionMaps | None
+) -> RowBlock:
+    """The rows a ``Tensor.shm`` reference points at, as a window on its region."""
+    ref = msg.shm
+    if regions is None:
+        raise CodecError(f"tensor '{name}': shared-memory rows are not accepted on this stream")
+    if ref.byte_size != needed:
+        raise CodecError(
+            f"tensor '{name}': {ref.byte_size} shared bytes but shape {list(msg.shape)} of "
+            f"{msg.dtype} needs {needed}"
+        )
+    try:
+        view = regions.locate(ref.region, ref.offset, ref.byte_size, ref.position)
+    except SharedRowsError as e:
+        raise CodecError(f"tensor '{name}': {e}") from None
+    stop = ref.offset + ref.byte_size
+    return RowBlock(msg.dtype, msg.shape[1], view, ref.offset, stop,
+                    (ref.region, ref.position - ref.offset))  # fmt: skip
 
 
 def join_rows(parts: Sequence[Any]) -> Any:
@@ -164,10 +215,11 @@ def join_rows(parts: Sequence[Any]) -> Any:
 
 # -- HiddenStates ------------------------------------------------------------------------------
 def join_state_rows(
-    chunks: Sequence[common_pb2.HiddenStates],
+    chunks: Sequence[common_pb2.HiddenStates], regions: RegionMaps | None = None
 ) -> tuple[list[int], dict[str, RowBlock]]:
     """A HiddenStates batch's chunks as ``(row_counts, {field: RowBlock})`` (fields present only),
-    each field's rows checked to total ``sum(row_counts)``. Nothing is decoded."""
+    each field's rows checked to total ``sum(row_counts)``. Nothing is decoded; shared rows are
+    accepted where ``regions`` maps them."""
     if not chunks:
         raise CodecError("hidden states: no chunks to join")
     row_counts = list(chunks[0].row_counts)
@@ -176,7 +228,7 @@ def join_state_rows(
     blocks = {}
     for key in ROW_FIELDS:
         parts = [
-            RowBlock.from_pb(getattr(c, key), name=f"{key}[part {i}]")
+            RowBlock.from_pb(getattr(c, key), name=f"{key}[part {i}]", regions=regions)
             for i, c in enumerate(chunks)
             if c.HasField(key)
         ]

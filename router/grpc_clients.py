@@ -30,6 +30,7 @@ from specmesh.protocol.codec import (
 from specmesh.protocol.constraints import Constraint
 from specmesh.protocol.errors import ServiceDownError
 from specmesh.protocol.features import FeatureSpec
+from specmesh.protocol.shared_rows import RegionMaps
 from specmesh.protocol.steps import (
     DraftInfo,
     DraftStepResult,
@@ -158,8 +159,11 @@ class GrpcTargetClient(_GrpcClient):
         step_timeout_s: float = 120.0,
         credentials: grpc.ChannelCredentials | None = None,
         id_prefix: str = "",
+        shared_memory: bool = False,
     ) -> None:
         super().__init__(address, name, step_timeout_s, credentials, id_prefix)
+        # The target's shared rows as this router maps them (`protocol.shared_rows`), if asked
+        self.regions = RegionMaps(limit=1) if shared_memory else None
         self.info_pb: target_pb2.TargetInfo | None = None
         self.info: TargetInfo | None = None
 
@@ -195,7 +199,9 @@ class GrpcTargetClient(_GrpcClient):
         """The handshake, answered now (a refusal raises with the target's reason) and sent
         again first on every stream opened later."""
         hello = lambda: target_pb2.TargetStepRequest(
-            open=target_pb2.StreamOpen(**needs_to_pb(needs))
+            open=target_pb2.StreamOpen(
+                **needs_to_pb(needs), rows_in_shared_memory=self.regions is not None
+            )
         )
         self.stream.handshake = None
         await self._answer([hello()])
@@ -254,7 +260,7 @@ class GrpcTargetClient(_GrpcClient):
         chunks = await self._checked(answer)
         head = chunks[0]
         # Feature rows stay wire bytes: sliced per request and forwarded to the draft as is.
-        row_counts, blocks = join_state_rows([c.states for c in chunks])
+        row_counts, blocks = join_state_rows([c.states for c in chunks], self.regions)
         out = StepOutput(
             features=blocks.get("aux_hidden", blocks.get("hidden")),
             mm_input_embeds=blocks.get("mm_input_embeds"),

@@ -67,6 +67,8 @@ class RouterSettings:
     address: str = "127.0.0.1:50051"
     core: RouterConfig = field(default_factory=RouterConfig)
     tokenizer: str | None = None  # a checkpoint dir; default: the targets' (GetTokenizer)
+    # The services share this host's /dev/shm: feature rows through it (`protocol.shared_rows`)
+    shared_memory: bool = False
     max_new_tokens: int = 256  # default for requests that leave it 0
     max_message_bytes: int = GRPC_MAX_MESSAGE_BYTES
     connect_timeout_s: float = 300.0  # how long to wait for every service to answer GetInfo
@@ -252,7 +254,13 @@ class RouterService:
         # target and draft (a rolling update) may be given the same client ids.
         self.id_prefix = f"{secrets.token_hex(4)}/"
         self.targets = [
-            GrpcTargetClient(a, f"target-{i}@{a}", credentials=tls, id_prefix=self.id_prefix)
+            GrpcTargetClient(
+                a,
+                f"target-{i}@{a}",
+                credentials=tls,
+                id_prefix=self.id_prefix,
+                shared_memory=settings.shared_memory,
+            )
             for i, a in enumerate(settings.targets)
         ]
         self.drafts = [

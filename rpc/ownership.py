@@ -12,8 +12,13 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from specmesh.protocol.errors import DuplicateRequestError, SpecmeshError, UnknownRequestError
+
+
+class Closeable(Protocol):
+    def close(self) -> None: ...
 
 
 @dataclass(eq=False)
@@ -24,6 +29,9 @@ class StreamOwner:
     peer: str
     requests: set[str] = field(default_factory=set)
     closed: bool = False  # set on the event loop when the stream ends; freed on the worker
+    # Its shared-memory rows (`protocol.shared_rows`): the ring a target writes them into, the
+    # regions a draft reads them from; closed with the stream.
+    shared: Closeable | None = None
 
 
 class Ownership:
@@ -71,6 +79,8 @@ class Ownership:
     def close(self, stream: StreamOwner, release: Callable[[str], bool]) -> int:
         """Free everything ``stream`` owns; returns how many requests that was."""
         self.streams.pop(stream.id, None)
+        if stream.shared is not None:
+            stream.shared.close()
         rids = [r for r in stream.requests if self.owner.get(r) is stream]
         for rid in rids:
             self._drop(rid, release)

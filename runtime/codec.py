@@ -9,6 +9,9 @@ contract (``.to(device)``, ``.to(dtype)`` and ``torch.cat`` copy anyway); ``writ
 copies once into memory the tensor owns. A window whose address is not a multiple of the element
 size is copied too (CPython's bytes are 16-byte aligned and rows are whole elements, so it does
 not happen). A zero-size tensor is allocated fresh. The host is assumed little-endian.
+Through shared memory (`specmesh.protocol.shared_rows`) the target writes its rows straight
+into the ring (``shared_rows_of``: one copy from the device), and the draft copies them out
+before it checks that the ring has not come round over them.
 
 Measured (2-core shared CPU VM, torch 2.13, protobuf 7.36 upb): encode + decode of a [4096, 12288]
 bf16 tensor (96 MiB) takes ~150 ms (~0.65 GB/s; three memcpy: tobytes, upb's copy on assignment,
@@ -17,6 +20,7 @@ upb's copy on reading ``data``), ~260 ms (~0.4 GB/s) as 4 MiB chunks with serial
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Mapping, Sequence
 
@@ -31,6 +35,7 @@ from specmesh.protocol.codec import (
     join_state_rows,
     split_state_rows,
 )
+from specmesh.protocol.shared_rows import RegionMaps, RowRing
 from specmesh.v1 import common_pb2
 
 DTYPES: dict[str, torch.dtype] = {
@@ -84,7 +89,8 @@ def rows_of(t: torch.Tensor, *, name: str = "rows") -> RowBlock:
 
 def tensor_of(block: RowBlock, *, name: str = "rows", writable: bool = False) -> torch.Tensor:
     """The block's rows as a CPU tensor ``[rows, width]``, viewing its bytes unless
-    ``writable``. Bool rows must hold only bytes 0 and 1."""
+    ``writable`` or shared (shared rows are copied out, then checked whole). Bool rows must
+    hold only bytes 0 and 1."""
     dtype, shape = DTYPES[block.dtype], block.shape
     count = shape[0] * shape[1]
     if count == 0:
@@ -92,28 +98,48 @@ def tensor_of(block: RowBlock, *, name: str = "rows", writable: bool = False) ->
     window = memoryview(block.buffer)[block.start : block.stop]
     if dtype == torch.bool and bytes(window).translate(None, b"\x00\x01"):
         raise CodecError(f"tensor '{name}': bool payload holds bytes other than 0 and 1")
-    if writable:
+    if writable or block.origin is not None:
         window = bytearray(window)
+        block.check_intact()
     t = torch.frombuffer(window, dtype=dtype, count=count)
     if t.data_ptr() % dtype.itemsize:  # misaligned view: copy into an aligned allocation
         t = t.clone()
     return t.view(shape)
 
 
+def shared_rows_of(ring: RowRing, t: torch.Tensor, *, name: str = "rows") -> RowBlock:
+    """``t`` as `rows_of` gives it, written into ``ring`` (one copy from its device) when it
+    fits there, else as bytes."""
+    block = rows_of(t[:0], name=name)  # checks dtype and shape; no payload
+    nbytes = t.numel() * t.element_size()
+    position = ring.reserve(nbytes) if nbytes else None
+    if position is None:
+        return rows_of(t, name=name)
+    start = ring.offset(position)
+    dest = torch.frombuffer(ring.view[start : start + nbytes], dtype=torch.uint8)
+    dest.copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+    origin = (ring.name, position - start)
+    return RowBlock(block.dtype, block.width, ring.view, start, start + nbytes, origin)
+
+
 def split_hidden_states(
     row_counts: Sequence[int],
     tensors: Mapping[str, torch.Tensor | None],
     max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ring: RowRing | None = None,
 ) -> list[common_pb2.HiddenStates]:
-    """Per-token tensors (``None`` = absent) as HiddenStates chunks (`split_state_rows`)."""
-    blocks = {k: None if t is None else rows_of(t, name=k) for k, t in tensors.items()}
+    """Per-token tensors (``None`` = absent) as HiddenStates chunks (`split_state_rows`), through
+    ``ring`` when given (`shared_rows_of`)."""
+    encode = rows_of if ring is None else functools.partial(shared_rows_of, ring)
+    blocks = {k: None if t is None else encode(t, name=k) for k, t in tensors.items()}
     return split_state_rows(row_counts, blocks, max_bytes)
 
 
 def join_hidden_states(
-    chunks: Sequence[common_pb2.HiddenStates],
+    chunks: Sequence[common_pb2.HiddenStates], regions: RegionMaps | None = None
 ) -> tuple[list[int], dict[str, torch.Tensor]]:
     """HiddenStates chunks as ``(row_counts, {field: [sum(row_counts), width] tensor})``, fields
-    present only (`join_state_rows` checks every size)."""
-    row_counts, blocks = join_state_rows(chunks)
+    present only (`join_state_rows` checks every size); shared rows where ``regions`` maps
+    them, copied out."""
+    row_counts, blocks = join_state_rows(chunks, regions)
     return row_counts, {k: tensor_of(b, name=k) for k, b in blocks.items()}

@@ -140,8 +140,9 @@ cluster() {  # the same runs through a gRPC cluster (target, draft, router proce
   # lands in one micro-batch: mb1 is the like-for-like hop, mb2 the router's default over gRPC;
   # -predraft adds the draft's --predraft 4 (full-depth trees), -noahead the target's
   # --no-run-ahead, -inline runs both services' steps on their event loops (--inline-step-ms
-  # 30: no thread hand-off; not with -predraft / -noahead), -mps runs the services under CUDA
-  # MPS (one GPU context shared by them)
+  # 30: no thread hand-off; not with -predraft / -noahead), -shm sends the feature rows through
+  # shared memory (the router's --shared-memory), -mps runs the services under CUDA MPS (one GPU
+  # context shared by them)
   local run model cfg target draft mb extra mps failed=0
   for run in ${SPECMESH_CLUSTER_RUNS:-llama8b:mb1 llama8b:mb1-predraft llama8b:mb2 demo:mb1}; do
     model=${run%%:*} cfg=${run#*:} extra=()
@@ -151,6 +152,7 @@ cluster() {  # the same runs through a gRPC cluster (target, draft, router proce
     [[ $cfg == *-noahead* ]] && extra+=("--target-args=--no-run-ahead")
     [[ $cfg == *-inline* ]] && extra+=("--target-args=--inline-step-ms 30"
                                        "--draft-args=--inline-step-ms 30")
+    [[ $cfg == *-shm* ]] && extra+=("--router-args=--shared-memory")
     mps=0
     if [[ $cfg == *-mps* ]]; then
       command -v nvidia-cuda-mps-control >/dev/null || { echo "no MPS here: $run"; failed=1; continue; }

@@ -20,6 +20,7 @@ from specmesh.protocol.codec import DEFAULT_MAX_MESSAGE_BYTES
 from specmesh.protocol.errors import InvalidRequestError, SpecmeshError
 from specmesh.protocol.features import Feature, FeatureSpec
 from specmesh.protocol.sampling import SamplingParams
+from specmesh.protocol.shared_rows import RowRing
 from specmesh.protocol.steps import PrefillInput, StepOutput, VerifyInput
 from specmesh.protocol.trees import DraftTree
 from specmesh.rpc.held_batches import Hold
@@ -95,6 +96,8 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServicer):
         work = req.WhichOneof("work")
         if work == "open":
             self._open(runtime, stream, needs_from_pb(req.open))
+            if req.open.rows_in_shared_memory and stream.shared is None:
+                stream.shared = _ring()
             return [target_pb2.TargetStepResponse()]
         if work is None:
             raise InvalidRequestError("TargetStepRequest has no work (prefill, decode or verify)")
@@ -124,7 +127,7 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServicer):
             plain = [r.request_id for r in run if work == "decode" or len(r.tree.tokens) == 1]
             live = {sid: p for sid, p in self.plain.items() if sid in self.owners.streams}
             self.plain = {**live, stream.id: ([rid for rid in plain if rid in out.tokens], feature)}
-        return self._response(req, _Batch(rids, out), feature)
+        return self._response(req, _Batch(rids, out), feature, stream.shared)
 
     def _run(self, runtime: TargetRuntime, work: str, requests: list, feature: Feature):
         if work == "prefill":
@@ -240,7 +243,7 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServicer):
         out.errors.update(errors)
         return out
 
-    def _response(self, req, batch: _Batch, feature: Feature) -> list:
+    def _response(self, req, batch: _Batch, feature: Feature, ring: RowRing | None) -> list:
         out, results, row_counts = batch.out, [], []
         for rid in batch.rids:
             error = out.errors.get(rid)
@@ -262,9 +265,20 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServicer):
             feature.wire_field or "hidden": out.features,
             "mm_input_embeds": out.mm_input_embeds if req.return_mm_input_embeds else None,
         }
-        states = split_hidden_states(row_counts, tensors, self.chunk_bytes)
+        states = split_hidden_states(row_counts, tensors, self.chunk_bytes, ring)
         first = target_pb2.TargetStepResponse(results=results, states=states[0])
         return [first, *(target_pb2.TargetStepResponse(states=s) for s in states[1:])]
+
+
+def _ring() -> RowRing:
+    """A stream's shared-memory ring; a host without /dev/shm refuses the stream."""
+    try:
+        return RowRing()
+    except OSError as e:
+        raise StreamRefusedError(
+            f"cannot answer rows through shared memory on this host ({e}); start the router "
+            "without --shared-memory"
+        ) from None
 
 
 def warm_up(runtime: TargetRuntime) -> None:

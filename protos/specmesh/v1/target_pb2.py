@@ -26,7 +26,7 @@ from specmesh.v1 import common_pb2 as specmesh_dot_v1_dot_common__pb2
 from specmesh.v1 import generation_pb2 as specmesh_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specmesh/v1/target.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\x1a\x1cspecmesh/v1/generation.proto\"\x12\n\x10TokenizerRequest\"K\n\x0eTokenizerFiles\x12)\n\x05\x66iles\x18\x01 \x03(\x0b\x32\x1a.specmesh.v1.TokenizerFile\x12\x0e\n\x06sha256\x18\x02 \x01(\t\".\n\rTokenizerFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\x0c\"\xff\x03\n\nTargetInfo\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x13\n\x0bhidden_size\x18\x05 \x01(\r\x12\x12\n\nnum_layers\x18\x06 \x01(\r\x12\x15\n\raux_layer_ids\x18\x07 \x03(\x05\x12\x17\n\x0fmax_context_len\x18\x08 \x01(\r\x12\x16\n\x0emax_batch_size\x18\t \x01(\r\x12\x1c\n\x14max_tokens_per_batch\x18\n \x01(\r\x12\x18\n\x10max_draft_tokens\x18\x0b \x01(\r\x12\x15\n\reos_token_ids\x18\x0c \x03(\r\x12\x17\n\x0fsupports_images\x18\r \x01(\x08\x12\x16\n\x0eimage_token_id\x18\x0e \x01(\r\x12\x19\n\x11\x61ttention_backend\x18\x0f \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x10 \x01(\t\x12\x19\n\x11max_message_bytes\x18\x11 \x01(\x04\x12\x13\n\x0b\x63hunk_bytes\x18\x12 \x01(\x04\x12\x0f\n\x07version\x18\x13 \x01(\t\x12)\n\toccupancy\x18\x14 \x01(\x0b\x32\x16.specmesh.v1.Occupancy\x12\x1c\n\x14tensor_parallel_size\x18\x15 \x01(\r\"|\n\nStreamOpen\x12%\n\x07\x66\x65\x61ture\x18\x01 \x01(\x0e\x32\x14.specmesh.v1.Feature\x12\x15\n\raux_layer_ids\x18\x02 \x03(\x05\x12\x30\n\raux_numbering\x18\x03 \x01(\x0e\x32\x19.specmesh.v1.AuxNumbering\"\xeb\x02\n\x11TargetStepRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12\x13\n\x0b\x63hunk_index\x18\x02 \x01(\r\x12\x13\n\x0bmore_chunks\x18\x03 \x01(\x08\x12\x1e\n\x16return_mm_input_embeds\x18\x06 \x01(\x08\x12\x15\n\rskip_features\x18\x07 \x01(\x08\x12,\n\x07prefill\x18\n \x01(\x0b\x32\x19.specmesh.v1.PrefillBatchH\x00\x12*\n\x06\x64\x65\x63ode\x18\x0b \x01(\x0b\x32\x18.specmesh.v1.DecodeBatchH\x00\x12*\n\x06verify\x18\x0c \x01(\x0b\x32\x18.specmesh.v1.VerifyBatchH\x00\x12,\n\x07release\x18\r \x01(\x0b\x32\x19.specmesh.v1.ReleaseBatchH\x00\x12\'\n\x04open\x18\x0e \x01(\x0b\x32\x17.specmesh.v1.StreamOpenH\x00\x42\x06\n\x04work\"=\n\x0cPrefillBatch\x12-\n\x08requests\x18\x01 \x03(\x0b\x32\x1b.specmesh.v1.PrefillRequest\"\xb6\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tinput_ids\x18\x02 \x03(\r\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\x15\n\rsample_offset\x18\x04 \x01(\x04\x12\x0e\n\x06images\x18\x05 \x03(\x0c\x12\x13\n\x0binput_start\x18\x06 \x01(\x04\x12\x12\n\nmore_input\x18\x07 \x01(\x08\";\n\x0b\x44\x65\x63odeBatch\x12,\n\x08requests\x18\x01 \x03(\x0b\x32\x1a.specmesh.v1.DecodeRequest\"5\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\";\n\x0bVerifyBatch\x12,\n\x08requests\x18\x01 \x03(\x0b\x32\x1a.specmesh.v1.VerifyRequest\"I\n\rVerifyRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x04tree\x18\x02 \x01(\x0b\x32\x16.specmesh.v1.DraftTree\"\xcc\x01\n\x12TargetStepResponse\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12\x13\n\x0b\x63hunk_index\x18\x02 \x01(\r\x12\x13\n\x0bmore_chunks\x18\x03 \x01(\x08\x12#\n\x06status\x18\x04 \x01(\x0b\x32\x13.specmesh.v1.Status\x12*\n\x07results\x18\x05 \x03(\x0b\x32\x19.specmesh.v1.TargetResult\x12)\n\x06states\x18\x06 \x01(\x0b\x32\x19.specmesh.v1.HiddenStates\"\xfe\x01\n\x0cTargetResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x06status\x18\x02 \x01(\x0b\x32\x13.specmesh.v1.Status\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x16\n\x0e\x61\x63\x63\x65pted_nodes\x18\x04 \x03(\x05\x12\x12\n\nprompt_ids\x18\x05 \x03(\r\x12+\n\x08logprobs\x18\x06 \x03(\x0b\x32\x19.specmesh.v1.TokenLogprob\x12\x32\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x19.specmesh.v1.TokenLogprob\x12\x15\n\rcached_tokens\x18\x08 \x01(\r2\xdf\x01\n\x06Target\x12<\n\x07GetInfo\x12\x18.specmesh.v1.InfoRequest\x1a\x17.specmesh.v1.TargetInfo\x12K\n\x04Step\x12\x1e.specmesh.v1.TargetStepRequest\x1a\x1f.specmesh.v1.TargetStepResponse(\x01\x30\x01\x12J\n\x0cGetTokenizer\x12\x1d.specmesh.v1.TokenizerRequest\x1a\x1b.specmesh.v1.TokenizerFilesb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specmesh/v1/target.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\x1a\x1cspecmesh/v1/generation.proto\"\x12\n\x10TokenizerRequest\"K\n\x0eTokenizerFiles\x12)\n\x05\x66iles\x18\x01 \x03(\x0b\x32\x1a.specmesh.v1.TokenizerFile\x12\x0e\n\x06sha256\x18\x02 \x01(\t\".\n\rTokenizerFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\x0c\"\xff\x03\n\nTargetInfo\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x13\n\x0bhidden_size\x18\x05 \x01(\r\x12\x12\n\nnum_layers\x18\x06 \x01(\r\x12\x15\n\raux_layer_ids\x18\x07 \x03(\x05\x12\x17\n\x0fmax_context_len\x18\x08 \x01(\r\x12\x16\n\x0emax_batch_size\x18\t \x01(\r\x12\x1c\n\x14max_tokens_per_batch\x18\n \x01(\r\x12\x18\n\x10max_draft_tokens\x18\x0b \x01(\r\x12\x15\n\reos_token_ids\x18\x0c \x03(\r\x12\x17\n\x0fsupports_images\x18\r \x01(\x08\x12\x16\n\x0eimage_token_id\x18\x0e \x01(\r\x12\x19\n\x11\x61ttention_backend\x18\x0f \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x10 \x01(\t\x12\x19\n\x11max_message_bytes\x18\x11 \x01(\x04\x12\x13\n\x0b\x63hunk_bytes\x18\x12 \x01(\x04\x12\x0f\n\x07version\x18\x13 \x01(\t\x12)\n\toccupancy\x18\x14 \x01(\x0b\x32\x16.specmesh.v1.Occupancy\x12\x1c\n\x14tensor_parallel_size\x18\x15 \x01(\r\"\x9b\x01\n\nStreamOpen\x12%\n\x07\x66\x65\x61ture\x18\x01 \x01(\x0e\x32\x14.specmesh.v1.Feature\x12\x15\n\raux_layer_ids\x18\x02 \x03(\x05\x12\x30\n\raux_numbering\x18\x03 \x01(\x0e\x32\x19.specmesh.v1.AuxNumbering\x12\x1d\n\x15rows_in_shared_memory\x18\x04 \x01(\x08\"\xeb\x02\n\x11TargetStepRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12\x13\n\x0b\x63hunk_index\x18\x02 \x01(\r\x12\x13\n\x0bmore_chunks\x18\x03 \x01(\x08\x12\x1e\n\x16return_mm_input_embeds\x18\x06 \x01(\x08\x12\x15\n\rskip_features\x18\x07 \x01(\x08\x12,\n\x07prefill\x18\n \x01(\x0b\x32\x19.specmesh.v1.PrefillBatchH\x00\x12*\n\x06\x64\x65\x63ode\x18\x0b \x01(\x0b\x32\x18.specmesh.v1.DecodeBatchH\x00\x12*\n\x06verify\x18\x0c \x01(\x0b\x32\x18.specmesh.v1.VerifyBatchH\x00\x12,\n\x07release\x18\r \x01(\x0b\x32\x19.specmesh.v1.ReleaseBatchH\x00\x12\'\n\x04open\x18\x0e \x01(\x0b\x32\x17.specmesh.v1.StreamOpenH\x00\x42\x06\n\x04work\"=\n\x0cPrefillBatch\x12-\n\x08requests\x18\x01 \x03(\x0b\x32\x1b.specmesh.v1.PrefillRequest\"\xb6\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tinput_ids\x18\x02 \x03(\r\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\x15\n\rsample_offset\x18\x04 \x01(\x04\x12\x0e\n\x06images\x18\x05 \x03(\x0c\x12\x13\n\x0binput_start\x18\x06 \x01(\x04\x12\x12\n\nmore_input\x18\x07 \x01(\x08\";\n\x0b\x44\x65\x63odeBatch\x12,\n\x08requests\x18\x01 \x03(\x0b\x32\x1a.specmesh.v1.DecodeRequest\"5\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\";\n\x0bVerifyBatch\x12,\n\x08requests\x18\x01 \x03(\x0b\x32\x1a.specmesh.v1.VerifyRequest\"I\n\rVerifyRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x04tree\x18\x02 \x01(\x0b\x32\x16.specmesh.v1.DraftTree\"\xcc\x01\n\x12TargetStepResponse\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12\x13\n\x0b\x63hunk_index\x18\x02 \x01(\r\x12\x13\n\x0bmore_chunks\x18\x03 \x01(\x08\x12#\n\x06status\x18\x04 \x01(\x0b\x32\x13.specmesh.v1.Status\x12*\n\x07results\x18\x05 \x03(\x0b\x32\x19.specmesh.v1.TargetResult\x12)\n\x06states\x18\x06 \x01(\x0b\x32\x19.specmesh.v1.HiddenStates\"\xfe\x01\n\x0cTargetResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x06status\x18\x02 \x01(\x0b\x32\x13.specmesh.v1.Status\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x16\n\x0e\x61\x63\x63\x65pted_nodes\x18\x04 \x03(\x05\x12\x12\n\nprompt_ids\x18\x05 \x03(\r\x12+\n\x08logprobs\x18\x06 \x03(\x0b\x32\x19.specmesh.v1.TokenLogprob\x12\x32\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x19.specmesh.v1.TokenLogprob\x12\x15\n\rcached_tokens\x18\x08 \x01(\r2\xdf\x01\n\x06Target\x12<\n\x07GetInfo\x12\x18.specmesh.v1.InfoRequest\x1a\x17.specmesh.v1.TargetInfo\x12K\n\x04Step\x12\x1e.specmesh.v1.TargetStepRequest\x1a\x1f.specmesh.v1.TargetStepResponse(\x01\x30\x01\x12J\n\x0cGetTokenizer\x12\x1d.specmesh.v1.TokenizerRequest\x1a\x1b.specmesh.v1.TokenizerFilesb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,26 +41,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIZERFILE']._serialized_end=240
   _globals['_TARGETINFO']._serialized_start=243
   _globals['_TARGETINFO']._serialized_end=754
-  _globals['_STREAMOPEN']._serialized_start=756
-  _globals['_STREAMOPEN']._serialized_end=880
-  _globals['_TARGETSTEPREQUEST']._serialized_start=883
-  _globals['_TARGETSTEPREQUEST']._serialized_end=1246
-  _globals['_PREFILLBATCH']._serialized_start=1248
-  _globals['_PREFILLBATCH']._serialized_end=1309
-  _globals['_PREFILLREQUEST']._serialized_start=1312
-  _globals['_PREFILLREQUEST']._serialized_end=1494
-  _globals['_DECODEBATCH']._serialized_start=1496
-  _globals['_DECODEBATCH']._serialized_end=1555
-  _globals['_DECODEREQUEST']._serialized_start=1557
-  _globals['_DECODEREQUEST']._serialized_end=1610
-  _globals['_VERIFYBATCH']._serialized_start=1612
-  _globals['_VERIFYBATCH']._serialized_end=1671
-  _globals['_VERIFYREQUEST']._serialized_start=1673
-  _globals['_VERIFYREQUEST']._serialized_end=1746
-  _globals['_TARGETSTEPRESPONSE']._serialized_start=1749
-  _globals['_TARGETSTEPRESPONSE']._serialized_end=1953
-  _globals['_TARGETRESULT']._serialized_start=1956
-  _globals['_TARGETRESULT']._serialized_end=2210
-  _globals['_TARGET']._serialized_start=2213
-  _globals['_TARGET']._serialized_end=2436
+  _globals['_STREAMOPEN']._serialized_start=757
+  _globals['_STREAMOPEN']._serialized_end=912
+  _globals['_TARGETSTEPREQUEST']._serialized_start=915
+  _globals['_TARGETSTEPREQUEST']._serialized_end=1278
+  _globals['_PREFILLBATCH']._serialized_start=1280
+  _globals['_PREFILLBATCH']._serialized_end=1341
+  _globals['_PREFILLREQUEST']._serialized_start=1344
+  _globals['_PREFILLREQUEST']._serialized_end=1526
+  _globals['_DECODEBATCH']._serialized_start=1528
+  _globals['_DECODEBATCH']._serialized_end=1587
+  _globals['_DECODEREQUEST']._serialized_start=1589
+  _globals['_DECODEREQUEST']._serialized_end=1642
+  _globals['_VERIFYBATCH']._serialized_start=1644
+  _globals['_VERIFYBATCH']._serialized_end=1703
+  _globals['_VERIFYREQUEST']._serialized_start=1705
+  _globals['_VERIFYREQUEST']._serialized_end=1778
+  _globals['_TARGETSTEPRESPONSE']._serialized_start=1781
+  _globals['_TARGETSTEPRESPONSE']._serialized_end=1985
+  _globals['_TARGETRESULT']._serialized_start=1988
+  _globals['_TARGETRESULT']._serialized_end=2242
+  _globals['_TARGET']._serialized_start=2245
+  _globals['_TARGET']._serialized_end=2468
 # @@protoc_insertion_point(module_scope)

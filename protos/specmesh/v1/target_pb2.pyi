@@ -75,14 +75,16 @@ class TargetInfo(_message.Message):
     def __init__(self, model_path: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., aux_layer_ids: _Optional[_Iterable[int]] = ..., max_context_len: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_tokens_per_batch: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., supports_images: _Optional[bool] = ..., image_token_id: _Optional[int] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., version: _Optional[str] = ..., occupancy: _Optional[_Union[_common_pb2.Occupancy, _Mapping]] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class StreamOpen(_message.Message):
-    __slots__ = ("feature", "aux_layer_ids", "aux_numbering")
+    __slots__ = ("feature", "aux_layer_ids", "aux_numbering", "rows_in_shared_memory")
     FEATURE_FIELD_NUMBER: _ClassVar[int]
     AUX_LAYER_IDS_FIELD_NUMBER: _ClassVar[int]
     AUX_NUMBERING_FIELD_NUMBER: _ClassVar[int]
+    ROWS_IN_SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     feature: _common_pb2.Feature
     aux_layer_ids: _containers.RepeatedScalarFieldContainer[int]
     aux_numbering: _common_pb2.AuxNumbering
-    def __init__(self, feature: _Optional[_Union[_common_pb2.Feature, str]] = ..., aux_layer_ids: _Optional[_Iterable[int]] = ..., aux_numbering: _Optional[_Union[_common_pb2.AuxNumbering, str]] = ...) -> None: ...
+    rows_in_shared_memory: bool
+    def __init__(self, feature: _Optional[_Union[_common_pb2.Feature, str]] = ..., aux_layer_ids: _Optional[_Iterable[int]] = ..., aux_numbering: _Optional[_Union[_common_pb2.AuxNumbering, str]] = ..., rows_in_shared_memory: _Optional[bool] = ...) -> None: ...
 
 class TargetStepRequest(_message.Message):
     __slots__ = ("batch_id", "chunk_index", "more_chunks", "return_mm_input_embeds", "skip_features", "prefill", "decode", "verify", "release", "open")

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specmesh/v1/tensor.proto\x12\x0bspecmesh.v1\"n\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0e\n\x04\x64\x61ta\x18\x03 \x01(\x0cH\x00\x12+\n\x03shm\x18\x04 \x01(\x0b\x32\x1c.specmesh.v1.SharedMemoryRefH\x00\x42\t\n\x07payload\"D\n\x0fSharedMemoryRef\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x11\n\tbyte_size\x18\x03 \x01(\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specmesh/v1/tensor.proto\x12\x0bspecmesh.v1\"n\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0e\n\x04\x64\x61ta\x18\x03 \x01(\x0cH\x00\x12+\n\x03shm\x18\x04 \x01(\x0b\x32\x1c.specmesh.v1.SharedMemoryRefH\x00\x42\t\n\x07payload\"V\n\x0fSharedMemoryRef\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x11\n\tbyte_size\x18\x03 \x01(\x04\x12\x10\n\x08position\x18\x04 \x01(\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,5 +34,5 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TENSOR']._serialized_start=41
   _globals['_TENSOR']._serialized_end=151
   _globals['_SHAREDMEMORYREF']._serialized_start=153
-  _globals['_SHAREDMEMORYREF']._serialized_end=221
+  _globals['_SHAREDMEMORYREF']._serialized_end=239
 # @@protoc_insertion_point(module_scope)
