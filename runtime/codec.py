@@ -75,13 +75,19 @@ with warnings.catch_warnings():
     torch.frombuffer(b"\0", dtype=torch.uint8)
 
 
-def rows_of(t: torch.Tensor, *, name: str = "rows") -> RowBlock:
-    """``t`` ``[rows, width]`` (any device, any strides) as row-major little-endian bytes."""
+def _wire_dtype(t: torch.Tensor, name: str) -> str:
+    """The wire name of ``t``'s dtype, once ``t`` is checked to be ``[rows, width]``."""
     dtype = DTYPE_NAMES.get(t.dtype)
     if dtype is None:
         raise CodecError(f"tensor '{name}': dtype {t.dtype} is not one of {', '.join(DTYPES)}")
     if t.dim() != 2 or t.shape[1] < 1:
         raise CodecError(f"tensor '{name}': shape {list(t.shape)}, expected [rows, width]")
+    return dtype
+
+
+def rows_of(t: torch.Tensor, *, name: str = "rows") -> RowBlock:
+    """``t`` ``[rows, width]`` (any device, any strides) as row-major little-endian bytes."""
+    dtype = _wire_dtype(t, name)
     flat = t.detach().to("cpu").contiguous().reshape(-1)
     data = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
     return RowBlock(dtype, t.shape[1], data)
@@ -110,7 +116,7 @@ def tensor_of(block: RowBlock, *, name: str = "rows", writable: bool = False) ->
 def shared_rows_of(ring: RowRing, t: torch.Tensor, *, name: str = "rows") -> RowBlock:
     """``t`` as `rows_of` gives it, written into ``ring`` (one copy from its device) when it
     fits there, else as bytes."""
-    block = rows_of(t[:0], name=name)  # checks dtype and shape; no payload
+    dtype = _wire_dtype(t, name)
     nbytes = t.numel() * t.element_size()
     position = ring.reserve(nbytes) if nbytes else None
     if position is None:
@@ -119,7 +125,7 @@ def shared_rows_of(ring: RowRing, t: torch.Tensor, *, name: str = "rows") -> Row
     dest = torch.frombuffer(ring.view[start : start + nbytes], dtype=torch.uint8)
     dest.copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
     origin = (ring.name, position - start)
-    return RowBlock(block.dtype, block.width, ring.view, start, start + nbytes, origin)
+    return RowBlock(dtype, t.shape[1], ring.view, start, start + nbytes, origin)
 
 
 def split_hidden_states(
