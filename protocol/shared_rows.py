@@ -35,6 +35,7 @@ NAME_RE = re.compile(r"specmesh-[0-9a-f]{16}")
 HEADER_BYTES = 64  # the logical end (u64, little-endian) at 0; rows start after the header
 RING_BYTES = 64 << 20  # per target stream
 MAX_SHARE = 4  # rows larger than RING_BYTES / MAX_SHARE go on the wire instead
+POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: map a region's pages in at once
 MAX_MAPPED = 8  # regions a draft stream keeps mapped (least recently used ones dropped first)
 
 
@@ -60,7 +61,8 @@ class RowRing:
         fd = os.open(SHM_DIR / self.name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, HEADER_BYTES + capacity)
-            self.map = mmap.mmap(fd, HEADER_BYTES + capacity)
+            # Its pages allocated now, once, not faulted in by the first rounds' writes.
+            self.map = mmap.mmap(fd, HEADER_BYTES + capacity, flags=mmap.MAP_SHARED | POPULATE)
         finally:
             os.close(fd)
         self.view = memoryview(self.map)
@@ -90,8 +92,11 @@ class RowRing:
 class RegionMaps:
     """The regions one reader has mapped read-only, by name (see the module docstring)."""
 
-    def __init__(self, limit: int = MAX_MAPPED) -> None:
+    def __init__(self, limit: int = MAX_MAPPED, populate: bool = True) -> None:
         self.limit = limit  # a router's client maps its target's one live ring: 1
+        # A draft reads every row: its mappings' pages are mapped in at once. A router only
+        # reads rows it must reorder: it maps pages in as it touches them.
+        self.flags = mmap.MAP_SHARED | (POPULATE if populate else 0)
         self.maps: OrderedDict[str, memoryview] = OrderedDict()
 
     def view(self, name: str) -> memoryview:
@@ -108,7 +113,7 @@ class RegionMaps:
                     "target and draft must share /dev/shm)"
                 ) from None
             try:
-                view = memoryview(mmap.mmap(fd, 0, prot=mmap.PROT_READ))
+                view = memoryview(mmap.mmap(fd, 0, flags=self.flags, prot=mmap.PROT_READ))
             finally:
                 os.close(fd)
             self.maps[name] = view

@@ -163,7 +163,7 @@ class GrpcTargetClient(_GrpcClient):
     ) -> None:
         super().__init__(address, name, step_timeout_s, credentials, id_prefix)
         # The target's shared rows as this router maps them (`protocol.shared_rows`), if asked
-        self.regions = RegionMaps(limit=1) if shared_memory else None
+        self.regions = RegionMaps(limit=1, populate=False) if shared_memory else None
         self.info_pb: target_pb2.TargetInfo | None = None
         self.info: TargetInfo | None = None
 
