@@ -125,10 +125,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--shared-memory",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="the targets and drafts run on this host, as this user, sharing /dev/shm: feature "
         "rows go from target to draft through shared memory instead of through this router "
-        "(docs/architecture.md)",
+        "(docs/architecture.md; `specmesh up` turns it on where /dev/shm exists)",
     )
     add_served_name_arg(p)
     p.add_argument(

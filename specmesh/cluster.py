@@ -102,6 +102,7 @@ def run_cluster(args: argparse.Namespace) -> int:
             router += ["--http-port", str(http_port)]
         router += ["--chat-template", args.chat_template] if args.chat_template else []
         router += _flag("--served-model-name", args.served_model_name) + gpu["router"]
+        router += _shared_memory_flag(extra.by_kind["router"], with_draft)
         router += extra.by_kind["router"]
         spawn("router", router, host=args.host, port=port, env=env)
         wait_ready(children, args.ready_timeout, tls)
@@ -127,6 +128,17 @@ def run_cluster(args: argparse.Namespace) -> int:
 
 def _flag(flag: str, value: str | None) -> list[str]:
     return [flag, value] if value else []
+
+
+def _shared_memory_flag(router_args: list[str], with_draft: bool) -> list[str]:
+    """`up` runs every process on this host as this user: with a draft, the router sends the
+    feature rows through /dev/shm (``--shared-memory``, `protocol.shared_rows`) where there is
+    one, unless its own flags decide."""
+    from specmesh.protocol.shared_rows import SHM_DIR
+
+    names = ("--shared-memory", "--no-shared-memory")
+    given = any(a.split("=")[0] in names for a in router_args)
+    return ["--shared-memory"] if with_draft and not given and SHM_DIR.is_dir() else []
 
 
 def _gpu_flags(by_kind: dict[str, list[str]], with_draft: bool) -> dict[str, list[str]]:

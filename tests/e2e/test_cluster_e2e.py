@@ -40,6 +40,9 @@ def alive(pid: int) -> bool:
 
 
 def test_up_serves_the_default_model_and_stops_on_ctrl_c(tmp_path: Path) -> None:
+    from specmesh.protocol.shared_rows import SHM_DIR
+
+    before = set(SHM_DIR.glob("specmesh-*"))
     up = subprocess.Popen(
         [*SPECMESH, "up", "--port", "0"],
         stdout=subprocess.PIPE,
@@ -69,6 +72,11 @@ def test_up_serves_the_default_model_and_stops_on_ctrl_c(tmp_path: Path) -> None
         assert result["finish_reason"] in ("length", "stop") and result["prompt_tokens"] > 0
         local = subprocess.run([*SPECMESH, "generate", *flags], capture_output=True, text=True)
         assert json.loads(local.stdout)["token_ids"] == result["token_ids"]  # same as in process
+        # the draft's rows came through the target's shared-memory ring (`--shared-memory`)
+        cmdlines = [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in children]
+        assert sum(b"--shared-memory" in c for c in cmdlines) == 1  # the router's
+        rings = set(SHM_DIR.glob("specmesh-*")) - before
+        assert len(rings) == 1
 
         up.send_signal(signal.SIGINT)
         assert up.wait(60) == 0
@@ -76,6 +84,7 @@ def test_up_serves_the_default_model_and_stops_on_ctrl_c(tmp_path: Path) -> None
         while any(alive(pid) for pid in children) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not any(alive(pid) for pid in children)
+        assert not any(ring.exists() for ring in rings)  # unlinked with its stream
     finally:
         for pid in [up.pid, *children]:  # only what this test started
             if alive(pid):

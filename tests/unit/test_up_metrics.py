@@ -68,3 +68,17 @@ def test_a_taken_metrics_port_is_refused(started, capsys) -> None:
     err = capsys.readouterr().err
     assert f"--metrics-port {port}: port(s) [{port}" in err and "are taken" in err
     assert not started
+
+
+def test_up_sends_feature_rows_through_shared_memory_unless_told(started) -> None:
+    """All of `up`'s processes share this host: its router gets ``--shared-memory``, unless a
+    ``--router-arg`` decides."""
+    from specmesh.protocol.shared_rows import SHM_DIR
+
+    if not SHM_DIR.is_dir():
+        pytest.skip("no /dev/shm")
+    assert up() == 0
+    assert "--shared-memory" in started["router"][0]
+    started.clear()
+    assert up("--router-arg=--no-shared-memory") == 0
+    assert "--shared-memory" not in started["router"][0]
