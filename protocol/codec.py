@@ -255,7 +255,8 @@ def split_state_rows(
                 f"tensor '{key}': {b.num_rows} rows for row_counts summing to {num_rows} "
                 f"(fields: {ROW_FIELDS})"
             )
-    row_bytes = sum(b.row_bytes for b in present.values())
+    # Shared rows travel as references: only bytes on the wire count against the budget.
+    row_bytes = sum(b.row_bytes for b in present.values() if b.origin is None)
     write = lambda field, _key, rows: rows.write_to(field)
     return _chunk_rows(row_counts, present, row_bytes, max_bytes, write)
 

@@ -50,6 +50,13 @@ def test_a_target_answer_reaches_the_draft_through_the_router_as_references(ring
     assert torch.equal(tensors["mm_input_embeds"], mm)
 
 
+def test_shared_rows_over_the_message_budget_stay_one_message(ring):
+    feats = rows(64)  # 8 KiB of rows against a 1 KiB budget: 8 chunks as bytes
+    assert len(split_hidden_states([64], {"hidden": feats}, max_bytes=1024)) == 8
+    (chunk,) = split_hidden_states([64], {"hidden": feats}, max_bytes=1024, ring=ring)
+    assert torch.equal(join_hidden_states([chunk], RegionMaps())[1]["hidden"], feats)
+
+
 def test_rows_out_of_order_are_joined_by_a_copy(ring):
     feats = rows(4)
     (chunk,) = split_hidden_states([4], {"hidden": feats}, ring=ring)
