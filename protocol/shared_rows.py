@@ -15,9 +15,11 @@ stalled for dozens of rounds.
 
 Ownership: a ring belongs to the target stream that asked for it (``StreamOpen``) and is
 unlinked when that stream ends; a reader's mappings (`RegionMaps`) belong to the router client
-or the draft stream that made them. Regions are files under /dev/shm named ``specmesh-`` and 16
-hex digits, created with mode 0600: the router, the target and the draft must share that
-directory and run as the same user.
+or the draft stream that made them. Regions are files under /dev/shm named ``specmesh-``, the
+creating process's id in 8 hex digits and 8 random ones, created with mode 0600: the router,
+the target and the draft must share that directory and run as the same user. A target killed
+before its streams ended leaves its rings behind; the next ring any process creates first
+removes those whose creator no longer runs (`sweep`), so they cannot pile up.
 """
 
 from __future__ import annotations
@@ -51,11 +53,36 @@ def intact(region: memoryview, position: int) -> bool:
     return end <= position + len(region) - HEADER_BYTES
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def sweep() -> list[str]:
+    """Remove the regions whose creating process has gone (killed before its streams ended);
+    returns their names. Only this user's regions can be removed (mode 0600)."""
+    gone = []
+    for path in SHM_DIR.glob("specmesh-*"):
+        if NAME_RE.fullmatch(path.name) and not _alive(int(path.name[9:17], 16)):
+            try:
+                path.unlink(missing_ok=True)
+            except PermissionError:  # another user's, in a shared /dev/shm (sticky): theirs
+                continue
+            gone.append(path.name)
+    return gone
+
+
 class RowRing:
     """The region one target stream writes its answers' rows into (see the module docstring)."""
 
     def __init__(self, capacity: int = RING_BYTES) -> None:
-        self.name = f"specmesh-{secrets.token_hex(8)}"
+        sweep()
+        self.name = f"specmesh-{os.getpid():08x}{secrets.token_hex(4)}"
         self.capacity = capacity
         self.end = 0  # logical: bytes reserved so far, skipped tails included
         fd = os.open(SHM_DIR / self.name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)

@@ -3,6 +3,10 @@ readers' mappings, the references on the wire, and rows written over before they
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -125,3 +129,16 @@ def test_a_block_copied_as_bytes_is_checked_too(ring):
         ring.reserve(CAPACITY // 4)
     with pytest.raises(CodecError, match="written over"):
         block.tobytes()
+
+
+def test_rings_of_a_killed_target_are_removed_by_the_next_one():
+    code = "from specmesh.protocol.shared_rows import RowRing; print(RowRing(4096).name)"
+    name = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.strip()  # fmt: skip
+    assert (SHM_DIR / name).exists()  # its process exited without closing it
+    ring = RowRing(4096)
+    try:
+        assert not (SHM_DIR / name).exists() and (SHM_DIR / ring.name).exists()
+        assert int(ring.name[9:17], 16) == os.getpid()
+    finally:
+        ring.close()
