@@ -195,6 +195,11 @@ class GrpcTargetClient(_GrpcClient):
             ) from None
         return TokenizerFiles.from_pb(msg, self.name)
 
+    async def close(self) -> None:
+        await super().close()
+        if self.regions is not None:
+            self.regions.close()
+
     async def configure(self, needs: FeatureSpec) -> None:
         """The handshake, answered now (a refusal raises with the target's reason) and sent
         again first on every stream opened later."""
