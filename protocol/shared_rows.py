@@ -29,6 +29,7 @@ import os
 import re
 import secrets
 import struct
+import weakref
 from collections import OrderedDict
 from pathlib import Path
 
@@ -63,6 +64,10 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _unlink(path: Path) -> None:
+    path.unlink(missing_ok=True)
+
+
 def sweep() -> list[str]:
     """Remove the regions whose creating process has gone (killed before its streams ended);
     returns their names. Only this user's regions can be removed (mode 0600)."""
@@ -93,6 +98,8 @@ class RowRing:
         finally:
             os.close(fd)
         self.view = memoryview(self.map)
+        # Unlinked by `close`, or at the latest when the process exits normally.
+        self._unlink = weakref.finalize(self, _unlink, SHM_DIR / self.name)
 
     def reserve(self, n: int) -> int | None:
         """The logical position of ``n`` fresh bytes (announced as reserved before anyone writes
@@ -113,7 +120,7 @@ class RowRing:
     def close(self) -> None:
         """Unlink the region: readers keep what they mapped until they close it, and its memory
         goes back when the last mapping (and any view on it) is gone."""
-        (SHM_DIR / self.name).unlink(missing_ok=True)
+        self._unlink()
 
 
 class RegionMaps:

@@ -132,13 +132,23 @@ def test_a_block_copied_as_bytes_is_checked_too(ring):
 
 
 def test_rings_of_a_killed_target_are_removed_by_the_next_one():
-    code = "from specmesh.protocol.shared_rows import RowRing; print(RowRing(4096).name)"
+    code = (  # the process dies without its cleanup, as under SIGKILL
+        "import os; from specmesh.protocol.shared_rows import RowRing\n"
+        "ring = RowRing(4096); print(ring.name, flush=True); os._exit(0)"
+    )
     name = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True).stdout.strip()  # fmt: skip
-    assert (SHM_DIR / name).exists()  # its process exited without closing it
+    assert name and (SHM_DIR / name).exists()  # its process died without closing it
     ring = RowRing(4096)
     try:
         assert not (SHM_DIR / name).exists() and (SHM_DIR / ring.name).exists()
         assert int(ring.name[9:17], 16) == os.getpid()
     finally:
         ring.close()
+
+
+def test_a_ring_still_open_at_exit_is_unlinked():
+    code = "from specmesh.protocol.shared_rows import RowRing; r = RowRing(4096); print(r.name)"
+    name = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.strip()  # fmt: skip
+    assert name and not (SHM_DIR / name).exists()
