@@ -5,10 +5,10 @@ restarted target removes it when it creates its own (`protocol.shared_rows.sweep
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
+from grpc_harness import wait_until
 from procs import Services, Streams, start_cluster
 
 from specmesh.protocol.shared_rows import SHM_DIR
@@ -27,15 +27,6 @@ def rings_of(pid: int) -> set[Path]:
     return set(SHM_DIR.glob(f"specmesh-{pid:08x}*"))
 
 
-def eventually(predicate, timeout_s: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
-
-
 def exact(cluster: Services, tiny_dir: Path, oracle) -> None:
     streams = Streams(cluster.address("router"), PROMPTS, MAX_NEW)
     streams.join()
@@ -49,7 +40,7 @@ def test_rings_end_with_their_streams_and_their_targets(tiny_dir: Path, tmp_path
         exact(cluster, tiny_dir, oracle)
         (ring,) = rings_of(target())  # the router's one stream to the target
         cluster.kill("router")
-        assert eventually(lambda: not ring.exists())  # the stream ended with the router
+        assert wait_until(lambda: not ring.exists(), 30)  # the stream ended with the router
         cluster.restart("router")
         cluster.wait_ready("router")
         exact(cluster, tiny_dir, oracle)
@@ -59,8 +50,8 @@ def test_rings_end_with_their_streams_and_their_targets(tiny_dir: Path, tmp_path
         cluster.restart("target0")
         cluster.wait_ready("target0")
         exact(cluster, tiny_dir, oracle)  # the router reconnects: a new stream, a new ring
-        assert eventually(lambda: not ring.exists())  # swept when that ring was made
+        assert wait_until(lambda: not ring.exists(), 30)  # swept when that ring was made
         assert len(rings_of(target())) == 1
     finally:
         cluster.stop()
-    assert eventually(lambda: not rings_of(target()))
+    assert wait_until(lambda: not rings_of(target()), 30)
