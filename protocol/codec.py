@@ -11,7 +11,9 @@ holding the same row range of every field, ``row_counts`` in the first only
 
 Who converts. The target's service encodes its tensors into blocks and the draft's decodes them
 (`specmesh.runtime.codec`: the only torch on this path); the router forwards the target's blocks
-to the draft without decoding (`specmesh.router.draft_rows`).
+to the draft without decoding (`specmesh.router.draft_rows`). On one host the blocks can be
+windows on a shared-memory ring instead (`specmesh.protocol.shared_rows`): they travel as
+references (``Tensor.shm``) and only the draft copies their bytes.
 
 Copies. Reading a message's ``data`` yields a fresh ``bytes`` (protobuf's copy); a block's rows
 are a window on it, so slicing copies nothing, and joining windows that lie back to back on one
