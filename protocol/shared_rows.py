@@ -92,9 +92,13 @@ class RowRing:
         self.end = 0  # logical: bytes reserved so far, skipped tails included
         fd = os.open(SHM_DIR / self.name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, HEADER_BYTES + capacity)
+            # Space taken now (ENOSPC here, not SIGBUS on a later write to a full /dev/shm).
+            os.posix_fallocate(fd, 0, HEADER_BYTES + capacity)
             # Its pages allocated now, once, not faulted in by the first rounds' writes.
             self.map = mmap.mmap(fd, HEADER_BYTES + capacity, flags=mmap.MAP_SHARED | POPULATE)
+        except OSError:
+            _unlink(SHM_DIR / self.name)
+            raise
         finally:
             os.close(fd)
         self.view = memoryview(self.map)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -45,6 +46,7 @@ from specmesh.runtime.codec import DTYPE_NAMES, split_hidden_states
 from specmesh.target_service.runtime import TargetRuntime
 from specmesh.v1 import target_pb2, target_pb2_grpc
 
+log = logging.getLogger(__name__)
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["Target"].full_name
 MAX_DRAFT_TOKENS = 64  # largest tree verify accepts (TargetInfo.max_draft_tokens)
 WARMUP_RID = "__warmup__"
@@ -270,15 +272,15 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServicer):
         return [first, *(target_pb2.TargetStepResponse(states=s) for s in states[1:])]
 
 
-def _ring() -> RowRing:
-    """A stream's shared-memory ring; a host without /dev/shm refuses the stream."""
+def _ring() -> RowRing | None:
+    """A stream's shared-memory ring, or None (its rows then come inline, which the router
+    reads as well) where the host cannot hold one: no /dev/shm, or too little room there (a
+    container's default is 64 MiB)."""
     try:
         return RowRing()
     except OSError as e:
-        raise StreamRefusedError(
-            f"cannot answer rows through shared memory on this host ({e}); start the router "
-            "without --shared-memory"
-        ) from None
+        log.warning("rows of this stream go on the wire: no shared-memory ring here (%s)", e)
+        return None
 
 
 def warm_up(runtime: TargetRuntime) -> None:

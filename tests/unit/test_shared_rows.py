@@ -152,3 +152,21 @@ def test_a_ring_still_open_at_exit_is_unlinked():
     name = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True).stdout.strip()  # fmt: skip
     assert name and not (SHM_DIR / name).exists()
+
+
+def test_a_host_without_room_for_a_ring_answers_on_the_wire(monkeypatch):
+    """posix_fallocate refuses (ENOSPC) where /dev/shm is full: the ring's file is gone again,
+    and the target serves that stream's rows inline instead of refusing it."""
+    import errno
+
+    from specmesh.target_service import server
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    before = set(SHM_DIR.glob("specmesh-*"))
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(OSError):
+        RowRing(4096)
+    assert server._ring() is None
+    assert set(SHM_DIR.glob("specmesh-*")) == before
