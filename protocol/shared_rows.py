@@ -19,7 +19,9 @@ or the draft stream that made them. Regions are files under /dev/shm named ``spe
 creating process's id in 8 hex digits and 8 random ones, created with mode 0600: the router,
 the target and the draft must share that directory and run as the same user. A target killed
 before its streams ended leaves its rings behind; the next ring any process creates first
-removes those whose creator no longer runs (`sweep`), so they cannot pile up.
+removes those whose creator no longer runs (`sweep`), so they cannot pile up. That reads the
+process ids of this host's PID namespace: targets sharing one /dev/shm must share it too (one
+`specmesh up`, or one target container as docs/deployment.md describes).
 """
 
 from __future__ import annotations

@@ -3,10 +3,11 @@
 A tokenizer backed by the `tokenizers` library (every "fast" transformers tokenizer) streams
 through its `DecodeStream`: one step in Rust per token, about 1 us, where decoding a window
 twice in Python took about 9 (the router pays it for every token of every request). Any other
-tokenizer, and one that cleans up spaces around punctuation after decoding (which
-`DecodeStream` does not), or a prompt that ends inside a character, decodes a small window (``prefix_offset .. end``) and emits what
-extends the window's previous text. Either way a tail that decodes to U+FFFD (an incomplete
-UTF-8 sequence) is held back until it completes, and `flush` gives what is left at the end.
+tokenizer, one that cleans up spaces around punctuation after decoding (which `DecodeStream`
+does not), and a prompt that ends inside a character decode a small window (``prefix_offset ..
+end``) and emit what extends the window's previous text. Either way a tail that decodes to
+U+FFFD (an incomplete UTF-8 sequence) is held back until it completes, and `flush` gives what
+is left at the end.
 """
 
 from __future__ import annotations

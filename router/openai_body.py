@@ -97,7 +97,7 @@ async def read_json(http: HttpRequest, budget: BodyBudget, timeout_s: float) -> 
         raise _too_large_bytes(budget, f"{int(declared)} bytes")
     try:
         data = await asyncio.wait_for(_read(http, budget), timeout_s)
-    except TimeoutError:  # not yet the builtin TimeoutError on Python 3.10
+    except TimeoutError:  # asyncio's timeouts raise the builtin one since Python 3.11
         raise OpenAIError(
             408, f"the request body did not arrive within {timeout_s:g} s "
             "(http_body_timeout_s)", code="request_timeout", close=True,
