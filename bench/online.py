@@ -98,6 +98,7 @@ def curve(engine, learner, prompts, args) -> list[dict]:
     """Serve until each point of ``args.points`` and measure there."""
     points, served, requests, serve_s, train_s = [], 0, 0, 0.0, 0.0
     for point in args.points:
+        lens: list[int] = []  # the traffic's accept lengths since the last point
         while served < point:
             batch = [next(prompts.traffic) for _ in range(args.batch)]
             params = [sampling(requests + i, args.new_tokens) for i in range(len(batch))]
@@ -105,6 +106,7 @@ def curve(engine, learner, prompts, args) -> list[dict]:
             results = engine.generate(batch, params)
             serve_s += time.perf_counter() - started
             served += sum(len(r.token_ids) for r in results)
+            lens += [n for r in results for n in r.accept_lens]
             requests += len(batch)
             if not args.background:
                 started = time.perf_counter()
@@ -115,6 +117,7 @@ def curve(engine, learner, prompts, args) -> list[dict]:
         s = learner.stats()
         points.append({"tokens_served": served, "requests": requests, "serve_s": serve_s,
                        "drain_s": train_s, "eval_s": time.perf_counter() - started,
+                       "traffic_accept": sum(lens) / len(lens) if lens else None,
                        "accept_length": accept, "learner": asdict(s)})  # fmt: skip
         print(f"{served:>7} tokens  v{s.version} (kept {s.num_updates}, rolled back "
               f"{s.num_rollbacks})  " + "  ".join(f"{k} {v:.3f}" for k, v in accept.items()),

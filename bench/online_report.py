@@ -9,26 +9,29 @@ EVALS = ("domain greedy", "domain t0.8", "stdlib greedy", "stdlib t0.8")
 
 
 def table(results: dict[str, Any]) -> str:
-    """Markdown: accept length per evaluation set at each point, its change from the first
-    point, the learner's counts and the wall time; then the draft step times."""
+    """Markdown: the served traffic's accept length since the last point, the accept length
+    per evaluation set at each point and its change from the first point, the learner's counts
+    and the wall time; then the draft step times."""
     points = results["points"]
     first = points[0]["accept_length"]
     head = (
-        "| tokens served | "
+        "| tokens served | traffic | "
         + " | ".join(EVALS)
         + " | version (kept / rolled back) | serve s | train s |"
     )
-    lines = [head, "|" + "---|" * (len(EVALS) + 4)]
+    lines = [head, "|" + "---|" * (len(EVALS) + 5)]
     for p in points:
         acc, learner = p["accept_length"], p["learner"]
         cells = [f"{acc[k]:.2f} ({100 * (acc[k] / first[k] - 1):+.0f} %)" for k in EVALS]
         counts = f"v{learner['version']} ({learner['num_updates']} / {learner['num_rollbacks']})"
-        lines.append(f"| {p['tokens_served']:,} | " + " | ".join(cells)
+        traffic = p.get("traffic_accept")
+        served = f"| {p['tokens_served']:,} | " + ("" if traffic is None else f"{traffic:.2f}")
+        lines.append(served + " | " + " | ".join(cells)
                      + f" | {counts} | {p['serve_s']:.0f} | {learner['train_seconds']:.0f} |")  # fmt: skip
     top = results.get("target_as_draft")
     if top:
         cells = [f"{top[k]:.2f} ({100 * (top[k] / first[k] - 1):+.0f} %)" for k in EVALS]
-        lines.append("| target as its own draft | " + " | ".join(cells) + " | | | |")
+        lines.append("| target as its own draft | | " + " | ".join(cells) + " | | | |")
     lines += ["", "| draft steps | steps | mean ms | p50 ms | p90 ms | p99 ms | max ms | tokens/s |",
               "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     times = results.get("step_times", {})
@@ -61,7 +64,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
             ax.axhline(top[name], color=color, alpha=0.35, linewidth=1)
     ax.set_xlabel("new-domain tokens served (thousands)")
     ax.set_ylabel("accept length (tokens / round)")
-    ax.set_title("Online learning: demo pair on torch + transformers sources")
+    domain = results.get("args", {}).get("domain", "a new domain")
+    ax.set_title(f"Online learning: the demo pair serving {domain}")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

@@ -153,6 +153,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "writes OUT/faults/table.md and results.json",
     )  # fmt: skip
     p.add_argument(
+        "--online-learning", nargs="?", const=0, type=int, metavar="TOKENS",
+        help="run the online-learning report instead (bench/online.py): the demo pair serves a "
+        "domain its draft never saw (JavaScript) with --online-learning, and held-out acceptance "
+        "is measured against tokens served (default 200000; --quick 10000); writes OUT/online/ "
+        "(online.md, online.json, acceptance_vs_tokens.png)",
+    )  # fmt: skip
+    p.add_argument(
         "--out", default="bench_results", metavar="DIR", help="output folder (or a .json file path)"
     )
     p.set_defaults(run=run)
@@ -298,6 +305,8 @@ def run(args: argparse.Namespace) -> int:
         models = ["--target-model", args.target_model] if args.target_model else []
         models += ["--draft-model", args.draft_model] if args.draft_model else []
         return run_faults(["--out", str(Path(args.out) / "faults"), *picked, *models])
+    if args.online_learning is not None:
+        return run_online(args)
     results = run_bench(settings_from_args(args))
     out = Path(args.out)
     json_path = out if out.suffix == ".json" else out / "results.json"
@@ -309,6 +318,16 @@ def run(args: argparse.Namespace) -> int:
     if missing:
         raise ValueError(f"results are missing fields: {', '.join(missing[:10])}")
     return 0
+
+
+def run_online(args: argparse.Namespace) -> int:
+    """``--online-learning [TOKENS]``: `bench.online` on the demo pair (its own flags there)."""
+    from specmesh.bench.online import main as run_online_report
+
+    tokens = args.online_learning or (10_000 if args.quick else 200_000)
+    quick = ["--eval-prompts", "2", "--eval-tokens", "16", "--new-tokens", "32"]
+    out = ["--out", str(Path(args.out) / "online"), "--max-tokens", str(tokens)]
+    return run_online_report(out + (quick if args.quick else []))
 
 
 def run_http_mode(args: argparse.Namespace) -> int:

@@ -58,6 +58,7 @@ class Outcome:
     tree: DraftTree  # rooted at the guessed bonus token
     records: Records  # its forwarded nodes, KV indices in its own region
     region: int  # KV token index of its subtree's first node (its b row is ``region - 1``)
+    version: int = 0  # the draft weights' version it was drafted with (online learning)
 
 
 @dataclass
@@ -80,6 +81,7 @@ class PreDrafter:
         self.trees: dict[str, tuple[DraftTree, Records]] = {}  # the tree each request last answered
         self.outcomes: dict[str, dict[Key, Outcome]] = {}
         self.num_drafted = self.num_hits = self.num_taken = 0  # counters, for metrics
+        self.version = 0  # the weights' version pre-drafts run (the runtime's learner sets it)
 
     # -- the request's answered tree ---------------------------------------------------------------
     def propose(
@@ -151,7 +153,8 @@ class PreDrafter:
             num_steps=self.num_steps,
         )  # fmt: skip
         for g, tree, rec in zip(guesses, trees, records or (), strict=True):
-            self.outcomes.setdefault(g.rid, {})[g.key] = Outcome(tree, rec, g.base + 1)
+            outcome = Outcome(tree, rec, g.base + 1, self.version)
+            self.outcomes.setdefault(g.rid, {})[g.key] = outcome
         self.num_drafted += len(guesses)
 
     def _reserve(self, rid: str) -> bool:

@@ -74,6 +74,8 @@ class PredraftRuntime(DraftRuntime):
     def _answer_hits(self, hits: dict, result: DraftStepResult) -> None:
         result.trees.update({rid: o.tree for rid, o in hits.items()})
         result.predrafted.update(hits)
+        if self.learner is not None:
+            result.versions.update({rid: o.version for rid, o in hits.items()})
 
     def after_step(self) -> None:
         """What the last step left for after its answer: the extends of a batch answered from
@@ -88,6 +90,8 @@ class PredraftRuntime(DraftRuntime):
             self.ahead.adopt(inp.rid, work.hits[inp.rid])
         if not work.rids:
             return
+        if self.learner is not None:  # the extends above swapped in any version published
+            self.ahead.version = self.learner.info.version
         try:
             self.ahead.predraft(
                 [r for r in work.rids if r in self.live and not self.grammars.holds(r)]

@@ -153,6 +153,8 @@ class DraftRuntime:
         try:
             trees = self._trees(rids, roots, grammar)
             result.trees.update({i.rid: t for i, t in zip(ok, trees, strict=True)})
+            if self.learner is not None:
+                result.versions.update(dict.fromkeys(rids, self.learner.info.version))
         except Exception as e:
             self._fail(ok, e, result.errors)
 

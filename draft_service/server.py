@@ -8,6 +8,7 @@ pending token). Request ownership by stream and the stream's cleanup are `ModelS
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,6 +28,9 @@ from specmesh.rpc.wire import constraint_from_pb, needs_to_pb, readable_constrai
 from specmesh.runtime.codec import DTYPE_NAMES, DTYPES, all_finite, join_hidden_states
 from specmesh.runtime.config import parse_dtype
 from specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+
+if TYPE_CHECKING:
+    from specmesh.draft_service.online.learner import LearnerStats
 
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name
 WARMUP_RID = "__warmup__"
@@ -78,6 +82,8 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServicer):
         info = draft_pb2.DraftInfo()
         info.CopyFrom(self.info_pb)
         info.occupancy.CopyFrom(self.occupancy(runtime, len(runtime.live), runtime.kv_slots()))
+        if runtime.learner is not None:
+            info.online_learning.CopyFrom(_online_learning(runtime.learner.stats()))
         return info
 
     def run_batch(self, runtime: DraftRuntime, stream: StreamOwner, chunks: list) -> list:
@@ -117,6 +123,8 @@ class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServicer):
         results = [self._result(rid, res.errors.get(rid), res.trees.get(rid)) for rid in rids]
         for r in results:
             r.predrafted = r.request_id in done.predrafted
+            if r.request_id in done.versions:
+                r.weight_version = done.versions[r.request_id]
         return [draft_pb2.DraftStepResponse(results=results)]
 
     def hold(self, runtime: DraftRuntime, chunks: list) -> Hold | None:
@@ -281,3 +289,15 @@ def make_servicer(
     address: str, max_message_bytes: int, inline_step_ms: float | None = None
 ) -> DraftServicer:
     return DraftServicer(ServiceHost(SERVICE_NAME, address, max_message_bytes), inline_step_ms)
+
+
+def _online_learning(stats: LearnerStats) -> draft_pb2.OnlineLearning:
+    """GetInfo's view of the learner: the figures its Prometheus series give."""
+    return draft_pb2.OnlineLearning(
+        weight_version=stats.version, updates=stats.num_updates,
+        rollbacks=stats.num_rollbacks, resets=stats.num_resets,
+        tokens_observed=stats.tokens_observed, train_tokens=stats.train_tokens,
+        heldout_tokens=stats.heldout_tokens, heldout_accept_before=stats.heldout_before,
+        heldout_accept_after=stats.heldout_after, heldout_accept_shipped=stats.heldout_shipped,
+        last_loss=stats.last_loss, train_seconds=stats.train_seconds,
+    )  # fmt: skip

@@ -131,3 +131,6 @@ class DraftStepResult:
     trees: dict[str, DraftTree] = field(default_factory=dict)
     errors: dict[str, SpecmeshError] = field(default_factory=dict)
     predrafted: set[str] = field(default_factory=set)  # trees a pre-draft had ready (a hit)
+    # The draft weights' version each tree was drafted with; empty unless the draft learns
+    # online (`specmesh.draft_service.online`)
+    versions: dict[str, int] = field(default_factory=dict)

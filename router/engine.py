@@ -44,6 +44,9 @@ class GenerationResult:
     # the core streamed them: one per token_ids entry; one per prompt token (None for the first).
     logprobs: list[Logprob] | None = None
     prompt_logprobs: list[Logprob | None] | None = None
+    # A learning draft's weight versions the trees came from, in the order first used
+    # (`draft_service.online`); empty when the draft does not learn
+    draft_weight_versions: list[int] = field(default_factory=list)
 
     @property
     def mean_accept_len(self) -> float:
@@ -159,4 +162,5 @@ class Engine:
             req.draft_wait_s,
             logprobs,
             prompt_logprobs,
+            req.draft_weight_versions,
         )

@@ -342,6 +342,8 @@ class GrpcDraftClient(_GrpcClient):
                 out.trees[rid] = DraftTree.of(result.tree.tokens, result.tree.parents)
                 if result.predrafted:
                     out.predrafted.add(rid)
+                if result.HasField("weight_version"):
+                    out.versions[rid] = result.weight_version
         return out
 
     def _rows(self, extends: list[ExtendInput]) -> dict[str, RowBlock | None]:

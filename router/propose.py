@@ -154,8 +154,11 @@ def _constrain(extend: ExtendInput, s: Slot, output_start: int) -> None:
 
 
 def _count_wait(sent: Sent, res: DraftStepResult | None, seconds: float) -> None:
-    """Per request: the time its next verify waited on this draft step, and whether the tree
-    was pre-drafted."""
+    """Per request: the time its next verify waited on this draft step, whether the tree was
+    pre-drafted, and the draft weights' version it was drafted with (a learning draft's)."""
     for s, _ in sent:
         s.request.draft_wait_s += seconds
         s.request.num_predraft_hits += res is not None and s.rid in res.predrafted
+    if res is not None and res.versions:
+        for s, _ in sent:
+            s.request.note_draft_version(res.versions.get(s.rid))

@@ -57,10 +57,17 @@ class Request:
     num_predraft_hits: int = 0  # trees its draft had ready (pre-drafted) when asked
     cached_tokens: int = 0  # prompt tokens the target's prefix cache had (its last prefill)
     draft_wait_s: float = 0.0  # time its rounds waited on the draft for a tree
+    # A learning draft's weight versions its trees came from, in the order first used
+    draft_weight_versions: list[int] = field(default_factory=list)
     replays: int = 0  # times a failed target sent it back to be replayed elsewhere
     arrival_s: float = field(default_factory=time.monotonic)
     first_token_s: float | None = None
     finish_s: float | None = None
+
+    def note_draft_version(self, version: int | None) -> None:
+        """A tree drafted with ``version`` of a learning draft's weights (None: no tree)."""
+        if version is not None and version not in self.draft_weight_versions[-1:]:
+            self.draft_weight_versions.append(version)
 
     @property
     def finished(self) -> bool:

@@ -222,6 +222,7 @@ def _response(req: Request, chunk: Chunk) -> generation_pb2.GenerateResponse:
                 cached_tokens=req.cached_tokens,
                 num_plain_rounds=sum(1 for d in req.round_drafts if d == 0),
                 plain_reason=req.last_plain.describe() if req.last_plain is not None else "",
+                draft_weight_versions=req.draft_weight_versions,
                 mean_accept_len=req.mean_accept_len or 1.0,
                 time_to_first_token_s=(req.first_token_s or now) - req.arrival_s,
                 total_time_s=now - req.arrival_s,

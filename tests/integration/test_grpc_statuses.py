@@ -246,6 +246,8 @@ def test_a_request_over_the_draft_context_fails_alone(stack) -> None:
             assert wait_until(lambda: not runtime.live and not runtime.drafter.cache.requests)
             info = draft_pb2_grpc.DraftStub(channel).GetInfo(generation_pb2.InfoRequest())
         assert info.occupancy.num_requests == 0 and info.occupancy.kv_slots_used == 0
+        assert not info.HasField("online_learning")  # a draft that does not learn
+        assert not any(r.HasField("weight_version") for r in out[0].results)
     finally:
         stack.loop.run(draft.host.shutdown(0.5))
     codes = {rid: r.status.code for rid, r in results.items()}

@@ -116,3 +116,24 @@ def test_a_request_kept_out_of_learning_leaves_no_rows(online) -> None:
 
     assert served(exclude=True) == 0
     assert served(exclude=False) > len(prompt)
+
+
+def test_getinfo_and_each_requests_stats_name_the_versions(online) -> None:
+    """The draft's GetInfo reports the learner (the same figures as `stats()`), and a request's
+    RequestStats lists the weight versions its trees were drafted with: each one the draft has
+    served, in the order first used, the last no newer than the draft serves now."""
+    from specmesh.v1 import draft_pb2_grpc, generation_pb2
+
+    prompt = prompts(1, seed=11)[0]
+    _, _, last = collect(online.client.generate(prompt_token_ids=prompt, sampling=greedy(24)))
+    assert online.learner.drain(120)
+    with grpc.insecure_channel(f"127.0.0.1:{online.draft.host.port}") as channel:
+        info = draft_pb2_grpc.DraftStub(channel).GetInfo(generation_pb2.InfoRequest(), timeout=10)
+    stats = online.learner.stats()
+    assert info.HasField("online_learning")
+    got = info.online_learning
+    counts = (got.weight_version, got.updates, got.rollbacks, got.resets)
+    assert counts == (stats.version, stats.num_updates, stats.num_rollbacks, stats.num_resets)
+    assert got.tokens_observed == stats.tokens_observed > 0 and got.train_seconds > 0
+    versions = list(last.stats.draft_weight_versions)
+    assert versions and versions == sorted(set(versions)) and versions[-1] <= stats.version

@@ -76,6 +76,7 @@ def test_predrafted_trees_over_grpc_are_exact_and_counted(cluster) -> None:
     rounds = sum(st.num_rounds for st in stats)
     assert 0 < hits < rounds, f"{hits} pre-drafted trees in {rounds} rounds"
     assert all(st.draft_wait_s > 0 for st in stats)
+    assert not any(st.draft_weight_versions for st in stats)  # this draft does not learn
     assert wait_until_empty(cluster)
     assert not cluster.draft.runtime.ahead.trees and not cluster.draft.runtime.ahead.outcomes
 

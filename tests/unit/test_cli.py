@@ -94,3 +94,17 @@ def test_dtype_defaults_to_fp32_on_a_cpu_and_the_checkpoints_on_cuda(capsys) -> 
     assert "dtype the checkpoint's, attention triton" in err and "given: --device" in err
     assert _runtime_kwargs(parse("--dtype", "bf16"))["dtype"] == "bf16"
     assert "dtype bf16, " in capsys.readouterr().err
+
+
+def test_bench_online_learning_runs_the_online_report(monkeypatch, tmp_path: Path) -> None:
+    """`specmesh bench --online-learning [TOKENS]` hands `bench.online` its folder and budget
+    (--quick: few prompts, and 10000 tokens unless it names its own)."""
+    import specmesh.bench.online as online
+
+    seen: list[list[str]] = []
+    monkeypatch.setattr(online, "main", lambda argv: seen.append(argv) or 0)
+    assert main(["bench", "--online-learning", "--out", str(tmp_path)]) == 0
+    assert main(["bench", "--online-learning", "5000", "--quick", "--out", str(tmp_path)]) == 0
+    assert seen[0] == ["--out", str(tmp_path / "online"), "--max-tokens", "200000"]
+    assert seen[1][:4] == ["--out", str(tmp_path / "online"), "--max-tokens", "5000"]
+    assert "--eval-prompts" in seen[1]

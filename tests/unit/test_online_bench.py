@@ -54,16 +54,19 @@ def test_traffic_is_one_greedy_request_in_four() -> None:
 
 
 def test_table_and_plot(tmp_path: Path) -> None:
-    point = lambda t, a: {"tokens_served": t, "serve_s": 1.0, "accept_length": dict.fromkeys(
+    point = lambda t, a: {"tokens_served": t, "serve_s": 1.0, "traffic_accept": (a - 0.1) if t else None,
+                          "accept_length": dict.fromkeys(
         EVALS, a), "learner": {"version": 1, "num_updates": 1, "num_rollbacks": 2,
                                "train_seconds": 3.0}}  # fmt: skip
     step = {"steps": 5, "mean_ms": 1.0, "p50_ms": 1.0, "p90_ms": 2.0, "p99_ms": 2.0,
             "max_ms": 3.0, "tokens_per_s": 100.0}  # fmt: skip
-    results = {"points": [point(0, 2.0), point(1000, 2.5)], "target_as_draft":
+    results = {"points": [point(0, 2.0), point(1000, 2.5)], "args": {"domain": "javascript"},
+               "target_as_draft":
                dict.fromkeys(EVALS, 3.0), "step_times": {"trainer idle": step,
                "trainer busy": step, "swap_ms_mean": 0.5}}  # fmt: skip
     text = table(results)
-    assert "| 1,000 | 2.50 (+25 %)" in text and "target as its own draft | 3.00 (+50 %)" in text
+    assert "| 0 |  | 2.00 (+0 %)" in text and "| 1,000 | 2.40 | 2.50 (+25 %)" in text
+    assert "target as its own draft | | 3.00 (+50 %)" in text
     assert "| trainer busy | 5 |" in text and "0.50 ms" in text
     plot(results, tmp_path / "curve.png")
     assert (tmp_path / "curve.png").stat().st_size > 1000

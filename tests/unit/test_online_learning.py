@@ -14,6 +14,7 @@ import torch
 from conftest import assert_accepted, hf_greedy
 from online_traffic import SETTINGS, KeepAll, learning_engine, prompts
 
+from specmesh.draft_service.online import attach_learner
 from specmesh.draft_service.online.head import load_into, trainable_head
 from specmesh.protocol.config import SpecParams
 from specmesh.protocol.sampling import SamplingParams
@@ -46,6 +47,7 @@ def test_greedy_output_with_a_learned_version_equals_transformers(learned, copy_
     )
     for prompt, r in zip(batch, results, strict=True):
         assert r.token_ids == hf_greedy(copy_dir / "target", prompt, 24)
+        assert r.draft_weight_versions == [1]  # every tree drafted with the version served
     assert_accepted(results, 4)
 
 
@@ -60,6 +62,7 @@ def test_seeded_sampling_is_the_same_text_as_learning_off(learned, copy_dir) -> 
     assert [r.token_ids for r in on] == [r.token_ids for r in off]
     assert [r.text for r in on] == [r.text for r in off]
     assert_accepted(on, 4)
+    assert all(r.draft_weight_versions == [] for r in off)  # a draft that does not learn
 
 
 def test_an_update_that_lowers_held_out_acceptance_is_rolled_back(copy_dir) -> None:
@@ -145,3 +148,24 @@ def test_the_guards_verdicts(candidate, served, shipped, outcome) -> None:
     v = guard.judge(None, type("Head", (), {"named_parameters": lambda self: []})(), {}, {}, [])
     got = "keep" if v.keep else "reset" if v.reset else "rewind" if v.rewind else "hold"
     assert got == outcome
+
+
+def test_every_tree_names_its_version_pre_drafted_ones_too(copy_dir) -> None:
+    """A pre-drafting runtime with a learner: each tree of each step's answer, pre-drafted
+    (a hit) or drafted on the spot, carries the version it was drafted with: the weights as
+    loaded (0), then the version published between the two runs."""
+    engine = Engine(copy_dir / "target", draft_model=copy_dir / "eagle3", draft_kind="eagle3",
+                    spec=SpecParams(3, 4, 8), draft_config={"predraft": 4})  # fmt: skip
+    learner = attach_learner(engine.draft, SETTINGS, start=False)
+    learner.guard = KeepAll()
+    answers, step = [], engine.draft.step
+    engine.draft.step = lambda *a, **kw: answers.append(step(*a, **kw)) or answers[-1]
+    first = engine.generate(prompts(6, seed=3), SamplingParams(max_new_tokens=24))
+    assert all(r.draft_weight_versions == [0] for r in first)
+    assert learner.update().keep
+    results = engine.generate(prompts(2, seed=4), SamplingParams(max_new_tokens=24))
+    assert all(r.draft_weight_versions == [1] for r in results)
+    assert sum(len(a.predrafted) for a in answers) > 0
+    for a in answers:
+        assert a.versions.keys() == a.trees.keys()
+        assert set(a.versions.values()) <= {0, 1}

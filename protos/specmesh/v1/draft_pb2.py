@@ -26,7 +26,7 @@ from specmesh.v1 import common_pb2 as specmesh_dot_v1_dot_common__pb2
 from specmesh.v1 import generation_pb2 as specmesh_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specmesh/v1/draft.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\x1a\x1cspecmesh/v1/generation.proto\"\xfc\x03\n\tDraftInfo\x12\x12\n\ndraft_kind\x18\x01 \x01(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x18\n\x10\x64raft_vocab_size\x18\x05 \x01(\r\x12\x13\n\x0bhidden_size\x18\x06 \x01(\r\x12\x15\n\raux_layer_ids\x18\x07 \x03(\x05\x12\x30\n\raux_numbering\x18\x08 \x01(\x0e\x32\x19.specmesh.v1.AuxNumbering\x12%\n\x07\x66\x65\x61ture\x18\t \x01(\x0e\x32\x14.specmesh.v1.Feature\x12\x17\n\x0fsupports_images\x18\n \x01(\x08\x12\x11\n\tnum_steps\x18\x0b \x01(\r\x12\x0c\n\x04topk\x18\x0c \x01(\r\x12\x18\n\x10num_draft_tokens\x18\r \x01(\r\x12\x17\n\x0fmax_context_len\x18\x0e \x01(\r\x12\x16\n\x0emax_batch_size\x18\x0f \x01(\r\x12\x19\n\x11\x61ttention_backend\x18\x10 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x11 \x01(\t\x12\x19\n\x11max_message_bytes\x18\x12 \x01(\x04\x12\x0f\n\x07version\x18\x13 \x01(\t\x12)\n\toccupancy\x18\x15 \x01(\x0b\x32\x16.specmesh.v1.Occupancy\"\x8c\x02\n\x10\x44raftStepRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12\x13\n\x0b\x63hunk_index\x18\x02 \x01(\r\x12\x13\n\x0bmore_chunks\x18\x03 \x01(\x08\x12*\n\x06\x65xtend\x18\n \x01(\x0b\x32\x18.specmesh.v1.ExtendBatchH\x00\x12,\n\x07propose\x18\x0b \x01(\x0b\x32\x19.specmesh.v1.ProposeBatchH\x00\x12,\n\x07release\x18\x0c \x01(\x0b\x32\x19.specmesh.v1.ReleaseBatchH\x00\x12,\n\x07prepare\x18\r \x01(\x0b\x32\x19.specmesh.v1.PrepareBatchH\x00\x42\x06\n\x04work\"<\n\x0cPrepareBatch\x12,\n\x0b\x63onstraints\x18\x01 \x03(\x0b\x32\x17.specmesh.v1.Constraint\"J\n\rProposeParams\x12\x11\n\tnum_steps\x18\x01 \x01(\r\x12\x0c\n\x04topk\x18\x02 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x03 \x01(\r\"\xb1\x01\n\x0b\x45xtendBatch\x12,\n\x08requests\x18\x01 \x03(\x0b\x32\x1a.specmesh.v1.ExtendRequest\x12)\n\x06states\x18\x02 \x01(\x0b\x32\x19.specmesh.v1.HiddenStates\x12\x15\n\rpropose_after\x18\x03 \x01(\x08\x12\x32\n\x0epropose_params\x18\x04 \x01(\x0b\x32\x1a.specmesh.v1.ProposeParams\"\xdb\x01\n\rExtendRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x16\n\x0estarts_request\x18\x03 \x01(\x08\x12\x15\n\rnext_token_id\x18\x04 \x01(\r\x12\x12\n\nmultimodal\x18\x05 \x01(\x08\x12+\n\nconstraint\x18\x06 \x01(\x0b\x32\x17.specmesh.v1.Constraint\x12\x14\n\x0coutput_start\x18\x07 \x01(\r\x12\x1d\n\x15\x65xclude_from_learning\x18\x08 \x01(\x08\"i\n\x0cProposeBatch\x12-\n\x08requests\x18\x01 \x03(\x0b\x32\x1b.specmesh.v1.ProposeRequest\x12*\n\x06params\x18\x02 \x01(\x0b\x32\x1a.specmesh.v1.ProposeParams\";\n\x0eProposeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rroot_token_id\x18\x02 \x01(\r\"\x9f\x01\n\x11\x44raftStepResponse\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12\x13\n\x0b\x63hunk_index\x18\x02 \x01(\r\x12\x13\n\x0bmore_chunks\x18\x03 \x01(\x08\x12#\n\x06status\x18\x04 \x01(\x0b\x32\x13.specmesh.v1.Status\x12)\n\x07results\x18\x05 \x03(\x0b\x32\x18.specmesh.v1.DraftResult\"\x80\x01\n\x0b\x44raftResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x06status\x18\x02 \x01(\x0b\x32\x13.specmesh.v1.Status\x12$\n\x04tree\x18\x03 \x01(\x0b\x32\x16.specmesh.v1.DraftTree\x12\x12\n\npredrafted\x18\x04 \x01(\x08\x32\x8f\x01\n\x05\x44raft\x12;\n\x07GetInfo\x12\x18.specmesh.v1.InfoRequest\x1a\x16.specmesh.v1.DraftInfo\x12I\n\x04Step\x12\x1d.specmesh.v1.DraftStepRequest\x1a\x1e.specmesh.v1.DraftStepResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specmesh/v1/draft.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\x1a\x1cspecmesh/v1/generation.proto\"\xb2\x04\n\tDraftInfo\x12\x12\n\ndraft_kind\x18\x01 \x01(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x18\n\x10\x64raft_vocab_size\x18\x05 \x01(\r\x12\x13\n\x0bhidden_size\x18\x06 \x01(\r\x12\x15\n\raux_layer_ids\x18\x07 \x03(\x05\x12\x30\n\raux_numbering\x18\x08 \x01(\x0e\x32\x19.specmesh.v1.AuxNumbering\x12%\n\x07\x66\x65\x61ture\x18\t \x01(\x0e\x32\x14.specmesh.v1.Feature\x12\x17\n\x0fsupports_images\x18\n \x01(\x08\x12\x11\n\tnum_steps\x18\x0b \x01(\r\x12\x0c\n\x04topk\x18\x0c \x01(\r\x12\x18\n\x10num_draft_tokens\x18\r \x01(\r\x12\x17\n\x0fmax_context_len\x18\x0e \x01(\r\x12\x16\n\x0emax_batch_size\x18\x0f \x01(\r\x12\x19\n\x11\x61ttention_backend\x18\x10 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x11 \x01(\t\x12\x19\n\x11max_message_bytes\x18\x12 \x01(\x04\x12\x0f\n\x07version\x18\x13 \x01(\t\x12)\n\toccupancy\x18\x15 \x01(\x0b\x32\x16.specmesh.v1.Occupancy\x12\x34\n\x0fonline_learning\x18\x16 \x01(\x0b\x32\x1b.specmesh.v1.OnlineLearning\"\xaa\x02\n\x0eOnlineLearning\x12\x16\n\x0eweight_version\x18\x01 \x01(\r\x12\x0f\n\x07updates\x18\x02 \x01(\x04\x12\x11\n\trollbacks\x18\x03 \x01(\x04\x12\x0e\n\x06resets\x18\x04 \x01(\x04\x12\x17\n\x0ftokens_observed\x18\x05 \x01(\x04\x12\x14\n\x0ctrain_tokens\x18\x06 \x01(\x04\x12\x16\n\x0eheldout_tokens\x18\x07 \x01(\x04\x12\x1d\n\x15heldout_accept_before\x18\x08 \x01(\x02\x12\x1c\n\x14heldout_accept_after\x18\t \x01(\x02\x12\x1e\n\x16heldout_accept_shipped\x18\n \x01(\x02\x12\x11\n\tlast_loss\x18\x0b \x01(\x02\x12\x15\n\rtrain_seconds\x18\x0c \x01(\x01\"\x8c\x02\n\x10\x44raftStepRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12\x13\n\x0b\x63hunk_index\x18\x02 \x01(\r\x12\x13\n\x0bmore_chunks\x18\x03 \x01(\x08\x12*\n\x06\x65xtend\x18\n \x01(\x0b\x32\x18.specmesh.v1.ExtendBatchH\x00\x12,\n\x07propose\x18\x0b \x01(\x0b\x32\x19.specmesh.v1.ProposeBatchH\x00\x12,\n\x07release\x18\x0c \x01(\x0b\x32\x19.specmesh.v1.ReleaseBatchH\x00\x12,\n\x07prepare\x18\r \x01(\x0b\x32\x19.specmesh.v1.PrepareBatchH\x00\x42\x06\n\x04work\"<\n\x0cPrepareBatch\x12,\n\x0b\x63onstraints\x18\x01 \x03(\x0b\x32\x17.specmesh.v1.Constraint\"J\n\rProposeParams\x12\x11\n\tnum_steps\x18\x01 \x01(\r\x12\x0c\n\x04topk\x18\x02 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x03 \x01(\r\"\xb1\x01\n\x0b\x45xtendBatch\x12,\n\x08requests\x18\x01 \x03(\x0b\x32\x1a.specmesh.v1.ExtendRequest\x12)\n\x06states\x18\x02 \x01(\x0b\x32\x19.specmesh.v1.HiddenStates\x12\x15\n\rpropose_after\x18\x03 \x01(\x08\x12\x32\n\x0epropose_params\x18\x04 \x01(\x0b\x32\x1a.specmesh.v1.ProposeParams\"\xdb\x01\n\rExtendRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x16\n\x0estarts_request\x18\x03 \x01(\x08\x12\x15\n\rnext_token_id\x18\x04 \x01(\r\x12\x12\n\nmultimodal\x18\x05 \x01(\x08\x12+\n\nconstraint\x18\x06 \x01(\x0b\x32\x17.specmesh.v1.Constraint\x12\x14\n\x0coutput_start\x18\x07 \x01(\r\x12\x1d\n\x15\x65xclude_from_learning\x18\x08 \x01(\x08\"i\n\x0cProposeBatch\x12-\n\x08requests\x18\x01 \x03(\x0b\x32\x1b.specmesh.v1.ProposeRequest\x12*\n\x06params\x18\x02 \x01(\x0b\x32\x1a.specmesh.v1.ProposeParams\";\n\x0eProposeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rroot_token_id\x18\x02 \x01(\r\"\x9f\x01\n\x11\x44raftStepResponse\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12\x13\n\x0b\x63hunk_index\x18\x02 \x01(\r\x12\x13\n\x0bmore_chunks\x18\x03 \x01(\x08\x12#\n\x06status\x18\x04 \x01(\x0b\x32\x13.specmesh.v1.Status\x12)\n\x07results\x18\x05 \x03(\x0b\x32\x18.specmesh.v1.DraftResult\"\xb0\x01\n\x0b\x44raftResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x06status\x18\x02 \x01(\x0b\x32\x13.specmesh.v1.Status\x12$\n\x04tree\x18\x03 \x01(\x0b\x32\x16.specmesh.v1.DraftTree\x12\x12\n\npredrafted\x18\x04 \x01(\x08\x12\x1b\n\x0eweight_version\x18\x05 \x01(\rH\x00\x88\x01\x01\x42\x11\n\x0f_weight_version2\x8f\x01\n\x05\x44raft\x12;\n\x07GetInfo\x12\x18.specmesh.v1.InfoRequest\x1a\x16.specmesh.v1.DraftInfo\x12I\n\x04Step\x12\x1d.specmesh.v1.DraftStepRequest\x1a\x1e.specmesh.v1.DraftStepResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,25 +34,27 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specmesh.v1.draft_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DRAFTINFO']._serialized_start=97
-  _globals['_DRAFTINFO']._serialized_end=605
-  _globals['_DRAFTSTEPREQUEST']._serialized_start=608
-  _globals['_DRAFTSTEPREQUEST']._serialized_end=876
-  _globals['_PREPAREBATCH']._serialized_start=878
-  _globals['_PREPAREBATCH']._serialized_end=938
-  _globals['_PROPOSEPARAMS']._serialized_start=940
-  _globals['_PROPOSEPARAMS']._serialized_end=1014
-  _globals['_EXTENDBATCH']._serialized_start=1017
-  _globals['_EXTENDBATCH']._serialized_end=1194
-  _globals['_EXTENDREQUEST']._serialized_start=1197
-  _globals['_EXTENDREQUEST']._serialized_end=1416
-  _globals['_PROPOSEBATCH']._serialized_start=1418
-  _globals['_PROPOSEBATCH']._serialized_end=1523
-  _globals['_PROPOSEREQUEST']._serialized_start=1525
-  _globals['_PROPOSEREQUEST']._serialized_end=1584
-  _globals['_DRAFTSTEPRESPONSE']._serialized_start=1587
-  _globals['_DRAFTSTEPRESPONSE']._serialized_end=1746
-  _globals['_DRAFTRESULT']._serialized_start=1749
-  _globals['_DRAFTRESULT']._serialized_end=1877
-  _globals['_DRAFT']._serialized_start=1880
-  _globals['_DRAFT']._serialized_end=2023
+  _globals['_DRAFTINFO']._serialized_end=659
+  _globals['_ONLINELEARNING']._serialized_start=662
+  _globals['_ONLINELEARNING']._serialized_end=960
+  _globals['_DRAFTSTEPREQUEST']._serialized_start=963
+  _globals['_DRAFTSTEPREQUEST']._serialized_end=1231
+  _globals['_PREPAREBATCH']._serialized_start=1233
+  _globals['_PREPAREBATCH']._serialized_end=1293
+  _globals['_PROPOSEPARAMS']._serialized_start=1295
+  _globals['_PROPOSEPARAMS']._serialized_end=1369
+  _globals['_EXTENDBATCH']._serialized_start=1372
+  _globals['_EXTENDBATCH']._serialized_end=1549
+  _globals['_EXTENDREQUEST']._serialized_start=1552
+  _globals['_EXTENDREQUEST']._serialized_end=1771
+  _globals['_PROPOSEBATCH']._serialized_start=1773
+  _globals['_PROPOSEBATCH']._serialized_end=1878
+  _globals['_PROPOSEREQUEST']._serialized_start=1880
+  _globals['_PROPOSEREQUEST']._serialized_end=1939
+  _globals['_DRAFTSTEPRESPONSE']._serialized_start=1942
+  _globals['_DRAFTSTEPRESPONSE']._serialized_end=2101
+  _globals['_DRAFTRESULT']._serialized_start=2104
+  _globals['_DRAFTRESULT']._serialized_end=2280
+  _globals['_DRAFT']._serialized_start=2283
+  _globals['_DRAFT']._serialized_end=2426
 # @@protoc_insertion_point(module_scope)

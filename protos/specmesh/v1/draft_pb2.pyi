@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DraftInfo(_message.Message):
-    __slots__ = ("draft_kind", "model_path", "dtype", "vocab_size", "draft_vocab_size", "hidden_size", "aux_layer_ids", "aux_numbering", "feature", "supports_images", "num_steps", "topk", "num_draft_tokens", "max_context_len", "max_batch_size", "attention_backend", "device", "max_message_bytes", "version", "occupancy")
+    __slots__ = ("draft_kind", "model_path", "dtype", "vocab_size", "draft_vocab_size", "hidden_size", "aux_layer_ids", "aux_numbering", "feature", "supports_images", "num_steps", "topk", "num_draft_tokens", "max_context_len", "max_batch_size", "attention_backend", "device", "max_message_bytes", "version", "occupancy", "online_learning")
     DRAFT_KIND_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,7 @@ class DraftInfo(_message.Message):
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     OCCUPANCY_FIELD_NUMBER: _ClassVar[int]
+    ONLINE_LEARNING_FIELD_NUMBER: _ClassVar[int]
     draft_kind: str
     model_path: str
     dtype: str
@@ -50,7 +51,36 @@ class DraftInfo(_message.Message):
     max_message_bytes: int
     version: str
     occupancy: _common_pb2.Occupancy
-    def __init__(self, draft_kind: _Optional[str] = ..., model_path: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., draft_vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., aux_layer_ids: _Optional[_Iterable[int]] = ..., aux_numbering: _Optional[_Union[_common_pb2.AuxNumbering, str]] = ..., feature: _Optional[_Union[_common_pb2.Feature, str]] = ..., supports_images: _Optional[bool] = ..., num_steps: _Optional[int] = ..., topk: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., max_context_len: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., version: _Optional[str] = ..., occupancy: _Optional[_Union[_common_pb2.Occupancy, _Mapping]] = ...) -> None: ...
+    online_learning: OnlineLearning
+    def __init__(self, draft_kind: _Optional[str] = ..., model_path: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., draft_vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., aux_layer_ids: _Optional[_Iterable[int]] = ..., aux_numbering: _Optional[_Union[_common_pb2.AuxNumbering, str]] = ..., feature: _Optional[_Union[_common_pb2.Feature, str]] = ..., supports_images: _Optional[bool] = ..., num_steps: _Optional[int] = ..., topk: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., max_context_len: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., version: _Optional[str] = ..., occupancy: _Optional[_Union[_common_pb2.Occupancy, _Mapping]] = ..., online_learning: _Optional[_Union[OnlineLearning, _Mapping]] = ...) -> None: ...
+
+class OnlineLearning(_message.Message):
+    __slots__ = ("weight_version", "updates", "rollbacks", "resets", "tokens_observed", "train_tokens", "heldout_tokens", "heldout_accept_before", "heldout_accept_after", "heldout_accept_shipped", "last_loss", "train_seconds")
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
+    ROLLBACKS_FIELD_NUMBER: _ClassVar[int]
+    RESETS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_OBSERVED_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HELDOUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HELDOUT_ACCEPT_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    HELDOUT_ACCEPT_AFTER_FIELD_NUMBER: _ClassVar[int]
+    HELDOUT_ACCEPT_SHIPPED_FIELD_NUMBER: _ClassVar[int]
+    LAST_LOSS_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    weight_version: int
+    updates: int
+    rollbacks: int
+    resets: int
+    tokens_observed: int
+    train_tokens: int
+    heldout_tokens: int
+    heldout_accept_before: float
+    heldout_accept_after: float
+    heldout_accept_shipped: float
+    last_loss: float
+    train_seconds: float
+    def __init__(self, weight_version: _Optional[int] = ..., updates: _Optional[int] = ..., rollbacks: _Optional[int] = ..., resets: _Optional[int] = ..., tokens_observed: _Optional[int] = ..., train_tokens: _Optional[int] = ..., heldout_tokens: _Optional[int] = ..., heldout_accept_before: _Optional[float] = ..., heldout_accept_after: _Optional[float] = ..., heldout_accept_shipped: _Optional[float] = ..., last_loss: _Optional[float] = ..., train_seconds: _Optional[float] = ...) -> None: ...
 
 class DraftStepRequest(_message.Message):
     __slots__ = ("batch_id", "chunk_index", "more_chunks", "extend", "propose", "release", "prepare")
@@ -149,13 +179,15 @@ class DraftStepResponse(_message.Message):
     def __init__(self, batch_id: _Optional[int] = ..., chunk_index: _Optional[int] = ..., more_chunks: _Optional[bool] = ..., status: _Optional[_Union[_common_pb2.Status, _Mapping]] = ..., results: _Optional[_Iterable[_Union[DraftResult, _Mapping]]] = ...) -> None: ...
 
 class DraftResult(_message.Message):
-    __slots__ = ("request_id", "status", "tree", "predrafted")
+    __slots__ = ("request_id", "status", "tree", "predrafted", "weight_version")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
     PREDRAFTED_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     status: _common_pb2.Status
     tree: _common_pb2.DraftTree
     predrafted: bool
-    def __init__(self, request_id: _Optional[str] = ..., status: _Optional[_Union[_common_pb2.Status, _Mapping]] = ..., tree: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ..., predrafted: _Optional[bool] = ...) -> None: ...
+    weight_version: int
+    def __init__(self, request_id: _Optional[str] = ..., status: _Optional[_Union[_common_pb2.Status, _Mapping]] = ..., tree: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ..., predrafted: _Optional[bool] = ..., weight_version: _Optional[int] = ...) -> None: ...

@@ -114,7 +114,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., stats: _Optional[_Union[RequestStats, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class RequestStats(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "num_rounds", "accept_lens", "mean_accept_len", "time_to_first_token_s", "total_time_s", "num_draft_tokens", "num_predraft_hits", "draft_wait_s", "cached_tokens", "num_plain_rounds", "plain_reason")
+    __slots__ = ("prompt_tokens", "completion_tokens", "num_rounds", "accept_lens", "mean_accept_len", "time_to_first_token_s", "total_time_s", "num_draft_tokens", "num_predraft_hits", "draft_wait_s", "cached_tokens", "num_plain_rounds", "plain_reason", "draft_weight_versions")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_ROUNDS_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +128,7 @@ class RequestStats(_message.Message):
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_PLAIN_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     PLAIN_REASON_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_WEIGHT_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     num_rounds: int
@@ -141,7 +142,8 @@ class RequestStats(_message.Message):
     cached_tokens: int
     num_plain_rounds: int
     plain_reason: str
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., num_rounds: _Optional[int] = ..., accept_lens: _Optional[_Iterable[int]] = ..., mean_accept_len: _Optional[float] = ..., time_to_first_token_s: _Optional[float] = ..., total_time_s: _Optional[float] = ..., num_draft_tokens: _Optional[int] = ..., num_predraft_hits: _Optional[int] = ..., draft_wait_s: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., num_plain_rounds: _Optional[int] = ..., plain_reason: _Optional[str] = ...) -> None: ...
+    draft_weight_versions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., num_rounds: _Optional[int] = ..., accept_lens: _Optional[_Iterable[int]] = ..., mean_accept_len: _Optional[float] = ..., time_to_first_token_s: _Optional[float] = ..., total_time_s: _Optional[float] = ..., num_draft_tokens: _Optional[int] = ..., num_predraft_hits: _Optional[int] = ..., draft_wait_s: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., num_plain_rounds: _Optional[int] = ..., plain_reason: _Optional[str] = ..., draft_weight_versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
