@@ -128,18 +128,21 @@ class PrefixCache:
         self, rid: str, ids: list[int], feature: str | None, rows: torch.Tensor | None
     ) -> None:
         """After ``rid``'s prefill committed ``ids``: its full blocks join the cache (the
-        request keeps them referenced); ``rows`` are the feature rows of all of ``ids``."""
+        request keeps them referenced); ``rows`` are the feature rows of all of ``ids``. A
+        new block whose tokens do not fill whole pages in order ends it (`_whole_pages`)."""
         held = self.held.setdefault(rid, [])
         table = self.cache.slots(rid, 0, len(ids) - self.lookahead)
         key: bytes | None = None
         ps, span = self.cache.page_size, self.block_size + self.lookahead
+        whole = _whole_pages(table, ps)
         for i, start in enumerate(range(0, len(ids) - span + 1, self.block_size)):
             tokens = tuple(ids[start : start + span])
             parent, key = key, block_key(key, tokens)
             block = self.blocks.get(key)
             if block is None or block.tokens != tokens:
-                if block is not None:  # a hash collision: keep the older, stop here
-                    return
+                pages_whole = all(whole[start // ps : (start + self.block_size) // ps])
+                if block is not None or not pages_whole:  # a hash collision: keep the older
+                    break
                 slot_ids = table[start : start + self.block_size : ps].tolist()
                 block = Block(key, parent, tokens, [s // ps for s in slot_ids])
                 self.blocks[key] = block
@@ -212,3 +215,15 @@ class PrefixCache:
             if block is not None and block.used == used and block.evictable:
                 return block
         return None
+
+
+def _whole_pages(table: torch.Tensor, page_size: int) -> list[bool]:
+    """Per page-long run of a row's token indices: whether its slots are one page's, in order.
+    A prefill writes whole pages in order; accepting a tree path permutes slot ids
+    (`KVCache.accept_paths`), so past a prompt a run may mix pages: such a page also holds
+    tokens the block does not, and must not be shared as the block's."""
+    if page_size == 1:
+        return [True] * len(table)
+    runs = table[: len(table) // page_size * page_size].view(-1, page_size).cpu()
+    offsets = torch.arange(page_size)
+    return ((runs == runs[:, :1] + offsets).all(1) & (runs[:, 0] % page_size == 0)).tolist()

@@ -195,3 +195,22 @@ def test_a_chunked_prompt_joins_the_cache_when_released(tiny_dir, oracle) -> Non
         assert res.token_ids == oracle(tiny_dir / "target", prompt, 12)
     assert e.target.prefixes.blocks.num_hit == 8  # the second's first piece: one whole block
     assert e.target.kv_slots()[0] == 0
+
+
+def test_a_paged_cache_reuses_an_answer_exactly(copy_dir, oracle) -> None:
+    """KV pages of 4 tokens, drafts the target accepts (paths that skip tree nodes permute the
+    answer's slots across pages): the next turn, resent whole, hits the cache and its output is
+    still transformers'. Sharing an answer's mixed pages as blocks gave it wrong tokens."""
+    target = copy_dir / "target"
+    e = Engine(target, draft_model=copy_dir / "eagle3", draft_kind="eagle3",
+               spec=SpecParams(3, 4, 8), target_config={"page_size": 4,
+               "prefix_cache_tokens": 256, "prefix_block_size": 8})  # fmt: skip
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
+    first = e.generate([prompt], SamplingParams(max_new_tokens=40, ignore_eos=True))[0]
+    assert_speculated([first])
+    chat = prompt + first.token_ids + [20, 21, 22]
+    before = e.target.prefixes.blocks.num_hit
+    again = e.generate([chat], SamplingParams(max_new_tokens=20, ignore_eos=True))[0]
+    assert again.token_ids == oracle(target, chat, 20)
+    assert e.target.prefixes.blocks.num_hit - before >= 8  # the prompt's block at least
+    assert e.target.kv_slots()[0] == 0

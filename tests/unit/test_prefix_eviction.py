@@ -65,3 +65,27 @@ def test_victims_are_the_least_recently_used_leaves(
             prefixes.num_tokens <= max_blocks * BLOCK or not leaves
         )  # over only while all are held
     assert sum(v is not None for v in victims) > 50
+
+
+def test_a_block_joins_only_with_whole_pages_in_order() -> None:
+    """Pages of 4 tokens, blocks of 8. A request's prompt filled pages in order; accepting a
+    tree path then permuted slot ids past it (`KVCache.accept_paths`: path nodes 0, 1, 5),
+    so a page there also holds tokens of rejected nodes. Only the prompt's block joins the
+    cache; sharing the mixed pages as a block's would hand another request KV of tokens it
+    never had, and free them while this row still lists them."""
+    cache = KVCache(num_layers=1, num_slots=64, num_kv_heads=1, head_dim=2,
+                    dtype=torch.float32, page_size=4, max_context=32)  # fmt: skip
+    prefixes = PrefixCache(cache, block_size=8, max_tokens=64)
+    cache.add("r")
+    cache.reserve("r", 8 + 8)  # a prompt of 8, then a tree of 8 nodes
+    cache.requests["r"].committed_len = 8
+    cache.accept_paths([("r", [0, 1, 5, 6], 8)])
+    ids = list(range(10, 22))  # prompt + the 4 accepted tokens
+    prefixes.insert("r", ids, None, None)
+    assert [b.tokens for b in prefixes.blocks.values()] == [tuple(ids[:8])]
+    cache.accept_paths([("r", [0, 1, 2, 3], 4)])  # the rest of the page, in order
+    prefixes.insert("r", [*ids, 30, 31, 32, 33], None, None)
+    assert len(prefixes.blocks) == 1  # positions 8..15 still mix two pages
+    cache.release("r")
+    cache.check()
+    assert cache.num_free_slots == 64 - 8  # the cached prompt block's two pages
