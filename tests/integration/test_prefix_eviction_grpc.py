@@ -7,6 +7,10 @@ prefixes of 24 to 88 tokens with short tails run eight streams at a time, and ev
 stream is cancelled after its first answer. Every finished output equals transformers' greedy
 continuation, each service's free list holds each page once after every release and eviction
 (`KVCache.check`, on in the tests), and both services end holding nothing.
+
+Then chats resent whole each turn over KV pages of 4 tokens, with drafts the target accepts: an
+accepted path permutes an answer's slots across pages, and a cache that shared such pages as
+an answer's blocks gave the next turns wrong outputs.
 """
 
 from __future__ import annotations
@@ -102,3 +106,52 @@ def test_outputs_stay_exact_while_both_caches_evict(cluster, oracle, tiny_dir) -
         caches[kind].cache.check()
         assert caches[kind].num_hit > 0, f"the {kind}'s cache was never hit"
         assert caches[kind].num_tokens <= CACHE["prefix_cache_tokens"]
+
+
+@pytest.fixture(scope="module")
+def paged(copy_dir):
+    """The copy pair (drafts the target accepts: accepted paths permute slots across pages)
+    with KV pages of 4 tokens and a target cache of 32 blocks of 8."""
+    target_dir, draft_dir = str(copy_dir / "target"), str(copy_dir / "eagle3")
+    loop = LoopThread()
+    cfg = TargetConfig(target_dir, page_size=4, prefix_cache_tokens=256, prefix_block_size=8)
+    target = loop.run(serve_target(TargetRuntime(cfg)))
+    draft = loop.run(serve_draft(load_draft(DraftConfig("eagle3", draft_dir, target_dir, SPEC))))
+    router = loop.run(serve_router(target, draft))
+    client = GenerationClient(f"127.0.0.1:{router.port}")
+    yield target, client, target_dir
+    client.close()
+    loop.run(router.stop(0.5))
+    for servicer in (target, draft):
+        loop.run(servicer.host.shutdown(0.5))
+    loop.close()
+
+
+def test_chats_resent_whole_stay_exact_with_paged_kv(paged, oracle) -> None:
+    """Six chats of three turns at once, each turn resending the last one's prompt and answer
+    (whose blocks the cache holds, as far as their pages are whole): every answer equals
+    transformers', and the target ends holding nothing."""
+    target, client, target_dir = paged
+    rng = random.Random(1)
+    firsts = [[rng.randrange(4, 250) for _ in range(rng.randrange(9, 20))] for _ in range(6)]
+    wrong: list[tuple[int, int]] = []
+
+    def chat(c: int) -> None:
+        turn_ids = firsts[c]
+        for turn in range(3):
+            answer = collect(client.generate(prompt_token_ids=turn_ids, sampling=greedy(24),
+                                             timeout=120))[0]  # fmt: skip
+            if answer != oracle(target_dir, turn_ids, 24):
+                wrong.append((c, turn))
+            turn_ids = turn_ids + answer + [100 + turn, 101]
+
+    threads = [threading.Thread(target=chat, args=(c,)) for c in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not wrong, f"answers unlike transformers' (chat, turn): {wrong}"
+    address = f"127.0.0.1:{target.host.port}"
+    assert wait_until(lambda: is_empty(occupancy(address, "target")), 30)
+    target.runtime.prefixes.blocks.cache.check()
+    assert target.runtime.prefixes.blocks.num_hit > 0
