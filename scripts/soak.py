@@ -9,7 +9,8 @@ on the copy pair (`tests/copy_drafts.py`: drafts the target accepts, so accepted
 exercised), with a configuration drawn from the seed (`draw`): the draft's kind, the target's
 KV pool, page size, prefix-cache bound and block, prefill sizes and request rows, the draft's
 pre-drafting and prefix cache, the router's micro-batches, batch size, speculation mode, prefill
-chunks, pipelined decoding and shared-memory rows; ``--learn`` gives an EAGLE draft online
+chunks, pipelined decoding and shared-memory rows, and one or two target replicas (with two, the
+second may stop halfway, as a crashed one: its requests are replayed on the first); ``--learn`` gives an EAGLE draft online
 learning with a guard that keeps every update (versions change while requests run). Client
 threads send requests over a few shared prefixes (three in ten the next turn of the thread's last
 chat: its prompt and answer resent), one in three cancelled after its first answers,
@@ -60,6 +61,8 @@ class Config:
     router: dict
     shared_memory: bool
     learn: bool
+    replicas: int  # target replicas behind the router
+    stop_one: bool  # the second replica stops halfway: its requests are replayed on the first
 
 
 @dataclass
@@ -83,7 +86,10 @@ def draw(seed: int, learn: bool) -> Config:
     router = {"num_micro_batches": pick([1, 2]), "max_batch_size": pick([3, 8]),
               "speculation": pick(["always", "adaptive"]), "prefill_chunk_tokens": pick([8, 24, 512]),
               "pipeline_decode": pick([True, False])}  # fmt: skip
-    return Config(kind, target, draft, router, pick([True, False]), learn and "eagle" in kind)
+    replicas = pick([1, 1, 2])
+    shm, learns = pick([True, False]), learn and "eagle" in kind
+    stop = replicas > 1 and pick([True, False])
+    return Config(kind, target, draft, router, shm, learns, replicas, stop)
 
 
 class Cluster:
@@ -91,9 +97,10 @@ class Cluster:
         target_dir = str(pair / "target")
         draft_dir = str(pair / cfg.kind) if cfg.kind != "ngram" else None
         self.loop = LoopThread()
-        self.target = self.loop.run(
-            serve_target(TargetRuntime(TargetConfig(target_dir, **cfg.target)))
-        )
+        self.targets = [
+            self.loop.run(serve_target(TargetRuntime(TargetConfig(target_dir, **cfg.target))))
+            for _ in range(cfg.replicas)
+        ]
         runtime = load_draft(
             DraftConfig(cfg.kind, draft_dir, target_dir, SpecParams(3, 4, 8), **cfg.draft)
         )
@@ -101,16 +108,20 @@ class Cluster:
         self.draft = self.loop.run(serve_draft(runtime))
         settings = {"shared_memory": cfg.shared_memory}
         self.router = self.loop.run(
-            serve_router(self.target, self.draft, settings=settings, **cfg.router)
+            serve_router(self.targets, self.draft, settings=settings, **cfg.router)
         )
         self.client = GenerationClient(f"127.0.0.1:{self.router.port}")
 
+    def stop_last(self) -> None:
+        """The last target replica goes away (as a crashed one: its connections drop)."""
+        self.loop.run(self.targets.pop().host.shutdown(0))
+
     def holds_nothing(self, timeout_s: float) -> bool:
-        tr, dr = self.target.runtime, self.draft.runtime
+        dr = self.draft.runtime
         cache = getattr(dr.drafter, "cache", None)
         return wait_until(
             lambda: not dr.live and not (cache is not None and cache.requests)
-            and not tr.cache.requests, timeout_s,
+            and not any(t.runtime.cache.requests for t in self.targets), timeout_s,
         )  # fmt: skip
 
     def close(self) -> None:
@@ -118,7 +129,7 @@ class Cluster:
             self.learner.close()
         self.client.close()
         self.loop.run(self.router.stop(0.5))
-        for servicer in (self.target, self.draft):
+        for servicer in (*self.targets, self.draft):
             self.loop.run(servicer.host.shutdown(0.5))
         self.loop.close()
 
@@ -202,19 +213,44 @@ class Budget:
     def __init__(self, args: argparse.Namespace, tally: Tally) -> None:
         self.end, self.left = time.monotonic() + args.seconds, args.requests
         self.timeout_s, self.tally, self.lock = args.timeout, tally, threading.Lock()
+        self.start, self.seconds, self.requests = time.monotonic(), args.seconds, args.requests
+        self.taken = 0
+        self.halfway = threading.Event()  # half the time or the requests are gone, or all
 
     def take(self) -> bool:
         with self.lock:
             failed = self.tally.wrong or self.tally.failed
-            if failed or time.monotonic() > self.end or self.left == 0:
+            now = time.monotonic()
+            if now - self.start > self.seconds / 2 or 2 * self.taken >= (self.requests or 1 << 62):
+                self.halfway.set()
+            if failed or now > self.end or self.left == 0:
+                self.halfway.set()
                 return False
+            self.taken += 1
             if self.left is not None:
                 self.left -= 1
             return True
 
 
+def router_counts() -> dict[str, float]:
+    """Requests replayed after a target failed, and preempted for KV space, by every router in
+    this process so far (`router.metrics`)."""
+    from specmesh.router.metrics import REGISTRY
+
+    names = {
+        "specmesh_request_replays_total": "replayed",
+        "specmesh_num_preemptions_total": "preempted",
+    }
+    counts = dict.fromkeys(names.values(), 0.0)
+    for metric in REGISTRY.collect():
+        for sample in metric.samples:
+            if sample.name in names:
+                counts[names[sample.name]] += sample.value
+    return counts
+
+
 def soak(pair: Path, seed: int, args: argparse.Namespace) -> bool:
-    cfg = draw(seed, args.learn)
+    cfg, before = draw(seed, args.learn), router_counts()
     cluster, tally = Cluster(pair, cfg), Tally()
     budget = Budget(args, tally)
     rng = random.Random(seed)
@@ -227,13 +263,18 @@ def soak(pair: Path, seed: int, args: argparse.Namespace) -> bool:
     ]  # fmt: skip
     for t in threads:
         t.start()
+    if cfg.stop_one:
+        budget.halfway.wait()
+        cluster.stop_last()
     for t in threads:
         t.join()
     empty = cluster.holds_nothing(args.timeout)
     cluster.close()
     ok = not tally.wrong and not tally.failed and empty
+    counts = {k: int(v - before[k]) for k, v in router_counts().items()}
     print(f"seed {seed}: {'ok' if ok else 'FAILED'}: {tally.exact} exact, {len(tally.wrong)} wrong, "
-          f"{tally.cancelled} cancelled, failed {tally.failed or 'none'}, services empty {empty}; "
+          f"{tally.cancelled} cancelled, {counts['replayed']} replayed, {counts['preempted']} "
+          f"preempted, failed {tally.failed or 'none'}, services empty {empty}; "
           f"{asdict(cfg)}", flush=True)  # fmt: skip
     for prompt, n, sample_seed, got, want in tally.wrong[:3]:
         print(f"  prompt {prompt} ({n} tokens, seed {sample_seed}): got {got}, want {want}")

@@ -70,17 +70,19 @@ async def serve_router(
     target, draft=None, *, tls: TlsFiles | None = None, api_key: str | None = None,
     http_port: int | None = None, settings: dict | None = None, **core,
 ) -> RouterService:  # fmt: skip
-    """A router over in-process servicers; its tokenizer is the target's checkpoint (as
-    ``--tokenizer``; ``settings={"tokenizer": None}`` fetches it from the target instead).
-    ``http_port``: serve the OpenAI HTTP API too (0: any free port, `RouterService.http_port`);
-    ``settings``: more `RouterSettings` fields."""
+    """A router over in-process servicers (``target``: one, or a list of replicas); its
+    tokenizer is the target's checkpoint (as ``--tokenizer``; ``settings={"tokenizer": None}``
+    fetches it from the target instead). ``http_port``: serve the OpenAI HTTP API too (0: any
+    free port, `RouterService.http_port`); ``settings``: more `RouterSettings` fields."""
+    targets = list(target) if isinstance(target, list | tuple) else [target]
     addr = lambda s: (f"127.0.0.1:{s.host.port}",) if s is not None else ()
     cfg = RouterConfig(**{"draft_cooldown_s": 0.2, **PATIENT_DRAFT, **core})
     http = {"http_address": f"127.0.0.1:{http_port}"} if http_port is not None else {}
-    settings = {"tokenizer": target.runtime.cfg.model_dir, **http, **(settings or {})}
+    settings = {"tokenizer": targets[0].runtime.cfg.model_dir, **http, **(settings or {})}
     settings = RouterSettings(
-        addr(target), addr(draft), "127.0.0.1:0", cfg, tls=tls, api_key=api_key, **settings
-    )
+        tuple(a for t in targets for a in addr(t)), addr(draft), "127.0.0.1:0", cfg, tls=tls,
+        api_key=api_key, **settings,
+    )  # fmt: skip
     service = RouterService(settings)
     await service.start()
     return service
