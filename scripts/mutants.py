@@ -211,6 +211,18 @@ MUTANTS = (
         "return not self.children",
         PREFIX_TESTS,
     ),
+    Mutant(
+        "prefix-mixed-pages",
+        "with KV pages of several tokens, an answer's blocks share pages an accepted path mixed: "
+        "the next turn reads KV of tokens it never had",
+        "runtime/prefix_cache.py",
+        "    if page_size == 1:\n        return [True] * len(table)\n",
+        "    if True:\n        return [True] * len(table)\n",
+        (
+            "tests/unit/test_prefix_eviction.py::test_a_block_joins_only_with_whole_pages_in_order",
+            "tests/unit/test_prefix_cache.py::test_a_paged_cache_reuses_an_answer_exactly",
+        ),
+    ),
 )
 
 
