@@ -54,9 +54,14 @@ def workload(seed: int) -> list[tuple[list[int], bool]]:
 @pytest.fixture(scope="module")
 def cluster(tiny_dir):
     target_dir, draft_dir = str(tiny_dir / "target"), str(tiny_dir / "draft")
-    loop = LoopThread()
-    target = loop.run(serve_target(TargetRuntime(TargetConfig(target_dir, **CACHE))))
     draft_cfg = DraftConfig("eagle3", draft_dir, target_dir, SPEC, **CACHE)
+    yield from _serve(TargetConfig(target_dir, **CACHE), draft_cfg)
+
+
+def _serve(target_cfg: TargetConfig, draft_cfg: DraftConfig):
+    """Target, draft and router servers on loopback: (target, draft, client), torn down after."""
+    loop = LoopThread()
+    target = loop.run(serve_target(TargetRuntime(target_cfg)))
     draft = loop.run(serve_draft(load_draft(draft_cfg)))
     router = loop.run(serve_router(target, draft))
     client = GenerationClient(f"127.0.0.1:{router.port}")
@@ -113,18 +118,9 @@ def paged(copy_dir):
     """The copy pair (drafts the target accepts: accepted paths permute slots across pages)
     with KV pages of 4 tokens and a target cache of 32 blocks of 8."""
     target_dir, draft_dir = str(copy_dir / "target"), str(copy_dir / "eagle3")
-    loop = LoopThread()
     cfg = TargetConfig(target_dir, page_size=4, prefix_cache_tokens=256, prefix_block_size=8)
-    target = loop.run(serve_target(TargetRuntime(cfg)))
-    draft = loop.run(serve_draft(load_draft(DraftConfig("eagle3", draft_dir, target_dir, SPEC))))
-    router = loop.run(serve_router(target, draft))
-    client = GenerationClient(f"127.0.0.1:{router.port}")
-    yield target, client, target_dir
-    client.close()
-    loop.run(router.stop(0.5))
-    for servicer in (target, draft):
-        loop.run(servicer.host.shutdown(0.5))
-    loop.close()
+    for target, _, client in _serve(cfg, DraftConfig("eagle3", draft_dir, target_dir, SPEC)):
+        yield target, client, target_dir
 
 
 def test_chats_resent_whole_stay_exact_with_paged_kv(paged, oracle) -> None:
