@@ -8,9 +8,10 @@ Times ``TargetRuntime.decode`` (what the target service runs per plain round: th
 CUDA graph when enabled, sampling, the host copy of the tokens) with the device synchronized
 around the loop, and reports it as a percentage of the bound, for both the bandwidth measured
 here (a device-to-device copy, bytes read + written) and the given nominal one. Prints a JSON
-object. ``--profile FILE`` also runs ``torch.profiler`` over the decode steps of the smallest
-batch and writes its table of kernels and host calls there, with the GPU's busy time per step
-set against the step's wall time in the JSON (what the step loses outside the kernels).
+object. ``--profile FILE`` also runs ``torch.profiler`` over the decode steps of each batch
+size of ``--profile-batch`` (default the first; ``FILE`` gains ``-bN`` when there are several)
+and writes its table of kernels and host calls there, with the GPU's busy time per step set
+against the step's wall time in the JSON (what the step loses outside the kernels).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 
 from specmesh.bench.report import emit_json
+from specmesh.kernels import attention as attention_kernel
 from specmesh.protocol.config import TargetConfig
 from specmesh.protocol.sampling import SamplingParams
 from specmesh.protocol.steps import PrefillInput
@@ -106,6 +108,12 @@ def profile_decode(rt: TargetRuntime, batch: int, context: int, steps: int, path
             "gpu_busy_ms_per_step": busy_us / 1e3 / steps}  # fmt: skip
 
 
+def profile_path(path: str, batch: int) -> str:
+    """``path`` with ``-b<batch>`` before its extension: one table per profiled batch size."""
+    stem, dot, ext = path.rpartition(".")
+    return f"{stem}-b{batch}.{ext}" if dot and "/" not in ext else f"{path}-b{batch}"
+
+
 # The rated HBM bandwidth of the cards this has run on, TB/s, by a part of the device's name.
 NOMINAL_BANDWIDTH_TBS = {"H100 PCIe": 2.0, "H200": 4.8, "H100": 3.35}
 
@@ -117,6 +125,8 @@ def nominal_bandwidth_tbs(device_name: str) -> float | None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    if args.attention_tiles:  # the Triton attention kernel's tiles, before any graph captures it
+        attention_kernel.DEFAULT_TILES = args.attention_tiles
     rt = TargetRuntime(TargetConfig(
         model_dir=args.target_model, dtype=args.dtype, device="cuda",
         attention_backend=args.attention_backend, cuda_graph=not args.disable_cuda_graph,
@@ -143,14 +153,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "pct_of_bound_nominal_bw": 100 * nbytes / nominal / med if nominal else None,
             "tokens_per_s": b / med,
         })  # fmt: skip
-    profiled = None
+    profiled = []
     if args.profile:
-        pb = args.profile_batch or batch_sizes[0]
-        profiled = profile_decode(rt, pb, args.context, 20, args.profile)
+        sizes = [int(b) for b in (args.profile_batch or str(batch_sizes[0])).split(",")]
+        for b in sizes:
+            path = args.profile if len(sizes) == 1 else profile_path(args.profile, b)
+            profiled.append(profile_decode(rt, b, args.context, 20, path))
     return {
-        "device": device, "profile": profiled, "target": args.target_model,
+        "device": device, "profiles": profiled, "target": args.target_model,
         "dtype": args.dtype, "attention_backend": args.attention_backend,
         "cuda_graph": rt.graphs is not None, "fused_kernels": rt.model.fused,
+        "attention_tiles": attention_kernel.DEFAULT_TILES,
         "context": args.context, "steps": args.steps,
         "copy_bandwidth_tbs": measured / 1e12, "nominal_bandwidth_tbs": nominal_tbs,
         "rows": rows,
@@ -165,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attention-backend", default="triton")
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--no-fused-kernels", action="store_true", help="the unfused decoder ops")
+    p.add_argument("--attention-tiles", choices=attention_kernel.TILES,
+                   help="the Triton attention kernel's tiles (default: the kernel's default)")  # fmt: skip
     p.add_argument("--batch-sizes", default="1,8,32")
     p.add_argument("--context", type=int, default=512, help="prompt tokens per request")
     p.add_argument("--steps", type=int, default=100, help="timed decode steps per batch size")
@@ -175,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--profile", help="write a torch.profiler table of decode steps here")
     p.add_argument(
-        "--profile-batch", type=int, help="profile at this batch size (default: the first)"
+        "--profile-batch", help="profile at these batch sizes, e.g. 8,32 (default: the first)"
     )
     p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args(argv)

@@ -106,21 +106,23 @@ def _paged_attention_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_BS: tl.constexpr, HAS_MASK: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, USE_DOT: tl.constexpr, SPLIT_ALIGN: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2).to(tl.int64)
     kv_start, lo, hi, mask_start = row_kv_span(
         qo_indptr, kv_indptr, mask_indptr, batch_size, row, split,
-        HAS_MASK=HAS_MASK, NUM_SPLITS=NUM_SPLITS, BLOCK_N=BLOCK_N, BLOCK_BS=BLOCK_BS,
+        HAS_MASK=HAS_MASK, NUM_SPLITS=NUM_SPLITS, BLOCK_N=SPLIT_ALIGN, BLOCK_BS=BLOCK_BS,
     )  # fmt: skip
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, DIM_PAD)
     heads = kv_head * GROUP + g
     qd_mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
     q_offs = row * stride_qt + heads[:, None] * stride_qh + d[None, :]
-    queries = tl.load(q_ptr + q_offs, mask=qd_mask, other=0.0).to(tl.float32)  # [G, D]
+    queries = tl.load(q_ptr + q_offs, mask=qd_mask, other=0.0)  # [G, D]
+    queries = queries.to(DOT_DTYPE if USE_DOT else tl.float32)
 
     # A finite start keeps exp(m_old - m_new) defined when a whole tile is masked.
     m_i = tl.full((GROUP_PAD,), -1.0e30, tl.float32)
@@ -132,10 +134,15 @@ def _paged_attention_kernel(
         slots = tl.load(kv_indices + kv_start + cols, mask=col_ok, other=0)
         kd_mask = col_ok[:, None] & (d < HEAD_DIM)[None, :]
         k_offs = slots[:, None] * stride_kt + kv_head * stride_kh + d[None, :]
-        keys = tl.load(k_ptr + k_offs, mask=kd_mask, other=0.0).to(tl.float32)  # [N, D]
+        keys = tl.load(k_ptr + k_offs, mask=kd_mask, other=0.0)  # [N, D]
         v_offs = slots[:, None] * stride_vt + kv_head * stride_vh + d[None, :]
-        values = tl.load(v_ptr + v_offs, mask=kd_mask, other=0.0).to(tl.float32)  # [N, D]
-        scores = tl.sum(queries[:, None, :] * keys[None, :, :], axis=2) * scale  # [G, N]
+        values = tl.load(v_ptr + v_offs, mask=kd_mask, other=0.0)  # [N, D]
+        if USE_DOT:  # tensor cores; fp32 inputs stay exact ("ieee"), half types accumulate fp32
+            keys, values = keys.to(DOT_DTYPE), values.to(DOT_DTYPE)
+            scores = tl.dot(queries, tl.trans(keys), input_precision=DOT_PRECISION) * scale
+        else:
+            keys, values = keys.to(tl.float32), values.to(tl.float32)
+            scores = tl.sum(queries[:, None, :] * keys[None, :, :], axis=2) * scale  # [G, N]
         visible = col_ok
         if HAS_MASK:
             visible = visible & (tl.load(mask_ptr + mask_start + cols, mask=col_ok, other=0) != 0)
@@ -144,7 +151,11 @@ def _paged_attention_kernel(
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(scores - m_new[:, None])  # [G, N]
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * values[None, :, :], axis=1)
+        if USE_DOT:
+            pv = tl.dot(p.to(DOT_DTYPE), values, input_precision=DOT_PRECISION)
+        else:
+            pv = tl.sum(p[:, :, None] * values[None, :, :], axis=1)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
     if NUM_SPLITS == 1:
         out = acc / l_i[:, None]
@@ -178,6 +189,20 @@ def merge_splits_kernel(
     tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
+# tl.dot operand types per model dtype. Under the interpreter (CPU) numpy has no bf16: fp32.
+DOT_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+CPU_DOT_DTYPES = {**DOT_DTYPES, torch.bfloat16: tl.float32}
+TILES = ("dot", "fma")
+DEFAULT_TILES = "fma"
+
+
+def dot_types(q: torch.Tensor) -> tuple[tl.dtype, str]:
+    """The operand type and precision of ``tl.dot`` for queries ``q``: fp32 stays exact
+    ("ieee"), half types multiply on tensor cores and accumulate in fp32."""
+    dtype = DOT_DTYPES[q.dtype] if q.device.type == "cuda" else CPU_DOT_DTYPES[q.dtype]
+    return dtype, "ieee" if dtype == tl.float32 else "tf32"
+
+
 def default_num_splits(num_programs: int, device: torch.device) -> int:
     """How many pieces each row's kv is cut into (flash-decoding): enough programs to fill a
     GPU when rows are few (decode at a small batch), from shapes alone. 1 on CPU, where the
@@ -194,8 +219,11 @@ def paged_attention_triton(
     meta: AttentionMetadata,
     scale: float,
     num_splits: int | None = None,
+    tiles: str | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Triton; reads no CPU metadata (grid from shapes, see the module docstring)."""
+    """Triton; reads no CPU metadata (grid from shapes, see the module docstring). ``tiles``:
+    "dot" (tensor-core products over 64-column tiles) or "fma" (elementwise fp32 products over
+    small tiles); default `DEFAULT_TILES`."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[1]
     if num_heads % num_kv_heads:
@@ -208,9 +236,14 @@ def paged_attention_triton(
     has_mask = meta.custom_mask is not None
     mask = meta.custom_mask.view(torch.uint8) if has_mask else meta.kv_indices
     mask_indptr = meta.mask_indptr if has_mask else meta.kv_indptr
+    use_dot = (tiles or DEFAULT_TILES) == "dot"
     group_pad, dim_pad = next_pow2(group), next_pow2(head_dim)
-    # Keep the [G, BLOCK_N, D] product tile near 8k elements (registers on a GPU).
-    block_n = min(64, max(16, next_pow2(8192 // (group_pad * dim_pad))))
+    if use_dot:  # tl.dot's smallest operand is 16 wide; keep a [BLOCK_N, D] tile near 8k
+        group_pad, dim_pad = max(16, group_pad), max(16, dim_pad)
+        block_n = min(64, max(16, next_pow2(8192 // dim_pad)))
+    else:  # keep the [G, BLOCK_N, D] product tile near 8k elements (registers on a GPU)
+        block_n = min(64, max(16, next_pow2(8192 // (group_pad * dim_pad))))
+    dot_dtype, precision = dot_types(q)
     splits = num_splits or default_num_splits(num_tokens * num_kv_heads, q.device)
     part_m = part_l = part_acc = out  # unused when there is one split
     if splits > 1:
@@ -225,6 +258,7 @@ def paged_attention_triton(
         v_pool.stride(0), v_pool.stride(1), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, GROUP_PAD=group_pad, DIM_PAD=dim_pad,
         BLOCK_N=block_n, BLOCK_BS=128, HAS_MASK=has_mask, NUM_SPLITS=splits,
+        USE_DOT=use_dot, SPLIT_ALIGN=16, DOT_DTYPE=dot_dtype, DOT_PRECISION=precision,
     )  # fmt: skip
     if splits > 1:
         merge_splits_kernel[(num_tokens, num_heads)](

@@ -33,6 +33,7 @@ import triton.language as tl
 
 from specmesh.kernels.attention import (
     default_num_splits,
+    dot_types,
     merge_splits_kernel,
     paged_attention_ref,
     row_kv_span,
@@ -44,9 +45,6 @@ if TYPE_CHECKING:  # a type only: kernels do not import the runtime
 
 BLOCK_H = 16  # query heads per program (tl.dot's smallest M)
 BLOCK_N = 32  # kv columns per tile
-# tl.dot operand types per model dtype. Under the interpreter (CPU) numpy has no bf16: fp32.
-DOT_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
-CPU_DOT_DTYPES = {**DOT_DTYPES, torch.bfloat16: tl.float32}
 
 
 @triton.jit
@@ -154,7 +152,7 @@ def mla_attention_triton(
     mask_indptr = meta.mask_indptr if has_mask else meta.kv_indptr
     lat_pad, rope_pad = max(16, next_pow2(v_dim)), max(16, next_pow2(k_dim - v_dim))
     head_blocks = triton.cdiv(num_heads, BLOCK_H)
-    dot_dtype = DOT_DTYPES[q.dtype] if q.device.type == "cuda" else CPU_DOT_DTYPES[q.dtype]
+    dot_dtype, precision = dot_types(q)
     splits = num_splits or default_num_splits(num_tokens * head_blocks, q.device)
     part_m = part_l = part_acc = out  # unused when there is one split
     if splits > 1:
@@ -170,7 +168,7 @@ def mla_attention_triton(
         V_DIM=v_dim, ROPE_DIM=k_dim - v_dim, LAT_PAD=lat_pad, ROPE_PAD=rope_pad,
         BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_BS=128, HAS_MASK=has_mask, NUM_SPLITS=splits,
         SHARED_V=v_is_k_latent(k_pool, v_pool), DOT_DTYPE=dot_dtype,
-        DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
+        DOT_PRECISION=precision,
     )  # fmt: skip
     if splits > 1:
         merge_splits_kernel[(num_tokens, num_heads)](

@@ -7,7 +7,10 @@
 #     e2e        the lifecycle and fault suites with real services on cuda (--device cuda)
 #     roofline   a Llama-3.1-8B-shaped bf16 target: decode step vs bytes / bandwidth, and a
 #                torch.profiler table of its decode steps per backend, with the fused decoder
-#                kernels and without (--no-fused-kernels) -> OUT/profile-*.txt
+#                kernels and without (--no-fused-kernels) -> OUT/profile-*.txt; variants
+#                fused-dot / fused-fma pick the Triton attention kernel's tiles
+#     attention  the Triton paged-attention kernel per tile variant, decode and verify shapes
+#                (bench/attention_speed.py) -> OUT/attention.log
 #     speed      plain vs EAGLE-3 per backend, eager / CUDA graphs, and transformers, at batch
 #                1 / 8 / 32: the 8B-shaped pair (forced acceptance) and the demo pair
 #     cluster    the same through a gRPC cluster (target, draft and router processes sharing
@@ -95,6 +98,8 @@ roofline() {  # decode step of the 8B-shaped target vs bytes / bandwidth, per ba
     for variant in ${SPECMESH_ROOFLINE_VARIANTS:-fused unfused}; do
       flags=() name=$backend
       [ "$variant" = unfused ] && flags=(--no-fused-kernels) name=$backend-unfused
+      # fused-dot / fused-fma: the Triton attention kernel's tiles (kernels/attention.py)
+      [[ $variant == fused-* ]] && flags=(--attention-tiles "${variant#fused-}") name=$backend-$variant
       "$PY" -m specmesh.bench.roofline --target-model "$SYNTH/target" --attention-backend \
         "$backend" "${flags[@]}" --profile "$OUT/profile-$name.txt" \
         --profile-batch "${SPECMESH_ROOFLINE_PROFILE_BATCH:-1}" \
@@ -226,6 +231,7 @@ export -f env_report make_synthetic model_dirs roofline speed cluster train time
 phase env 60 env_report
 phase tests 900 "\"$PY\" -m pytest -q -p no:cacheprovider -rfE ${SPECMESH_TEST_PATHS:-tests/gpu ${KERNEL_SUITES[*]}}"
 phase e2e 600 "\"$PY\" -m pytest -q -p no:cacheprovider -rfE --device cuda ${E2E_SUITES[*]}"
+phase attention 240 "\"$PY\" -m specmesh.bench.attention_speed --out \"$JSON/attention.json\""
 phase roofline 600 roofline
 phase speed 3600 speed
 phase cluster 1800 cluster

@@ -10,7 +10,12 @@ if not torch.cuda.is_available():
 import pytest
 from paged_batch import assert_close_to_fp64, paged_batch
 
-from specmesh.kernels.attention import default_num_splits, paged_attention, paged_attention_triton
+from specmesh.kernels.attention import (
+    TILES,
+    default_num_splits,
+    paged_attention,
+    paged_attention_triton,
+)
 from specmesh.kernels.testing import kernel_devices
 from specmesh.runtime.attention.torch_backend import TorchBackend
 from specmesh.runtime.attention.triton_backend import TritonBackend
@@ -25,27 +30,31 @@ CASES = [
 
 
 @pytest.mark.parametrize("device", kernel_devices())
+@pytest.mark.parametrize("tiles", TILES)
 @pytest.mark.parametrize("tree_mask", [False, True])
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_triton_matches_reference_fp32(device: str, tree_mask: bool, case: int) -> None:
+def test_triton_matches_reference_fp32(device: str, tiles: str, tree_mask: bool, case: int) -> None:
     lens, heads, kv_heads, head_dim = CASES[case]
     q, k_pool, v_pool, meta = paged_batch(
         lens, heads, kv_heads, head_dim, torch.float32, device, tree_mask, seed=case
     )
-    out = paged_attention(q, k_pool, v_pool, meta, 0.3, impl="triton")
+    out = paged_attention_triton(q, k_pool, v_pool, meta, 0.3, tiles=tiles)
     assert_close_to_fp64(out, q, k_pool, v_pool, meta, 0.3)
 
 
 @pytest.mark.parametrize("device", kernel_devices())
+@pytest.mark.parametrize("tiles", TILES)
 @pytest.mark.parametrize("tree_mask", [False, True])
 @pytest.mark.parametrize("num_splits", [2, 3, 8])
-def test_split_kv_matches_reference(device: str, tree_mask: bool, num_splits: int) -> None:
+def test_split_kv_matches_reference(
+    device: str, tiles: str, tree_mask: bool, num_splits: int
+) -> None:
     """Flash-decoding: each row's kv cut into pieces merged afterwards, empty pieces included
     (the rows with fewer tiles than pieces)."""
     q, k_pool, v_pool, meta = paged_batch(
         [(0, 1), (70, 1), (21, 4)], 4, 2, 16, torch.float32, device, tree_mask, seed=num_splits
     )
-    out = paged_attention_triton(q, k_pool, v_pool, meta, 0.3, num_splits=num_splits)
+    out = paged_attention_triton(q, k_pool, v_pool, meta, 0.3, num_splits=num_splits, tiles=tiles)
     assert_close_to_fp64(out, q, k_pool, v_pool, meta, 0.3)
 
 
@@ -58,13 +67,15 @@ def test_splits_fill_a_gpu_only_when_rows_are_few() -> None:
 
 
 @pytest.mark.parametrize("device", kernel_devices())
+@pytest.mark.parametrize("tiles", TILES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_triton_half_precision(device: str, dtype: torch.dtype) -> None:
+def test_triton_half_precision(device: str, tiles: str, dtype: torch.dtype) -> None:
     q, k_pool, v_pool, meta = paged_batch([(6, 3), (0, 2)], 4, 2, 16, dtype, device, True)
     ref = paged_attention(q, k_pool, v_pool, meta, 0.25, impl="torch")
-    out = paged_attention(q, k_pool, v_pool, meta, 0.25, impl="triton")
+    out = paged_attention_triton(q, k_pool, v_pool, meta, 0.25, tiles=tiles)
     assert out.dtype == dtype
-    # Both compute in fp32; only the final rounding to the half type may differ by one ulp.
+    # The reference computes in fp32; the fma tiles too (the final rounding to the half type
+    # may differ by one ulp), the dot tiles round the probabilities to the half type first.
     torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
 
 
