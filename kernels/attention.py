@@ -193,7 +193,7 @@ def merge_splits_kernel(
 DOT_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 CPU_DOT_DTYPES = {**DOT_DTYPES, torch.bfloat16: tl.float32}
 TILES = ("dot", "fma")
-DEFAULT_TILES = "fma"
+DEFAULT_TILES = "dot"
 
 
 def dot_types(q: torch.Tensor) -> tuple[tl.dtype, str]:
