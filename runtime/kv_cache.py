@@ -109,8 +109,13 @@ class KVCache:
         needed (they are a cache: taking them changes no request)."""
         pages = sum(self.pages_needed(rid, n) for rid, n in demands.items())
         new_rows = sum(1 for rid in demands if rid not in self.requests)
-        self._make_room(pages)
-        return pages <= len(self.free_pages) and new_rows <= len(self.free_rows)
+        return self.can_take(pages) and new_rows <= len(self.free_rows)
+
+    def can_take(self, num_pages: int) -> bool:
+        """Whether ``num_pages`` more pages fit (unreferenced prefix-cache pages given back for
+        them if needed): a batch admitted one request at a time sums its pages as it goes."""
+        self._make_room(num_pages)
+        return num_pages <= len(self.free_pages)
 
     def _make_room(self, num_pages: int) -> None:
         short = num_pages - len(self.free_pages)

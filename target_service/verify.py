@@ -125,16 +125,16 @@ def verify_rows(
     """Each input's row, checked and fitted into the KV cache; or its error, after which
     ``on_error(rid)`` runs (the verify drops the request; a run-ahead leaves it be)."""
     errors: dict[str, SpecmeshError] = {}
-    rows, demand = [], {}
+    rows, pages = [], 0  # the pages the rows so far need beyond what they hold
     for inp in inputs:
         try:
             row = _verify_row(rt, inp)
-            row.item = _verify_item(rt, row, demand)
+            row.item, need = _verify_item(rt, row, pages)
         except SpecmeshError as e:
             errors[inp.rid] = e
             on_error(inp.rid)
             continue
-        demand[inp.rid] = row.item.start + row.item.q_len
+        pages += need
         rows.append(row)
     return rows, errors
 
@@ -151,18 +151,22 @@ def _verify_row(rt: TargetRuntime, inp: VerifyInput) -> VerifyRow:
     return VerifyRow(inp.rid, tree, req.params, req.next_offset, req.history, req.grammar)
 
 
-def _verify_item(rt: TargetRuntime, row: VerifyRow, demand: dict[str, int]) -> BatchItem:
+def _verify_item(rt: TargetRuntime, row: VerifyRow, pages: int) -> tuple[BatchItem, int]:
+    """The row's forward item and the KV pages it needs, if they fit beside ``pages`` more
+    for the rows before it (each row's own count: the check stays linear in the batch)."""
     base = rt.cache.get(row.rid).committed_len
     n = row.tree.num_nodes
-    if not rt.cache.can_allocate({**demand, row.rid: base + n}):
+    need = rt.cache.pages_needed(row.rid, base + n)
+    if not rt.cache.can_take(pages + need):
         raise KVCacheFullError(
             f"request {row.rid!r}: a {n}-node tree does not fit; {rt.cache.num_free_slots} KV slots free"
         )
     if n == 1:  # plain decode sees its whole prefix: causal, the decode graph's mode
-        return BatchItem(row.rid, row.tree.tokens, base)
+        return BatchItem(row.rid, row.tree.tokens, base), need
     mask = np.ones((n, base + n), dtype=bool)  # the prefix, then the tree's ancestors
     mask[:, base:] = row.tree.mask.numpy()
-    return BatchItem(row.rid, row.tree.tokens, base, base + row.tree.depths, torch.from_numpy(mask))
+    item = BatchItem(row.rid, row.tree.tokens, base, base + row.tree.depths, torch.from_numpy(mask))
+    return item, need
 
 
 @dataclass

@@ -25,3 +25,25 @@ def test_a_verify_dispatches_at_most_its_budget(tmp_path: Path) -> None:
         assert 0 < total <= budget, (batch, total, counts.most_common(10))
         assert {stage for stage, _ in counts} == {"rows", "decide", "keep"}
         assert not reads.get("keep") and not reads.get("rows")  # the one read is decide's
+
+
+def test_a_verify_checks_the_kv_cache_once_per_request(tiny_dir: Path, monkeypatch) -> None:
+    """Each row's KV demand is counted once as the batch is admitted (the check summed the
+    whole batch so far for every row: 528 counts at batch 32, a millisecond of host time a
+    step), once when reserved and once by the forward's own check: 3 per request."""
+    from specmesh.protocol.config import TargetConfig
+    from specmesh.protocol.sampling import SamplingParams
+    from specmesh.protocol.steps import PrefillInput
+    from specmesh.runtime.kv_cache import KVCache
+    from specmesh.target_service.runtime import TargetRuntime
+
+    rt = TargetRuntime(TargetConfig(model_dir=str(tiny_dir / "target"), num_kv_slots=2048))
+    rids = [f"r{i}" for i in range(32)]
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    rt.prefill([PrefillInput(r, [3, 4, 5], params) for r in rids])
+    calls = []
+    count = KVCache.pages_needed
+    monkeypatch.setattr(KVCache, "pages_needed", lambda *a: calls.append(1) or count(*a))
+    out = rt.decode(rids)
+    assert sorted(out.tokens) == sorted(rids) and not out.errors
+    assert len(calls) == 3 * len(rids)
