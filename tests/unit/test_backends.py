@@ -9,6 +9,8 @@ import pytest
 import torch
 from conftest import assert_accepted
 
+from specmesh.kernels import attention
+from specmesh.kernels.attention import TILES
 from specmesh.kernels.testing import cpu_triton
 from specmesh.protocol.config import SpecParams
 from specmesh.protocol.sampling import SamplingParams
@@ -29,13 +31,20 @@ class CpuMetadataFreeTorch(TorchBackend):
         super().prepare(meta)
 
 
-@pytest.mark.parametrize("backend", ["torch-no-cpu-metadata", cpu_triton()])
+TRITON_TILES = [cpu_triton(f"triton:{tiles}") for tiles in TILES]
+
+
+@pytest.mark.parametrize("backend", ["torch-no-cpu-metadata", *TRITON_TILES])
 def test_backend_greedy_speculative_equals_transformers(
     copy_dir: Path, oracle, backend: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With the triton backend the speculative kernels (tree build, greedy tree verify)
-    are the Triton ones too. The EAGLE-3 draft predicts its target (`copy_drafts`):
-    rounds accept draft tokens, so the kept paths' KV is read back through the backend."""
+    are the Triton ones too, its attention in each tile kind. The EAGLE-3 draft predicts its
+    target (`copy_drafts`): rounds accept draft tokens, so the kept paths' KV is read back
+    through the backend."""
+    backend, _, tiles = backend.partition(":")
+    if tiles:
+        monkeypatch.setattr(attention, "DEFAULT_TILES", tiles)
     called = _spy_triton_kernels(monkeypatch)
     engine = Engine(
         copy_dir / "target", draft_model=copy_dir / "eagle3", draft_kind="eagle3",

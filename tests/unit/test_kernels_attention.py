@@ -99,3 +99,14 @@ def test_triton_backend_is_sync_free(device: str) -> None:
     backend.prepare(meta)
     out = backend.forward(q, q[:, :1], q[:, :1], k_pool, v_pool, 0.5)
     assert_close_to_fp64(out, q, k_pool, v_pool, meta, 0.5)
+
+
+def test_rows_per_program_follow_the_batch_shape() -> None:
+    """A "rows" program takes a request's rows as the batch's shape says, from shapes alone."""
+    from specmesh.kernels.attention import rows_per_program
+
+    assert rows_per_program(32, 32, 4) == 1  # decode: one row per request
+    assert rows_per_program(64, 8, 4) == 8  # a verify of 8-node trees, Llama-3-8B's group
+    assert rows_per_program(60, 8, 4) == 8  # trees of 7 and 8 rows
+    assert rows_per_program(64, 8, 16) == 4  # a large group: at most 64 query vectors
+    assert rows_per_program(512, 1, 4) == 16  # a prefill chunk
