@@ -123,19 +123,27 @@ model_dirs() {  # model_dirs NAME: set target / draft for llama8b (synthetic) or
   fi
 }
 
+tiles_of() {  # tiles_of CFG: a configuration's last word -dot / -rows / -fma names the Triton
+  # attention kernel's tiles (SPECMESH_ATTENTION_TILES for that run); sets cfg without it
+  tiles=
+  case $cfg in *-dot|*-rows|*-fma) tiles=${cfg##*-} cfg=${cfg%-*} ;; esac
+}
+
 speed() {  # plain vs EAGLE-3 tokens/s per engine configuration (bench/gpu_speed.py)
-  local run model cfg target draft flags failed=0
+  local run model cfg target draft flags tiles name failed=0
   for run in ${SPECMESH_SPEED_RUNS:-$SPEED_RUNS}; do
-    model=${run%%:*} cfg=${run#*:}
+    model=${run%%:*} cfg=${run#*:} name=${run#*:}
+    tiles_of
     model_dirs "$model" || return 1
     case $cfg in
       transformers) flags=(--transformers) ;;
       *-eager) flags=(--attention-backend "${cfg%-eager}" --disable-cuda-graph) ;;
       *-graphs) flags=(--attention-backend "${cfg%-graphs}") ;;
     esac
-    echo "--- speed $model $cfg"
-    "$PY" -m specmesh.bench.gpu_speed --target-model "$target" --draft-model "$draft" \
-      "${flags[@]}" --batch-sizes "$BATCHES" --out "$JSON/speed-$model-$cfg.json" >/dev/null || failed=1
+    echo "--- speed $model $name"
+    SPECMESH_ATTENTION_TILES=${tiles:-${SPECMESH_ATTENTION_TILES:-dot}} "$PY" -m \
+      specmesh.bench.gpu_speed --target-model "$target" --draft-model "$draft" "${flags[@]}" \
+      --batch-sizes "$BATCHES" --out "$JSON/speed-$model-$name.json" >/dev/null || failed=1
   done
   return $failed
 }
@@ -147,10 +155,11 @@ cluster() {  # the same runs through a gRPC cluster (target, draft, router proce
   # --no-run-ahead, -inline runs both services' steps on their event loops (--inline-step-ms
   # 30: no thread hand-off; not with -predraft / -noahead), -shm sends the feature rows through
   # shared memory (the router's --shared-memory), -mps runs the services under CUDA MPS (one GPU
-  # context shared by them)
-  local run model cfg target draft mb extra mps failed=0
+  # context shared by them); a last -dot / -rows / -fma picks the attention tiles (tiles_of)
+  local run model cfg target draft mb extra mps tiles name failed=0
   for run in ${SPECMESH_CLUSTER_RUNS:-llama8b:mb1 llama8b:mb1-predraft llama8b:mb2 demo:mb1}; do
-    model=${run%%:*} cfg=${run#*:} extra=()
+    model=${run%%:*} cfg=${run#*:} name=${run#*:} extra=()
+    tiles_of
     model_dirs "$model" || return 1
     mb=${cfg%%-*} mb=${mb#mb}
     [[ $cfg == *-predraft* ]] && extra+=("--draft-args=--predraft 4 --predraft-steps 5")
@@ -163,10 +172,11 @@ cluster() {  # the same runs through a gRPC cluster (target, draft, router proce
       command -v nvidia-cuda-mps-control >/dev/null || { echo "no MPS here: $run"; failed=1; continue; }
       nvidia-cuda-mps-control -d && mps=1
     fi
-    echo "--- cluster $model $cfg"
-    "$PY" -m specmesh.bench.gpu_speed --cluster --attention-backend triton --target-model \
-      "$target" --draft-model "$draft" --num-micro-batches "$mb" "${extra[@]}" \
-      --batch-sizes "$BATCHES" --out "$JSON/cluster-$model-$cfg.json" >/dev/null || failed=1
+    echo "--- cluster $model $name"
+    SPECMESH_ATTENTION_TILES=${tiles:-${SPECMESH_ATTENTION_TILES:-dot}} "$PY" -m \
+      specmesh.bench.gpu_speed --cluster --attention-backend triton --target-model "$target" \
+      --draft-model "$draft" --num-micro-batches "$mb" "${extra[@]}" \
+      --batch-sizes "$BATCHES" --out "$JSON/cluster-$model-$name.json" >/dev/null || failed=1
     [ $mps -eq 0 ] || echo quit | nvidia-cuda-mps-control
   done
   return $failed
@@ -227,7 +237,7 @@ EOF
 }
 
 export PY OUT SYNTH JSON SPEED_RUNS BATCHES
-export -f env_report make_synthetic model_dirs roofline speed cluster train timeline
+export -f env_report make_synthetic model_dirs roofline tiles_of speed cluster train timeline
 phase env 60 env_report
 phase tests 900 "\"$PY\" -m pytest -q -p no:cacheprovider -rfE ${SPECMESH_TEST_PATHS:-tests/gpu ${KERNEL_SUITES[*]}}"
 phase e2e 600 "\"$PY\" -m pytest -q -p no:cacheprovider -rfE --device cuda ${E2E_SUITES[*]}"
