@@ -110,3 +110,21 @@ def test_rows_per_program_follow_the_batch_shape() -> None:
     assert rows_per_program(60, 8, 4) == 8  # trees of 7 and 8 rows
     assert rows_per_program(64, 8, 16) == 4  # a large group: at most 64 query vectors
     assert rows_per_program(512, 1, 4) == 16  # a prefill chunk
+
+
+def test_the_kernel_bench_times_every_tile_kind_and_split(tmp_path) -> None:
+    """`bench.attention_speed`, a smoke run on CPU (the interpreter; no speed asserted): every
+    tile kind at every asked split count, decode and verify shapes, in the JSON."""
+    import json
+
+    from specmesh.bench.attention_speed import main
+
+    out = tmp_path / "attention.json"
+    args = "--device cpu --dtype float32 --batch-sizes 2 --contexts 12 --layers 1 --heads 4"
+    main([*args.split(), "--kv-heads", "2", "--head-dim", "16", "--repeats", "1",
+          "--tree-rows", "4", "--num-splits", "0,2", "--out", str(out)])  # fmt: skip
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["tiles"], r["num_splits"], r["q_rows"]) for r in rows} == {
+        (t, s, q) for t in TILES for s in ("default", 2) for q in (1, 4)
+    }
+    assert all(r["step_us_median"] > 0 and r["kv_bytes"] == 2 * 24 * 2 * 16 * 4 for r in rows)
