@@ -10,7 +10,8 @@
 #                kernels and without (--no-fused-kernels) -> OUT/profile-*.txt; variants
 #                fused-dot / fused-fma pick the Triton attention kernel's tiles
 #     attention  the Triton paged-attention kernel per tile variant, decode and verify shapes
-#                (bench/attention_speed.py) -> OUT/attention.log
+#                (bench/attention_speed.py; more flags in SPECMESH_ATTENTION_ARGS, e.g.
+#                "--num-splits 0,4,8,16") -> OUT/attention.log
 #     speed      plain vs EAGLE-3 per backend, eager / CUDA graphs, and transformers, at batch
 #                1 / 8 / 32: the 8B-shaped pair (forced acceptance) and the demo pair
 #     cluster    the same through a gRPC cluster (target, draft and router processes sharing
@@ -241,7 +242,7 @@ export -f env_report make_synthetic model_dirs roofline tiles_of speed cluster t
 phase env 60 env_report
 phase tests 900 "\"$PY\" -m pytest -q -p no:cacheprovider -rfE ${SPECMESH_TEST_PATHS:-tests/gpu ${KERNEL_SUITES[*]}}"
 phase e2e 600 "\"$PY\" -m pytest -q -p no:cacheprovider -rfE --device cuda ${E2E_SUITES[*]}"
-phase attention 240 "\"$PY\" -m specmesh.bench.attention_speed --out \"$JSON/attention.json\""
+phase attention 240 "\"$PY\" -m specmesh.bench.attention_speed --out \"$JSON/attention.json\" ${SPECMESH_ATTENTION_ARGS:-}"
 phase roofline 600 roofline
 phase speed 3600 speed
 phase cluster 1800 cluster
