@@ -80,21 +80,24 @@ class HostLayout:
 def host_layout(cache: KVCache, items: list[BatchItem], *, masks: bool = False) -> HostLayout:
     """`HostLayout` of ``items``; ``masks``: every item's full mask (causal where it has
     none), else only when one has a mask."""
-    q_lens = [it.q_len for it in items]
-    kv_lens = [it.start + it.q_len for it in items]
+    q_lens = np.array([it.q_len for it in items], dtype=np.int64)
+    starts = np.array([it.start for it in items], dtype=np.int64)
     table = cache.req_to_slot
     row = np.array([cache.get(it.rid).row for it in items], dtype=np.int64) * table.shape[1]
-    qo_indptr, kv_indptr = _indptr(q_lens), _indptr(kv_lens)
-    on_host = all(it.input_ids.device.type == "cpu" for it in items)
+    qo_indptr, kv_indptr = _indptr(q_lens), _indptr(starts + q_lens)
     with_masks = masks or any(it.mask is not None for it in items)
     full = [_full_mask(it) for it in items] if with_masks else None
+    if all(it.positions is None for it in items):  # start + arange(q_len) each, at once
+        positions = _segments(starts, qo_indptr)
+    else:
+        positions = np.concatenate([_NONE, *(_positions(it) for it in items)])
     return HostLayout(
         _segments(row, kv_indptr),  # token indices 0 .. kv_len of each row
-        _segments(row + np.array([it.start for it in items], dtype=np.int64), qo_indptr),
+        _segments(row + starts, qo_indptr),
         qo_indptr,
         kv_indptr,
-        np.concatenate([_NONE, *(_positions(it) for it in items)]),
-        np.concatenate([_NONE, *(it.input_ids.numpy() for it in items)]) if on_host else None,
+        positions,
+        _host_ids(items),
         None if full is None else np.concatenate([_NO_MASK, *(m.ravel() for m in full)]),
         None if full is None else _indptr([m.size for m in full]),
     )
@@ -133,13 +136,20 @@ def build_batch(cache: KVCache, items: list[BatchItem], *, with_cpu: bool = True
     return DeviceBatch(meta, ids, positions)
 
 
+def _host_ids(items: list[BatchItem]) -> np.ndarray | None:
+    """The items' token ids joined on the host, or None when any is on a device."""
+    if not all(it.input_ids.device.type == "cpu" for it in items):
+        return None
+    return np.concatenate([_NONE, *(it.input_ids.numpy() for it in items)])  # no dispatch
+
+
 def _positions(it: BatchItem) -> np.ndarray:
     if it.positions is not None:
         return it.positions.numpy()
     return np.arange(it.start, it.start + it.q_len, dtype=np.int64)
 
 
-def _indptr(lens: list[int]) -> np.ndarray:
+def _indptr(lens: list[int] | np.ndarray) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(lens, dtype=np.int64)])
 
 
