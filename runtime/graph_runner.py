@@ -118,6 +118,7 @@ class GraphRunner:
         kv_pools: list[KVPair] | None = None,
         hidden_in: tuple[int, torch.dtype] | None = None,  # draft networks: (hidden size, dtype)
         batch_sizes: list[int] | None = None,
+        head: Callable[[Selectable], Selectable] | None = None,  # run on the forward's output
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"graph runner mode must be one of {MODES}, got {mode!r}")
@@ -125,7 +126,7 @@ class GraphRunner:
         if mode == "cuda-graph" and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device; the KV cache is on {device}")
         self.model, self.cache, self.backend = model, cache, backend
-        self.sizes, self.mode = sizes, mode
+        self.sizes, self.mode, self.head = sizes, mode, head
         self.kv_pools = kv_pools if kv_pools is not None else cache.pools
         self.batch_sizes = batch_sizes or capture_batch_sizes(sizes.max_bs)
         if max(self.batch_sizes) > sizes.max_bs:
@@ -240,7 +241,7 @@ class GraphRunner:
             input_ids=buf.input_ids[:n],
             **extra,
         )
-        return as_rows(out)
+        return as_rows(out if self.head is None else self.head(out))
 
     def _fill(
         self, items: list[BatchItem], hidden_in: torch.Tensor | None, bs: int

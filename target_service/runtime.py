@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -294,13 +295,17 @@ class TargetGraphs:
         restore = model.aux_points
         model.set_aux_layers(aux)
         try:
-            self.decode = self._runner(decode_sizes(self.max_bs, ctx))
+            self.decode = self._runner(decode_sizes(self.max_bs, ctx), greedy=True)
             self.verify = {n: self._runner(verify_sizes(self.max_bs, n, ctx)) for n in tree_sizes}
         finally:
             model.aux_points = restore
 
-    def _runner(self, sizes: GraphSizes) -> GraphRunner:
-        runner = GraphRunner(self.model, self.cache, self.backend, sizes, mode=self.mode)
+    def _runner(self, sizes: GraphSizes, greedy: bool = False) -> GraphRunner:
+        # The LM head (and for plain decoding the argmax) runs in the graph too, on one model
+        # (no gather across ranks).
+        head = partial(self.model.head_outputs, greedy=greedy)
+        head = head if self.model.tp.world_size == 1 else None
+        runner = GraphRunner(self.model, self.cache, self.backend, sizes, mode=self.mode, head=head)
         runner.capture()
         return runner
 

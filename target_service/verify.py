@@ -26,6 +26,7 @@ from specmesh.target_service.acceptance import accept_trees
 from specmesh.target_service.batching import ordered_outputs, pick_logprobs, run_isolated
 
 if TYPE_CHECKING:
+    from specmesh.runtime.models.causal_lm import ModelOutput
     from specmesh.target_service.runtime import TargetRuntime
 
 
@@ -195,7 +196,8 @@ def decide(
         res = runner.run(items)
     else:
         res = run_batch(rt.model, rt.cache, rt.backend, items)
-    logits = rt.model.compute_logits(res.hidden)
+    # A target graph's replay computed the logits and their argmax (`CausalLM.head_outputs`).
+    logits = rt.model.compute_logits(res.hidden) if res.logits is None else res.logits
     if all(r.tree.num_nodes == 1 and _plain_greedy(r.params) for r in rows):
         # Plain greedy decoding (every tree is its root alone): the tree verifier would pick the
         # argmax and keep the one row, so do just that. The features are a copy: a graph
@@ -204,7 +206,7 @@ def decide(
         feats = None if feats is None else feats.clone()
         return [
             Decided(row, [0], [rt.requests[row.rid].pending], [tok], _rows(feats, b, 1))
-            for b, (row, tok) in enumerate(zip(rows, logits.argmax(-1).tolist(), strict=True))
+            for b, (row, tok) in enumerate(zip(rows, _argmax(res, logits).tolist(), strict=True))
         ], feats
     n_max = max(r.tree.num_nodes for r in rows)
     acceptance = accept_trees(rows, logits, n_max, rt.kernel_impl)
@@ -230,6 +232,10 @@ def decide(
         decided.append(d)
         start += n
     return decided, feats
+
+
+def _argmax(res: ModelOutput, logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(-1) if res.greedy is None else res.greedy
 
 
 def keep(

@@ -42,6 +42,9 @@ class ModelOutput:
     hidden_pre_norm: torch.Tensor  # [num_tokens, hidden], before the final norm (MTP chaining)
     aux_hidden: torch.Tensor | None = None  # [num_tokens, n_aux * hidden], EAGLE-3 captures
     mm_input_embeds: torch.Tensor | None = None  # [num_tokens, hidden], multimodal prefill only
+    # Set by a graph runner that runs the LM head in its graph (`CausalLM.head_outputs`):
+    logits: torch.Tensor | None = None  # [num_tokens, vocab] fp32
+    greedy: torch.Tensor | None = None  # [num_tokens] int64, each row's argmax
 
     def select(self, index: torch.Tensor | slice) -> ModelOutput:
         """Apply one row selection to every tensor field, so no field can be forgotten."""
@@ -117,6 +120,14 @@ class CausalLM(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
+
+    def head_outputs(self, out: ModelOutput, greedy: bool = False) -> ModelOutput:
+        """``out`` with its rows' logits (and with ``greedy`` their argmax): what a target's
+        graph runner captures after the forward, so neither is a launch of its own."""
+        out.logits = self.compute_logits(out.hidden)
+        if greedy:
+            out.greedy = out.logits.argmax(-1)
+        return out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = hidden @ self.head_weight.t()  # [rows, vocab], or [rows, this rank's rows]

@@ -6,6 +6,7 @@ sizes come from one function with a run-time check (invariant 5), graphs are nev
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 
 import pytest
@@ -338,3 +339,26 @@ def test_new_aux_layers_capture_the_target_graphs_again(tiny_dir: Path, monkeypa
     # prefix blocks' feature rows are keyed by the capture points: the new ones, not the kept key
     key = t.feature_key(Feature.AUX_HIDDEN)
     assert key == feature_key(Feature.AUX_HIDDEN, new.capture_points(n)) != default_key
+
+
+@pytest.mark.parametrize("mode", ["decode", "verify"])
+def test_a_target_runner_runs_the_lm_head_in_its_graph(target, mode: str) -> None:
+    """A target's runners compute the logits inside the forward they capture (and in decode
+    their argmax), equal to the LM head run after it, every other field unchanged."""
+    cache = _prefilled(target)
+    items = _decode_items() if mode == "decode" else _verify_items(cache)
+    want = run_batch(target, cache, make_backend("torch"), items)
+    sizes = decode_sizes(8, 32) if mode == "decode" else verify_sizes(8, 4, 32)
+    head = functools.partial(target.head_outputs, greedy=mode == "decode")
+    runner = GraphRunner(
+        target, cache, make_backend("torch"), sizes, mode="eager-static", head=head
+    )
+    runner.capture()
+    got = runner.run(items)
+    logits = target.compute_logits(want.hidden)
+    torch.testing.assert_close(got.logits, logits, **reorder_tolerance(logits.dtype))
+    if mode == "decode":
+        assert got.greedy.tolist() == logits.argmax(-1).tolist()
+    else:
+        assert got.greedy is None
+    _assert_same(dataclasses.replace(got, logits=None, greedy=None), want)
