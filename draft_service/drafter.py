@@ -49,6 +49,7 @@ from specmesh.runtime.attention.base import AttentionBackend
 from specmesh.runtime.kv_cache import KVCache
 from specmesh.runtime.model_runner import BatchItem, run_batch
 from specmesh.runtime.models.layers import KVPair
+from specmesh.runtime.models.moe import stack_experts
 from specmesh.runtime.static_shapes import DraftSizes
 
 if TYPE_CHECKING:
@@ -113,6 +114,9 @@ class TreeDrafter:
         from specmesh.draft_service.search_graph import SearchGraphs
         from specmesh.draft_service.step_graphs import DraftStepGraphs
 
+        # A mixture of experts in a network this drafter holds (an MTP layer) reads only its
+        # chosen experts once captured.
+        stack_experts(*[v for v in vars(self).values() if isinstance(v, torch.nn.Module)])
         if self.spec.num_steps > 1:
             self.step_graphs = DraftStepGraphs(self, mode=mode, max_bs=max_bs)
             if mode == "eager-static" or not self.backend.needs_cpu_metadata:

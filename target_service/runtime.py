@@ -38,6 +38,7 @@ from specmesh.runtime.kv_cache import KVCache
 from specmesh.runtime.llava_checkpoint import is_llava_checkpoint
 from specmesh.runtime.model_runner import BatchItem
 from specmesh.runtime.models.causal_lm import CausalLM, ModelOutput, load_causal_lm
+from specmesh.runtime.models.moe import stack_experts
 from specmesh.runtime.static_shapes import GraphSizes, decode_sizes, verify_sizes
 from specmesh.target_service.grammar import Grammars, consume
 from specmesh.target_service.llava import ImageEncoder, load_llava
@@ -292,6 +293,7 @@ class TargetGraphs:
         for n in tree_sizes:
             if not 2 <= n <= ctx:
                 raise ValueError(f"CUDA-graph tree size {n} must be in 2..max_context ({ctx})")
+        stack_experts(model)  # a mixture of experts captured reads only its chosen experts
         restore = model.aux_points
         model.set_aux_layers(aux)
         try:

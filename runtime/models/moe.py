@@ -10,8 +10,12 @@ Routing of one token (`route`, transformers' ``DeepseekV3TopkRouter`` op for op,
     weights = scores[experts] (/ their sum if norm_topk_prob) * routed_scaling_factor
 
 The layer's output is ``sum_e weight_e * expert_e(x) + shared_experts(x)``. Experts run over the
-tokens routed to them, in ascending expert order (as transformers adds them); while a CUDA graph is
-captured, every expert runs on every token instead (`dense_experts`).
+tokens routed to them, in ascending expert order (as transformers adds them). While a CUDA graph is
+captured (`dense_experts`), where the routed path's host syncs are not permitted, a layer whose
+experts are stacked (`stack_experts`, done before capture) runs each (token, chosen expert) pair
+on its own expert's weights when the pairs are fewer than the experts
+(`kernels.moe_experts`: only the chosen experts are read); otherwise every expert runs on
+every token, weighted 0 where the token did not pick it.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specmesh.kernels.moe_experts import routed_experts
 from specmesh.runtime.config import MoEConfig
 from specmesh.runtime.models.layers import MLP
 from specmesh.runtime.parallel import SINGLE, TensorParallel
@@ -100,15 +105,46 @@ class MoE(nn.Module):
         self.has_shared = moe.n_shared_experts > 0
         if self.has_shared:
             self.shared_experts = MLP(hidden_size, inter * moe.n_shared_experts)
+        # `stack`: every expert's [gate; up] rows [E, 2I, H] and down [E, H, I], the experts'
+        # own weights views of them
+        self.w13: torch.Tensor | None = None
+        self.w2: torch.Tensor | None = None
+
+    def stack(self) -> None:
+        """Stack the experts' weights into `w13` / `w2`, each expert's a view of its rows (no
+        memory kept twice; while stacking, one layer's experts are held twice)."""
+        if self.w13 is not None:
+            return
+        first = self.experts[0]
+        inter, hidden = first.down_proj.weight.shape[1], first.down_proj.weight.shape[0]
+        like = first.down_proj.weight
+        n = len(self.experts)
+        w13 = torch.empty(n, 2 * inter, hidden, dtype=like.dtype, device=like.device)
+        w2 = torch.empty(n, hidden, inter, dtype=like.dtype, device=like.device)
+        with torch.no_grad():
+            for e, expert in enumerate(self.experts):
+                w13[e, :inter].copy_(expert.gate_proj.weight)
+                w13[e, inter:].copy_(expert.up_proj.weight)
+                w2[e].copy_(expert.down_proj.weight)
+                expert.gate_proj.weight.data = w13[e, :inter]
+                expert.up_proj.weight.data = w13[e, inter:]
+                expert.down_proj.weight.data = w2[e]
+                if expert.gate_up is not None:  # fused: [gate; up] is this expert's w13 rows
+                    expert.gate_up = w13[e]
+        self.w13, self.w2 = w13, w2
 
     def forward(self, x: torch.Tensor, dense: bool | None = None) -> torch.Tensor:
-        """``x``: [num_tokens, hidden]. ``dense``: run every expert on every token (None:
-        `dense_experts` decides)."""
+        """``x``: [num_tokens, hidden]. ``dense``: the sync-free path (None: `dense_experts`
+        decides): each pair on its expert when stacked and the pairs are fewer than the
+        experts, else every expert on every token."""
         weights, ids = self.gate(x)  # [num_tokens, top_k]
         if dense is None:
             dense = dense_experts(x)
         out = torch.zeros_like(x)
-        if dense:  # the routed path's sum, term for term, without a host sync
+        if dense and self.w13 is not None and ids.numel() <= len(self.experts):
+            impl = "triton" if x.is_cuda else "torch"  # each pair on its expert, no host sync
+            out = routed_experts(x, self.w13, self.w2, ids, weights, impl)
+        elif dense:  # the routed path's sum, term for term, without a host sync
             for e, expert in enumerate(self.experts):  # ascending, as below
                 picked = ids == e  # [num_tokens, top_k]: a token picks an expert once at most
                 w = torch.where(picked, weights, 0.0).sum(dim=-1, keepdim=True)
@@ -124,10 +160,17 @@ class MoE(nn.Module):
         return self.tp.all_reduce(out)
 
 
+def stack_experts(*modules: nn.Module) -> None:
+    """`MoE.stack` every mixture of experts in ``modules`` (before a CUDA graph captures them)."""
+    for module in modules:
+        for m in module.modules():
+            if isinstance(m, MoE):
+                m.stack()
+
+
 def dense_experts(x: torch.Tensor) -> bool:
-    """Whether `MoE` computes every expert on every token of ``x`` (weight 0 where the token did
-    not pick it): while a CUDA graph is captured, where the routed path's host syncs (``unique``,
-    ``where``) are not permitted. Exact (the routed path's sum, in its order; only the GEMMs'
-    shapes differ) and sync-free, but costly with many experts: a grouped-GEMM kernel is the
-    next step."""
+    """Whether `MoE` takes its sync-free path for ``x`` (each pair on its stacked expert, or
+    every expert on every token): while a CUDA graph is captured, where the routed path's host
+    syncs (``unique``, ``where``) are not permitted. Both add the routed path's terms in its
+    order; only the products' shapes differ."""
     return x.is_cuda and torch.cuda.is_current_stream_capturing()

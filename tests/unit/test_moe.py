@@ -8,8 +8,10 @@ import pytest
 import torch
 from torch import nn
 
+from specmesh.kernels.moe_experts import routed_experts
+from specmesh.kernels.testing import kernel_devices
 from specmesh.runtime.config import MoEConfig
-from specmesh.runtime.models.moe import MoE, dense_experts
+from specmesh.runtime.models.moe import MoE, dense_experts, stack_experts
 
 V3 = {"scoring": "sigmoid", "topk_method": "noaux_tc"}
 V2 = {"scoring": "softmax", "topk_method": "group_limited_greedy"}
@@ -44,3 +46,41 @@ def test_dense_path_equals_routed_path(routing: dict[str, str]) -> None:
     assert not dense_experts(x)  # nothing is captured on CPU: the routed path by default
     assert torch.equal(default, routed)
     torch.testing.assert_close(dense, routed, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("routing", [V3, V2], ids=["v3", "v2"])
+def test_stacked_pairs_equal_the_routed_path(routing: dict[str, str]) -> None:
+    """With the experts stacked, a batch with fewer (token, expert) pairs than experts takes
+    each pair on its own expert (a decode step's shape), a larger one every expert; both equal
+    the routed path, and the experts' weights are views of the stacks (nothing held twice)."""
+    moe = _moe(routing)
+    before = {n: p.detach().clone() for n, p in moe.named_parameters()}
+    stack_experts(moe)
+    assert moe.w13.shape == (8, 24, 16) and moe.w2.shape == (8, 16, 12)
+    for n, p in moe.named_parameters():  # the same values, now in the stacks
+        assert torch.equal(p, before[n]), n
+    assert moe.experts[3].up_proj.weight.data_ptr() == moe.w13[3, 12:].data_ptr()
+    for tokens in (2, 32):  # 6 pairs (< 8 experts), 96 pairs
+        x = torch.randn(tokens, 16, generator=torch.Generator().manual_seed(tokens))
+        with torch.no_grad():
+            routed, dense = moe(x, dense=False), moe(x, dense=True)
+        torch.testing.assert_close(dense, routed, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("device", kernel_devices())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pair_kernels_equal_their_reference(device: str, dtype: torch.dtype) -> None:
+    """The Triton pairs (gate/up per block of the intermediate size, down per block of the
+    hidden size) against the torch reference: sizes not multiples of the blocks, tokens
+    sharing an expert, the terms added in ascending expert order."""
+    gen = torch.Generator().manual_seed(3)
+    experts, hidden, inter, tokens, k = 6, 40, 36, 3, 2
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype).to(device)
+    w13 = (0.2 * torch.randn(experts, 2 * inter, hidden, generator=gen)).to(dtype).to(device)
+    w2 = (0.2 * torch.randn(experts, hidden, inter, generator=gen)).to(dtype).to(device)
+    ids = torch.tensor([[4, 1], [1, 5], [0, 4]], device=device)
+    weights = torch.rand(tokens, k, generator=gen).to(device)
+    want = routed_experts(x, w13, w2, ids, weights, impl="torch")
+    got = routed_experts(x, w13, w2, ids, weights, impl="triton")
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(got, want, **tol)
