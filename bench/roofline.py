@@ -30,6 +30,8 @@ from specmesh.kernels import attention as attention_kernel
 from specmesh.protocol.config import TargetConfig
 from specmesh.protocol.sampling import SamplingParams
 from specmesh.protocol.steps import PrefillInput
+from specmesh.runtime.kv_budget import slot_bytes
+from specmesh.runtime.models.moe import MoE
 from specmesh.target_service.runtime import TargetRuntime
 
 
@@ -49,13 +51,27 @@ def copy_bandwidth(device: str, nbytes: int = 2 << 30, repeats: int = 20) -> flo
 
 def step_bytes(rt: TargetRuntime, batch: int, context: int) -> int:
     """Bytes a decode step reads at least: weights except the embedding table (only ``batch``
-    rows of it), and the K and V of ``context`` tokens per request in every layer."""
+    rows of it) and, in a mixture of experts, only the experts the batch's tokens choose (their
+    expected number when each token picks ``k`` of ``E`` at random: ``E (1 - (1 - k/E)^batch)``),
+    and the KV of ``context`` tokens per request in every layer (K and V, or one latent vector
+    with multi-head latent attention)."""
     mc = rt.model_config
     weights = sum(p.numel() * p.element_size() for p in rt.model.parameters())
     elt = torch.finfo(mc.dtype).bits // 8
     embed = mc.vocab_size * mc.hidden_size * elt
-    kv = batch * context * mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * elt
-    return weights - embed + batch * mc.hidden_size * elt + kv
+    unread = sum(unread_expert_bytes(m, batch) for m in rt.model.modules() if isinstance(m, MoE))
+    latent = mc.kv_latent_dim is not None
+    kv = batch * context * slot_bytes(mc.num_layers, mc.num_kv_heads, mc.head_dim, mc.dtype, latent)
+    return weights - embed - unread + batch * mc.hidden_size * elt + kv
+
+
+def unread_expert_bytes(moe: MoE, batch: int) -> int:
+    """The bytes of the routed experts a batch's decode step leaves unread, expected."""
+    experts = len(moe.experts)
+    k = moe.gate.moe.num_experts_per_tok
+    read = experts * (1 - (1 - k / experts) ** batch)
+    total = sum(p.numel() * p.element_size() for p in moe.experts.parameters())
+    return int(total * (1 - read / experts))
 
 
 @contextlib.contextmanager

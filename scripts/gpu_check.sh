@@ -21,6 +21,11 @@
 #                the 8B-shaped pair in process and through the cluster at batch 1 and 8
 #                (bench/round_timeline.py: host spans, kernels, graph launches, syncs) ->
 #                OUT/timeline.md, OUT/timeline.json, OUT/timeline-traces.tgz (profiler traces)
+#     v3         (not in the default list) DeepSeek-V3 shapes at speed: a V3-shaped slice
+#                (bench/synthetic_deepseek.py; SPECMESH_V3_LAYERS main layers, default 2, and
+#                SPECMESH_V3_EXPERTS experts, default 128: about 31 GB of disk), its decode step
+#                against the bytes it must move in CUDA graphs and eagerly (profiled at b1 ->
+#                OUT/profile-v3.txt), then plain against the NextN MTP draft in top-4 trees
 #     ngram      (not in the default list) the cycling target's n-gram drafting, bf16, triton
 #                against flashinfer (scripts/gpu_ngram_diag.py)
 #     train      (not in the default list) a larger demo pair trained on the GPU (`make-demo
@@ -218,6 +223,19 @@ timeline() {  # the round's stages, in process and through the cluster (bench/ro
   return $rc
 }
 
+v3() {  # DeepSeek-V3 shapes at speed (the v3 phase above)
+  local dir=${SPECMESH_V3_DIR:-/tmp/specmesh-v3}
+  local args=(--target-model "$dir" --attention-backend triton --batch-sizes "$BATCHES")
+  [ -f "$dir/model.safetensors.index.json" ] || "$PY" -m specmesh.bench.synthetic_deepseek \
+    "$dir" --layers "${SPECMESH_V3_LAYERS:-2}" --experts "${SPECMESH_V3_EXPERTS:-128}" || return 1
+  "$PY" -m specmesh.bench.roofline "${args[@]}" --profile "$OUT/profile-v3.txt" \
+    --out "$JSON/roofline-v3-graphs.json" || return 1
+  "$PY" -m specmesh.bench.roofline "${args[@]}" --disable-cuda-graph \
+    --out "$JSON/roofline-v3-eager.json" || return 1
+  "$PY" -m specmesh.bench.gpu_speed "${args[@]}" --draft-model "$dir" --draft-kind mtp \
+    --spec 3,4,8 --out "$JSON/speed-v3-mtp.json" >/dev/null
+}
+
 merge_json() {
   "$PY" - "$JSON" "$OUT/gpu_results.json" <<'EOF'
 import json, pathlib, sys
@@ -238,7 +256,7 @@ EOF
 }
 
 export PY OUT SYNTH JSON SPEED_RUNS BATCHES
-export -f env_report make_synthetic model_dirs roofline tiles_of speed cluster train timeline
+export -f env_report make_synthetic model_dirs roofline tiles_of speed cluster train timeline v3
 phase env 60 env_report
 phase tests 900 "\"$PY\" -m pytest -q -p no:cacheprovider -rfE ${SPECMESH_TEST_PATHS:-tests/gpu ${KERNEL_SUITES[*]}}"
 phase e2e 600 "\"$PY\" -m pytest -q -p no:cacheprovider -rfE --device cuda ${E2E_SUITES[*]}"
@@ -247,6 +265,7 @@ phase roofline 600 roofline
 phase speed 3600 speed
 phase cluster 1800 cluster
 phase timeline 330 timeline
+phase v3 480 v3
 phase ngram 150 "\"$PY\" scripts/gpu_ngram_diag.py"
 phase train 540 train
 merge_json
