@@ -36,11 +36,26 @@ def _items(model, cache: KVCache) -> list[BatchItem]:
     return [BatchItem("a", ids[0], 0, input_embeds=embeds), BatchItem("b", ids[1], 0)]
 
 
+class _WithHead:
+    """The model with the LM head and argmax after its forward, as a target's graph runner
+    captures them (`CausalLM.head_outputs`): the output's every field is set."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed(input_ids)
+
+    def __call__(self, **kwargs: object) -> ModelOutput:
+        return self.model.head_outputs(self.model(**kwargs), greedy=True)
+
+
 def test_padded_batch_slices_every_output_field(tiny_dir: Path) -> None:
-    model = load_causal_lm(tiny_dir / "target", dtype=torch.float32)
-    model.set_aux_layers(AuxLayers.default(model.config.num_layers))
+    base = load_causal_lm(tiny_dir / "target", dtype=torch.float32)
+    base.set_aux_layers(AuxLayers.default(base.config.num_layers))
+    model = _WithHead(base)
     backend = make_backend("torch")
-    cache = _cache(model)
+    cache = _cache(base)
     raw = 8
     num_tokens = bucket_size(raw, [4, 12, 16])
     assert num_tokens == 12
