@@ -14,6 +14,7 @@ over its split of that request's kv in ``BLOCK_N`` tiles for all ``group`` query
 the kv head. With more than one split (flash-decoding: few rows, as in decode at a small batch,
 would leave most of a GPU idle), each split writes its unnormalised partial (max, sum, output)
 and a second kernel merges them per (row, head).
+
 With ``tiles="rows"`` the program of every ``BLOCK_Q``-th row of a request attends that row and
 the next ``BLOCK_Q - 1`` of the same request at once (the other programs return at once):
 a verify's tree rows read their request's kv once instead of once each (`rows_per_program`
@@ -21,8 +22,8 @@ picks ``BLOCK_Q`` from the batch's shape).
 
 Tile kinds (``tiles``): "dot" (the default) multiplies on tensor cores with ``tl.dot``, the
 group's query heads padded to 16 rows and the kv in 64-column tiles (fp32 inputs stay exact with
-"ieee" products; half types round the probabilities to their type before the product with V,
-as FlashAttention does); "fma" keeps every product elementwise in fp32 over small tiles. Any
+"ieee" products; half types round the probabilities to their type before the product with
+V); "rows" is "dot" over several rows of a request; "fma" keeps every product elementwise in fp32 over small tiles. Any
 head_dim (padded to a power of two and masked), any group size. On an H200, 8B shapes, 32
 layers (`bench.attention_speed`): decode at batch 32 over 512 tokens 3.65 -> 1.10 ms a step,
 a verify's 8-row trees at batch 8 7.65 -> 1.39 ms. Long prefills on a GPU belong to the
