@@ -103,6 +103,23 @@ def time_steps(rt: TargetRuntime, rids: list[str], steps: int) -> list[float]:
     return times
 
 
+def graph_launch_ms(rt: TargetRuntime, batch: int, launches: int = 10) -> float | None:
+    """Host milliseconds one launch of the decode graph of ``batch`` takes (median; the device
+    synchronized before each): the host time a step spends submitting its graph, which no
+    kernel overlaps while the step before it has ended. Replays the last step's buffers as
+    they are (the same K/V written to the same slots). None without CUDA graphs."""
+    if rt.graphs is None or batch not in rt.graphs.decode.graphs:
+        return None
+    graph, times = rt.graphs.decode.graphs[batch], []
+    for _ in range(launches):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        graph.replay()
+        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return statistics.median(times) * 1e3
+
+
 def profile_decode(rt: TargetRuntime, batch: int, context: int, steps: int, path: str) -> dict:
     """Profile ``steps`` decode steps; write the table to ``path``; busy vs wall per step."""
     from torch.profiler import ProfilerActivity, profile
@@ -120,8 +137,10 @@ def profile_decode(rt: TargetRuntime, batch: int, context: int, steps: int, path
                 f"fused_kernels={rt.model.fused}, "
                 f"batch {batch}, {steps} decode steps\n")  # fmt: skip
         f.write(table)
+    launch_us = sum(e.self_cpu_time_total for e in events if e.key == "cudaGraphLaunch")
     return {"batch_size": batch, "steps": steps, "wall_ms_per_step": wall / steps * 1e3,
-            "gpu_busy_ms_per_step": busy_us / 1e3 / steps}  # fmt: skip
+            "gpu_busy_ms_per_step": busy_us / 1e3 / steps,
+            "graph_launch_ms_per_step": launch_us / 1e3 / steps}  # fmt: skip
 
 
 def profile_path(path: str, batch: int) -> str:
@@ -158,6 +177,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for b in batch_sizes:
         with decoding(rt, b, args.context, args.steps) as rids:
             times = time_steps(rt, rids, args.steps)
+            launch = graph_launch_ms(rt, b)
         med = statistics.median(times)
         nbytes = step_bytes(rt, b, args.context)
         rows.append({
@@ -167,7 +187,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "bound_ms_nominal_bw": nbytes / nominal * 1e3 if nominal else None,
             "pct_of_bound_measured_bw": 100 * nbytes / measured / med,
             "pct_of_bound_nominal_bw": 100 * nbytes / nominal / med if nominal else None,
-            "tokens_per_s": b / med,
+            "tokens_per_s": b / med, "graph_launch_ms": launch,
         })  # fmt: skip
     profiled = []
     if args.profile:

@@ -246,8 +246,10 @@ print(f"{len(merged)} results -> {dst}")
 for name, result in merged.items():  # one line per row: the figures to read first
     for row in result.get("rows", []):
         if "step_ms_median" in row:
+            launch = row.get("graph_launch_ms")
             print(f"{name} b{row['batch_size']}: step {row['step_ms_median']:.2f} ms, "
-                  f"{row['pct_of_bound_measured_bw']:.1f}% of the bandwidth bound")
+                  f"{row['pct_of_bound_measured_bw']:.1f}% of the bandwidth bound"
+                  + (f", graph launch {launch:.3f} ms on the host" if launch else ""))
         elif "tokens_per_s" in row:
             t = row["tokens_per_s"]
             print(f"{name} b{row['batch_size']} {row['mode']}: {t['median']:.1f} tok/s "
