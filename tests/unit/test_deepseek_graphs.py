@@ -24,13 +24,18 @@ PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [40, 41, 42]]
 
 def test_target_and_nextn_draft_through_static_paths(tmp_path: Path, monkeypatch) -> None:
     """Three requests (bucket 4: one padding row writing only the scratch slot), plain decoding
-    and MTP trees; every runner served batches through the MLA kernel and no KV is left held."""
+    and MTP trees; every runner served batches through the MLA kernel and no KV is left held.
+    The MoE takes the path a CUDA graph captures (no host sync): a decode step's (token,
+    expert) pairs on the experts the runners stacked, a verify's every expert on every row."""
     from specmesh.runtime.attention import triton_backend
+    from specmesh.runtime.models import moe
 
-    mla_calls = []
-    mla = triton_backend.mla_attention
+    mla_calls, pair_calls = [], []
+    mla, pairs = triton_backend.mla_attention, moe.routed_experts
     monkeypatch.setattr(triton_backend, "mla_attention",
                         lambda *a, **k: mla_calls.append(1) or mla(*a, **k))  # fmt: skip
+    monkeypatch.setattr(moe, "routed_experts", lambda *a: pair_calls.append(1) or pairs(*a))
+    monkeypatch.setattr(moe, "dense_experts", lambda x: True)
     d = make_tiny_deepseek(tmp_path / "one", num_hidden_layers=1, first_k_dense_replace=0,
                            nextn_copies_layer=0)  # fmt: skip
     cfg = {"attention_backend": "triton"}
@@ -55,5 +60,5 @@ def test_target_and_nextn_draft_through_static_paths(tmp_path: Path, monkeypatch
         for prompt, res in zip(PROMPTS, results, strict=True):
             assert res.token_ids == hf_greedy(d, prompt, 6)
     assert sum(n > 1 for res in results for n in res.accept_lens) > 0, "no tree was accepted"
-    assert used == set(runners) and mla_calls
+    assert used == set(runners) and mla_calls and pair_calls
     assert t.cache.num_used_slots == 0 and drafter.cache.num_used_slots == 0
