@@ -223,6 +223,30 @@ MUTANTS = (
             "tests/unit/test_prefix_cache.py::test_a_paged_cache_reuses_an_answer_exactly",
         ),
     ),
+    Mutant(
+        "moe-pairs-unweighted",
+        "a captured MoE's (token, expert) pairs add their experts' outputs without the routing "
+        "weights: every DeepSeek decode step in a CUDA graph goes wrong",
+        "kernels/moe_experts.py",
+        "    return _sum_terms((y * weights.reshape(-1, 1)).to(x.dtype), x)\n",
+        "    return _sum_terms(y.to(x.dtype), x)\n",
+        (
+            "tests/unit/test_moe.py::test_stacked_pairs_equal_the_routed_path",
+            "tests/unit/test_deepseek_graphs.py::test_target_and_nextn_draft_through_static_paths",
+        ),
+    ),
+    Mutant(
+        "attention-rows-collapse",
+        "a rows program attends its first row for every row of its block: a verify's tree "
+        "rows all see the root's view",
+        "kernels/attention.py",
+        "        i = i0 + m // GROUP_PAD\n",
+        "        i = i0 + 0 * m\n",
+        (
+            "tests/unit/test_kernels_attention.py",
+            "tests/unit/test_backends.py",
+        ),
+    ),
 )
 
 
