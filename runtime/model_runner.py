@@ -140,7 +140,9 @@ def _host_ids(items: list[BatchItem]) -> np.ndarray | None:
     """The items' token ids joined on the host, or None when any is on a device."""
     if not all(it.input_ids.device.type == "cpu" for it in items):
         return None
-    return np.concatenate([_NONE, *(it.input_ids.numpy() for it in items)])  # no dispatch
+    if len(items) < 2:  # one request's own ids, or none: no join to dispatch
+        return items[0].input_ids.numpy() if items else _NONE
+    return torch.cat([it.input_ids for it in items]).numpy()  # one join, not one read each
 
 
 def _positions(it: BatchItem) -> np.ndarray:
