@@ -303,10 +303,9 @@ class TargetGraphs:
             model.aux_points = restore
 
     def _runner(self, sizes: GraphSizes, greedy: bool = False) -> GraphRunner:
-        # The LM head (and for plain decoding the argmax) runs in the graph too, on one model
-        # (no gather across ranks).
+        # The LM head (and for plain decoding the argmax) runs in the graph too (graphs are
+        # off under tensor parallelism: no gather across ranks is captured).
         head = partial(self.model.head_outputs, greedy=greedy)
-        head = head if self.model.tp.world_size == 1 else None
         runner = GraphRunner(self.model, self.cache, self.backend, sizes, mode=self.mode, head=head)
         runner.capture()
         return runner

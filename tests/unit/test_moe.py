@@ -84,3 +84,20 @@ def test_pair_kernels_equal_their_reference(device: str, dtype: torch.dtype) -> 
     got = routed_experts(x, w13, w2, ids, weights, impl="triton")
     tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
     torch.testing.assert_close(got, want, **tol)
+
+
+def test_fused_experts_stack_into_views_of_the_stacks() -> None:
+    """Experts whose gate / up products were merged (`MLP.fuse`, CUDA's layout) stack too:
+    each merged matrix becomes its expert's rows of `w13`, and the layer's output is kept."""
+    moe = _moe(V3)
+    x = torch.randn(2, 16, generator=torch.Generator().manual_seed(4))
+    x[:, 0] = 5.0
+    with torch.no_grad():
+        want = moe(x, dense=False)
+        for expert in moe.experts:
+            expert.fuse()
+        stack_experts(moe)
+        got = moe(x, dense=False), moe(x, dense=True)
+    assert all(e.gate_up.data_ptr() == moe.w13[i].data_ptr() for i, e in enumerate(moe.experts))
+    for out in got:
+        torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-6)
