@@ -42,25 +42,27 @@ SPEC = SpecParams(num_steps=5, topk=4, num_draft_tokens=8)
 POINTS = (0, 10_000, 25_000, 50_000, 100_000, 150_000, 200_000)
 
 
-def build(settings: OnlineSettings, checkpoints: Path | None = None):
+def build(settings: OnlineSettings, checkpoints: Path | None = None, target: str | None = None):
     """The engine and its learner; ``checkpoints``: the learner's --online-learning-dir (each
-    version it serves written there, `specmesh draft --model DIR/latest` loads the last)."""
+    version it serves written there, `specmesh draft --model DIR/latest` loads the last);
+    ``target``: another target than the demo's (one fine-tuned from it, `bench.online_target`)
+    under the shipped draft."""
     from specmesh.router.engine import Engine
 
     models = default_models()
     fp32 = {"dtype": "fp32"}
     draft = fp32 if checkpoints is None else {**fp32, "online_learning_dir": str(checkpoints)}
-    engine = Engine(models.target, draft_model=models.draft, draft_kind=models.draft_kind,
+    engine = Engine(target or models.target, draft_model=models.draft, draft_kind=models.draft_kind,
                     spec=SPEC, target_config=fp32, draft_config=draft)  # fmt: skip
     return engine, attach_learner(engine.draft, settings)
 
 
-def ceiling(prompts, eval_tokens: int) -> dict[str, float]:
+def ceiling(prompts, eval_tokens: int, target: str | None = None) -> dict[str, float]:
     """The same evaluation with the target as its own (standalone) draft: what a draft that
     knew the target's ranking exactly would reach with this tree shape."""
     from specmesh.router.engine import Engine
 
-    target, fp32 = default_models().target, {"dtype": "fp32"}
+    target, fp32 = target or default_models().target, {"dtype": "fp32"}
     engine = Engine(target, draft_model=target, draft_kind="standalone", spec=SPEC,
                     target_config=fp32, draft_config=fp32)  # fmt: skip
     return evaluate(engine, prompts, eval_tokens)
@@ -192,6 +194,11 @@ def main(argv: list[str] | None = None) -> int:
         help="keep the learner's checkpoints there (`bench.online_speed` serves the last one "
         "as the learned draft)",
     )  # fmt: skip
+    p.add_argument(
+        "--target-model", metavar="DIR",
+        help="serve this target under the shipped draft instead of the demo's own (one "
+        "fine-tuned on the domain by `bench.online_target`; its tokenizer must be the demo's)",
+    )  # fmt: skip
     defaults = OnlineSettings()
     for name in ("lr", "update_tokens", "steps_per_update", "batch_windows", "window_tokens"):
         kind = type(getattr(defaults, name))
@@ -201,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     settings = replace(defaults, **{k: getattr(args, k) for k in
                        ("lr", "update_tokens", "steps_per_update", "batch_windows", "window_tokens")})  # fmt: skip
-    engine, learner = build(settings, args.online_learning_dir)
+    engine, learner = build(settings, args.online_learning_dir, args.target_model)
     pair_dir = Path(default_models().target).parent
     prompts = load_prompts(engine.tokenizer, pair_dir, args.eval_prompts, 64, 0, args.domain)
     started = time.perf_counter()
@@ -210,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "points": points, "wall_s": time.perf_counter() - started,
         "step_times": step_times(engine, learner, prompts, args),
-        "target_as_draft": ceiling(prompts, args.eval_tokens)}  # fmt: skip
+        "target_as_draft": ceiling(prompts, args.eval_tokens, args.target_model)}  # fmt: skip
     learner.close()
     write_json(results, args.out / "online.json")
     (args.out / "online.md").write_text(table(results) + "\n")
