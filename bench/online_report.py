@@ -64,8 +64,12 @@ def plot(results: dict[str, Any], path: Path) -> None:
             ax.axhline(top[name], color=color, alpha=0.35, linewidth=1)
     ax.set_xlabel("new-domain tokens served (thousands)")
     ax.set_ylabel("accept length (tokens / round)")
-    domain = results.get("args", {}).get("domain", "a new domain")
-    ax.set_title(f"Online learning: the demo pair serving {domain}")
+    args = results.get("args", {})
+    domain = args.get("domain", "a new domain")
+    pair = (
+        "the demo pair" if not args.get("target_model") else "a fine-tuned target, the demo draft"
+    )
+    ax.set_title(f"Online learning: {pair} serving {domain}")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

@@ -2,7 +2,7 @@
 device (as `specmesh bench --pin` places a cluster):
 
     python -m specmesh.bench.online_speed --learned DIR/latest [--out DIR] [--repeats 3]
-        [--batch 8] [--domain javascript]
+        [--batch 8] [--domain javascript] [--target-model DIR]
 
 Three drafts behind the same cluster (target on core 0; draft, router and the client on core
 1), each (configuration, temperature, repeat) a fresh `bench.worker` process, repeats
@@ -44,9 +44,13 @@ PROMPT_LEN, MAX_NEW_TOKENS, TEMPERATURES = 64, 128, (0.0, 0.8)
 OFF = "learning off"
 
 
-def plan(learned: Path, batch: int, num_requests: int) -> list[tuple[str, Job]]:
-    """(label, job template) per configuration and temperature; prompts are filled in later."""
+def plan(
+    learned: Path, batch: int, num_requests: int, target: str | None = None
+) -> list[tuple[str, Job]]:
+    """(label, job template) per configuration and temperature; prompts are filled in later.
+    ``target``: another target than the demo's (`bench.online --target-model`)."""
     models = default_models()
+    target = target or models.target
     on = ["--online-learning"]
     out = []
     for temp in TEMPERATURES:
@@ -57,7 +61,7 @@ def plan(learned: Path, batch: int, num_requests: int) -> list[tuple[str, Job]]:
             ("learning on", models.draft, on),
             ("learned, learning on", str(learned), on),
         ]:
-            job = Job(run, models.target, draft, {}, 1, [], 0, cpus=TWO_DEVICES, draft_args=extra)
+            job = Job(run, target, draft, {}, 1, [], 0, cpus=TWO_DEVICES, draft_args=extra)
             out.append((f"t{temp:g} {label}", job))
     return out
 
@@ -108,19 +112,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=8, help="requests in flight")
     p.add_argument("--prompts", type=int, default=16, help="held-out prompts served per run")
     p.add_argument("--domain", choices=sorted(DOMAINS), default="javascript")
+    p.add_argument("--target-model", metavar="DIR",
+                   help="the target the learned head was learned under (`bench.online "
+                   "--target-model`; default: the demo's)")  # fmt: skip
     args = p.parse_args(argv)
     if len(os.sched_getaffinity(0)) < 2:
         raise SystemExit("bench.online_speed needs two CPUs: one stands in for each device")
     if not (args.learned / "config.json").is_file():
         raise SystemExit(f"--learned {args.learned}: no checkpoint there (no config.json)")
-    configs = plan(args.learned.resolve(), args.batch, args.prompts)
+    configs = plan(args.learned.resolve(), args.batch, args.prompts, args.target_model)
     tokenizer = load_tokenizer(default_models().target)
     held, _ = domain_files(args.domain)
     prompts = eval_prompts(tokenizer, held, args.prompts, PROMPT_LEN)
     results = measure(configs, prompts, tokenizer.pad_token_id or 0, args.repeats)
     comparisons = compare(results)
     write_json({"configs": results, "comparisons": comparisons, "learned": str(args.learned),
-                "domain": args.domain}, args.out / "online_speed.json")  # fmt: skip
+                "domain": args.domain, "target": args.target_model}, args.out / "online_speed.json")  # fmt: skip
     print(format_table(results, comparisons))
     return 0
 

@@ -157,7 +157,7 @@ speed() {  # plain vs EAGLE-3 tokens/s per engine configuration (bench/gpu_speed
 cluster() {  # the same runs through a gRPC cluster (target, draft, router processes on the GPU);
   # the in-process counterpart is speed's <model>:triton-graphs, where every request of a run
   # lands in one micro-batch: mb1 is the like-for-like hop, mb2 the router's default over gRPC;
-  # -predraft adds the draft's --predraft 4 (full-depth trees), -noahead the target's
+  # -predraft[N] adds the draft's --predraft N (4 by default; full-depth trees), -noahead the target's
   # --no-run-ahead, -inline runs both services' steps on their event loops (--inline-step-ms
   # 30: no thread hand-off; not with -predraft / -noahead), -shm sends the feature rows through
   # shared memory (the router's --shared-memory), -mps runs the services under CUDA MPS (one GPU
@@ -168,7 +168,8 @@ cluster() {  # the same runs through a gRPC cluster (target, draft, router proce
     tiles_of
     model_dirs "$model" || return 1
     mb=${cfg%%-*} mb=${mb#mb}
-    [[ $cfg == *-predraft* ]] && extra+=("--draft-args=--predraft 4 --predraft-steps 5")
+    [[ $cfg =~ -predraft([0-9]*) ]] &&
+      extra+=("--draft-args=--predraft ${BASH_REMATCH[1]:-4} --predraft-steps 5")
     [[ $cfg == *-noahead* ]] && extra+=("--target-args=--no-run-ahead")
     [[ $cfg == *-inline* ]] && extra+=("--target-args=--inline-step-ms 30"
                                        "--draft-args=--inline-step-ms 30")
