@@ -108,6 +108,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="keep the learned head's checkpoints here (EAGLE-3 format: --model DIR/latest "
         "serves one) and resume from the last one",
     )
+    p.add_argument(
+        "--online-learning-rate",
+        type=float,
+        metavar="LR",
+        default=config_default(DraftConfig, "online_learning_rate"),
+        help="the trainer's learning rate (default 5e-5, for traffic near what the draft was "
+        "trained on; 2e-4 for a target fine-tuned away from its draft: docs/online-learning.md)",
+    )
     p.set_defaults(run=run_draft)
 
     p = sub.add_parser("router", help="serve the public API (specmesh.v1.Generation)")
@@ -295,7 +303,8 @@ def run_draft(args: argparse.Namespace) -> int:
             args.kind, draft_dir, target_dir, spec, predraft=args.predraft,
             predraft_steps=args.predraft_steps, prefix_cache_tokens=args.prefix_cache_tokens,
             prefix_block_size=args.prefix_block_size, online_learning=args.online_learning,
-            online_learning_dir=args.online_learning_dir, **runtime,
+            online_learning_dir=args.online_learning_dir,
+            online_learning_rate=args.online_learning_rate, **runtime,
         )  # fmt: skip
         return load_draft(cfg)
 
@@ -318,8 +327,12 @@ def run_draft(args: argparse.Namespace) -> int:
 def _check_online_learning(args: argparse.Namespace) -> None:
     """Refuse, before listening, a draft kind that cannot learn and a directory without the
     switch."""
-    if args.online_learning_dir and not args.online_learning:
-        raise ValueError("--online-learning-dir needs --online-learning")
+    for flag in ("online_learning_dir", "online_learning_rate"):
+        if getattr(args, flag) is not None and not args.online_learning:
+            raise ValueError(f"--{flag.replace('_', '-')} needs --online-learning")
+    rate = args.online_learning_rate
+    if rate is not None and not 0.0 < rate < 1.0:
+        raise ValueError(f"--online-learning-rate must be in (0, 1), got {rate}")
     if args.online_learning:
         from specmesh.draft_service.online.settings import refuse_kind
 

@@ -278,7 +278,8 @@ def load_draft(cfg: DraftConfig, target_model: torch.nn.Module | None = None) ->
 def _learning(runtime: DraftRuntime) -> DraftRuntime:
     """``runtime``, with its online learner when ``cfg.online_learning`` asks for one."""
     if runtime.cfg.online_learning:
-        from specmesh.draft_service.online import attach_learner
+        from specmesh.draft_service.online import OnlineSettings, attach_learner
 
-        attach_learner(runtime)
+        rate = runtime.cfg.online_learning_rate
+        attach_learner(runtime, None if rate is None else OnlineSettings(lr=rate))
     return runtime

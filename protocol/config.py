@@ -119,3 +119,4 @@ class DraftConfig:
     # that holds one resumes from it
     online_learning: bool = False
     online_learning_dir: str | None = None
+    online_learning_rate: float | None = None  # AdamW's rate (None: `OnlineSettings.lr`)

@@ -22,7 +22,7 @@ def test_finetune_learns_the_domain_and_writes_a_loadable_target(tmp_path: Path)
     for n in range(40):
         (files / f"pkg{n}").mkdir(parents=True)
         (files / f"pkg{n}" / "index.js").write_text(
-            "".join(LINE.format(i=i % 7) for i in range(300))
+            "".join(LINE.format(i=i % 7) for i in range(60))
         )
     held, served = domain_files("javascript", files)
     assert held and served  # the evaluation reads only the held-out ones

@@ -29,11 +29,14 @@ def served(monkeypatch):
 def test_the_flags_reach_the_draft_and_its_metrics(copy_dir: Path, tmp_path, served) -> None:
     args = ["draft", "--kind", "eagle3", "--model", str(copy_dir / "eagle3"),
             "--target-model", str(copy_dir / "target"), "--num-kv-slots", "1024",
-            "--online-learning", "--online-learning-dir", str(tmp_path / "learned")]  # fmt: skip
+            "--online-learning", "--online-learning-dir", str(tmp_path / "learned"),
+            "--online-learning-rate", "2e-4"]  # fmt: skip
     assert main(args) == 0
     runtime = served["runtime"]
     assert runtime.cfg.online_learning and runtime.cfg.online_learning_dir.endswith("learned")
     assert runtime.learner is not None and runtime.learner.checkpoints is not None
+    assert runtime.learner.settings.lr == 2e-4
+    assert runtime.learner.optimizer.param_groups[0]["lr"] == 2e-4
     runtime.learner.close()
     from prometheus_client import generate_latest
 
@@ -59,6 +62,8 @@ def test_off_by_default(copy_dir: Path, served) -> None:
         (["--kind", "standalone", "--online-learning"], "not standalone: a standalone draft"),
         (["--kind", "mtp", "--online-learning"], "not mtp: MTP layers are not trained online"),
         (["--kind", "eagle3", "--online-learning-dir", "x"], "needs --online-learning"),
+        (["--kind", "eagle3", "--online-learning-rate", "1e-4"], "needs --online-learning"),
+        (["--kind", "eagle3", "--online-learning", "--online-learning-rate", "0"], "in (0, 1)"),
     ],
 )
 def test_refusals_name_the_reason(copy_dir: Path, capsys, served, flags, message) -> None:
