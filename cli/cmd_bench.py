@@ -160,6 +160,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "(online.md, online.json, acceptance_vs_tokens.png)",
     )  # fmt: skip
     p.add_argument(
+        "--fine-tuned-target", action="store_true",
+        help="with --online-learning: first fine-tune the demo target on the domain "
+        "(specmesh.demo.finetune, 224 steps; --quick 4) and serve it under the shipped draft, "
+        "learning at 2e-4: the draft's target moved (docs/online-learning.md); writes "
+        "OUT/online-finetuned/",
+    )  # fmt: skip
+    p.add_argument(
         "--out", default="bench_results", metavar="DIR", help="output folder (or a .json file path)"
     )
     p.set_defaults(run=run)
@@ -307,6 +314,8 @@ def run(args: argparse.Namespace) -> int:
         return run_faults(["--out", str(Path(args.out) / "faults"), *picked, *models])
     if args.online_learning is not None:
         return run_online(args)
+    if args.fine_tuned_target:
+        raise ValueError("--fine-tuned-target needs --online-learning")
     results = run_bench(settings_from_args(args))
     out = Path(args.out)
     json_path = out if out.suffix == ".json" else out / "results.json"
@@ -321,12 +330,22 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_online(args: argparse.Namespace) -> int:
-    """``--online-learning [TOKENS]``: `bench.online` on the demo pair (its own flags there)."""
+    """``--online-learning [TOKENS]``: `bench.online` on the demo pair (its own flags there);
+    with ``--fine-tuned-target``, on the demo target fine-tuned first (`demo.finetune`)."""
     from specmesh.bench.online import main as run_online_report
 
     tokens = args.online_learning or (10_000 if args.quick else 200_000)
     quick = ["--eval-prompts", "2", "--eval-tokens", "16", "--new-tokens", "32"]
-    out = ["--out", str(Path(args.out) / "online"), "--max-tokens", str(tokens)]
+    folder = Path(args.out) / ("online-finetuned" if args.fine_tuned_target else "online")
+    out = ["--out", str(folder), "--max-tokens", str(tokens)]
+    if args.fine_tuned_target:
+        from specmesh.demo.finetune import main as finetune
+
+        target = str(folder / "target")
+        steps = "4" if args.quick else "224"
+        if finetune([target, "--steps", steps, "--seconds", "1e9"]) != 0:
+            return 1
+        out += ["--target-model", target, "--lr", "2e-4"]
     return run_online_report(out + (quick if args.quick else []))
 
 

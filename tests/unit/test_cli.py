@@ -108,3 +108,23 @@ def test_bench_online_learning_runs_the_online_report(monkeypatch, tmp_path: Pat
     assert seen[0] == ["--out", str(tmp_path / "online"), "--max-tokens", "200000"]
     assert seen[1][:4] == ["--out", str(tmp_path / "online"), "--max-tokens", "5000"]
     assert "--eval-prompts" in seen[1]
+
+
+def test_bench_online_learning_fine_tunes_the_target_first(monkeypatch, tmp_path: Path) -> None:
+    """`--fine-tuned-target`: `demo.finetune` writes the target, then `bench.online` serves it
+    at 2e-4; a failed fine-tune runs no bench."""
+    import specmesh.bench.online as online
+    import specmesh.demo.finetune as finetune
+
+    tuned, seen = [], []
+    monkeypatch.setattr(finetune, "main", lambda argv: tuned.append(argv) or 0)
+    monkeypatch.setattr(online, "main", lambda argv: seen.append(argv) or 0)
+    args = ["bench", "--online-learning", "--fine-tuned-target", "--out", str(tmp_path)]
+    assert main(args) == 0
+    target = str(tmp_path / "online-finetuned" / "target")
+    assert tuned == [[target, "--steps", "224", "--seconds", "1e9"]]
+    assert seen[0][:2] == ["--out", str(tmp_path / "online-finetuned")]
+    assert seen[0][4:] == ["--target-model", target, "--lr", "2e-4"]
+    monkeypatch.setattr(finetune, "main", lambda argv: 1)
+    assert main([*args, "--quick"]) == 1 and len(seen) == 1
+    assert main(["bench", "--fine-tuned-target", "--out", str(tmp_path)]) == 2
