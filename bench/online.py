@@ -45,7 +45,7 @@ POINTS = (0, 10_000, 25_000, 50_000, 100_000, 150_000, 200_000)
 def build(settings: OnlineSettings, checkpoints: Path | None = None, target: str | None = None):
     """The engine and its learner; ``checkpoints``: the learner's --online-learning-dir (each
     version it serves written there, `specmesh draft --model DIR/latest` loads the last);
-    ``target``: another target than the demo's (one fine-tuned from it, `bench.online_target`)
+    ``target``: another target than the demo's (one fine-tuned from it, `demo.finetune`)
     under the shipped draft."""
     from specmesh.router.engine import Engine
 
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--target-model", metavar="DIR",
         help="serve this target under the shipped draft instead of the demo's own (one "
-        "fine-tuned on the domain by `bench.online_target`; its tokenizer must be the demo's)",
+        "fine-tuned on the domain by `specmesh.demo.finetune`; its tokenizer must be the demo's)",
     )  # fmt: skip
     defaults = OnlineSettings()
     for name in ("lr", "update_tokens", "steps_per_update", "batch_windows", "window_tokens"):

@@ -164,7 +164,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="with --online-learning: first fine-tune the demo target on the domain "
         "(specmesh.demo.finetune, 224 steps; --quick 4) and serve it under the shipped draft, "
         "learning at 2e-4: the draft's target moved (docs/online-learning.md); writes "
-        "OUT/online-finetuned/",
+        "OUT/online-finetuned/ (the target, the learned heads, the report)",
     )  # fmt: skip
     p.add_argument(
         "--out", default="bench_results", metavar="DIR", help="output folder (or a .json file path)"
@@ -345,7 +345,8 @@ def run_online(args: argparse.Namespace) -> int:
         steps = "4" if args.quick else "224"
         if finetune([target, "--steps", steps, "--seconds", "1e9"]) != 0:
             return 1
-        out += ["--target-model", target, "--lr", "2e-4"]
+        learned = ["--online-learning-dir", str(folder / "learned")]  # for bench.online_speed
+        out += ["--target-model", target, "--lr", "2e-4", *learned]
     return run_online_report(out + (quick if args.quick else []))
 
 

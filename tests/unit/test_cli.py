@@ -124,7 +124,8 @@ def test_bench_online_learning_fine_tunes_the_target_first(monkeypatch, tmp_path
     target = str(tmp_path / "online-finetuned" / "target")
     assert tuned == [[target, "--steps", "224", "--seconds", "1e9"]]
     assert seen[0][:2] == ["--out", str(tmp_path / "online-finetuned")]
-    assert seen[0][4:] == ["--target-model", target, "--lr", "2e-4"]
+    learned = ["--online-learning-dir", str(tmp_path / "online-finetuned" / "learned")]
+    assert seen[0][4:] == ["--target-model", target, "--lr", "2e-4", *learned]
     monkeypatch.setattr(finetune, "main", lambda argv: 1)
     assert main([*args, "--quick"]) == 1 and len(seen) == 1
     assert main(["bench", "--fine-tuned-target", "--out", str(tmp_path)]) == 2
