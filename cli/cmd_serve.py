@@ -331,8 +331,8 @@ def _check_online_learning(args: argparse.Namespace) -> None:
         if getattr(args, flag) is not None and not args.online_learning:
             raise ValueError(f"--{flag.replace('_', '-')} needs --online-learning")
     rate = args.online_learning_rate
-    if rate is not None and not 0.0 < rate < 1.0:
-        raise ValueError(f"--online-learning-rate must be in (0, 1), got {rate}")
+    if rate is not None and not rate > 0.0:
+        raise ValueError(f"--online-learning-rate must be > 0, got {rate}")
     if args.online_learning:
         from specmesh.draft_service.online.settings import refuse_kind
 

@@ -66,7 +66,7 @@ class OnlineSettings:
             raise ValueError(
                 f"window_tokens {self.window_tokens} < num_steps + 2 = {self.num_steps + 2}"
             )
-        if not 0.0 < self.lr < 1.0:
-            raise ValueError(f"online learning rate must be in (0, 1), got {self.lr}")
+        if not self.lr > 0.0:
+            raise ValueError(f"online learning rate must be > 0, got {self.lr}")
         if not 0.0 <= self.guard_threshold < 1.0:
             raise ValueError(f"guard_threshold must be in [0, 1), got {self.guard_threshold}")

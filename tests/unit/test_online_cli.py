@@ -63,7 +63,7 @@ def test_off_by_default(copy_dir: Path, served) -> None:
         (["--kind", "mtp", "--online-learning"], "not mtp: MTP layers are not trained online"),
         (["--kind", "eagle3", "--online-learning-dir", "x"], "needs --online-learning"),
         (["--kind", "eagle3", "--online-learning-rate", "1e-4"], "needs --online-learning"),
-        (["--kind", "eagle3", "--online-learning", "--online-learning-rate", "0"], "in (0, 1)"),
+        (["--kind", "eagle3", "--online-learning", "--online-learning-rate", "0"], "must be > 0"),
     ],
 )
 def test_refusals_name_the_reason(copy_dir: Path, capsys, served, flags, message) -> None:
