@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaForCausalLM
 
-from specmesh.bench.online_data import domain_files
+from specmesh.bench.online_data import DOMAINS, domain_files
 from specmesh.defaults import default_models
 from specmesh.demo import data as demo_data
 from specmesh.demo.config import DemoConfig
@@ -91,9 +91,8 @@ def finetune(
     source = Path(default_models().target)
     tokenizer = load_tokenizer(str(source))
     heldout, traffic = domain_files(domain, root)
-    train = demo_data.encode_stream(
-        tokenizer, read_texts(traffic, budget.max_mb * 1e6)
-    )  # on the host
+    texts = read_texts(traffic, budget.max_mb * 1e6)
+    train = demo_data.encode_stream(tokenizer, texts)  # on the host, windows go to the device
     evaluation = demo_data.encode_stream(tokenizer, read_texts(heldout, 2e6))
     torch.manual_seed(budget.seed)
     model = load_target_fp32(source, device).requires_grad_(True).train()
@@ -120,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m specmesh.demo.finetune", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("out", type=Path)
-    p.add_argument("--domain", choices=["javascript", "python-packages"], default="javascript")
+    p.add_argument("--domain", choices=sorted(DOMAINS), default="javascript")
     helps = {"seconds": "training time", "steps": "at most this many optimizer steps",
              "lr": "peak learning rate", "max_mb": "traffic text read, in MB", "seed": "seed"}  # fmt: skip
     for name, field in Budget.__dataclass_fields__.items():

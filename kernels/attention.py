@@ -23,9 +23,10 @@ picks ``BLOCK_Q`` from the batch's shape).
 Tile kinds (``tiles``): "dot" (the default) multiplies on tensor cores with ``tl.dot``, the
 group's query heads padded to 16 rows and the kv in 64-column tiles (fp32 inputs stay exact with
 "ieee" products; half types round the probabilities to their type before the product with
-V); "rows" is "dot" over several rows of a request; "fma" keeps every product elementwise in fp32 over small tiles. Any
-head_dim (padded to a power of two and masked), any group size. On an H200, 8B shapes, 32
-layers (`bench.attention_speed`): decode at batch 32 over 512 tokens 3.65 -> 1.10 ms a step,
+V); "rows" is "dot" over several rows of a request; "fma" keeps every product elementwise in
+fp32 over small tiles. Any head_dim (padded to a power of two and masked), any group size.
+On an H200, 8B shapes, 32 layers (`bench.attention_speed`): decode at batch 32 over 512 tokens
+3.65 -> 1.10 ms a step,
 a verify's 8-row trees at batch 8 7.65 -> 1.39 ms. Long prefills on a GPU belong to the
 FlashInfer backend.
 """
