@@ -26,9 +26,8 @@ group's query heads padded to 16 rows and the kv in 64-column tiles (fp32 inputs
 V); "rows" is "dot" over several rows of a request; "fma" keeps every product elementwise in
 fp32 over small tiles. Any head_dim (padded to a power of two and masked), any group size.
 On an H200, 8B shapes, 32 layers (`bench.attention_speed`): decode at batch 32 over 512 tokens
-3.65 -> 1.10 ms a step,
-a verify's 8-row trees at batch 8 7.65 -> 1.39 ms. Long prefills on a GPU belong to the
-FlashInfer backend.
+3.65 -> 1.10 ms a step, a verify's 8-row trees at batch 8 7.65 -> 1.39 ms. Long prefills on a
+GPU belong to the FlashInfer backend.
 """
 
 from __future__ import annotations
