@@ -15,6 +15,9 @@ each service timing its own stages inside the same window of requests (`bench.ti
 on a GPU the services' device traces cover the first batch size only).
 Speculation is always on: every round drafts and verifies a full tree.
 
+``--pin`` places each side as `bench.hop --pin` does (one core per device: in process on core
+0; the cluster's target on core 0, its draft, router and this process on core 1).
+
 Writes ``OUT/timeline.json`` and ``OUT/timeline.md``; the profiler traces stay in
 ``OUT/traces``. The profiled run's rounds are slower than the spans-only run's (each kernel
 launch is recorded): both round times are printed.
@@ -26,6 +29,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import sys
 import tempfile
 import time
@@ -54,6 +58,7 @@ def in_process(args: argparse.Namespace, spec: SpecParams, traces: Path) -> dict
     """Spans-only and (on a GPU) profiled timelines of the in-process engine, per batch size."""
     from specmesh.bench.gpu_speed import engine_runner
 
+    _cpus(args, IN_PROCESS)
     spans = Spans()
     install(spans)
     cfg = SimpleNamespace(**vars(args), num_micro_batches=1)
@@ -86,6 +91,19 @@ def _kept(rows: list[tuple], path: Path, anchor_ns: int = 0) -> list[Span]:
     return [Span(IN_PROCESS, *r) for r in rows]
 
 
+def _cpus(args: argparse.Namespace, side: str) -> dict[str, list[int]]:
+    """``--pin``: `bench.hop`'s placement (this process is the driver; its torch threads are a
+    cluster model service's); nothing without it."""
+    from specmesh.bench.worker import ONE_DEVICE, TWO_DEVICES
+    from specmesh.cluster import model_threads
+
+    cpus = {} if not args.pin else TWO_DEVICES if side == "cluster" else ONE_DEVICE
+    if "driver" in cpus:
+        os.sched_setaffinity(0, cpus["driver"])
+        torch.set_num_threads(model_threads(2))
+    return cpus
+
+
 def cluster(args: argparse.Namespace, spec: SpecParams, traces: Path) -> dict[str, Any]:
     return asyncio.run(_cluster(args, spec, traces))
 
@@ -100,7 +118,9 @@ async def _cluster(args: argparse.Namespace, spec: SpecParams, traces: Path) -> 
                "inline_step_ms": args.inline_step_ms}  # fmt: skip
     router_args = ["--max-batch-size", str(max(args.sizes)), "--num-micro-batches", "1"]
     router_args += ["--shared-memory"] if args.shared_memory else []
-    spawn = TimelineSpawn(traces, "cluster", device=args.device == "cuda")
+    spawn = TimelineSpawn(
+        traces, "cluster", device=args.device == "cuda", cpus=_cpus(args, "cluster")
+    )
     prompts = _prompts(args.target_model, max(args.sizes), args.prompt_len)
     out = {}
     async with local_deployment(models, spec, runtime, "always", router_args, spawn=spawn) as c:
@@ -123,7 +143,9 @@ def _cluster_timeline(results: list[dict[str, Any]], accept: float) -> dict[str,
     spans = [Span(r["process"], *s) for r in results for s in r["spans"]]
     traces = [(Path(r["trace"]), r["process"], r["anchor_ns"]) for r in results if r.get("trace")]
     errors = {r["process"]: r["error"] for r in results if r.get("error")}
-    return _with_devices(spans, traces, accept) | ({"service_errors": errors} if errors else {})
+    cpus = {r["process"]: r["cpus"] for r in results if "cpus" in r}  # `--pin` places them
+    summary = _with_devices(spans, traces, accept) | {"cpus": cpus}
+    return summary | ({"service_errors": errors} if errors else {})
 
 
 def _with_devices(spans: list[Span], traces: list[tuple], accept: float) -> dict[str, Any]:
@@ -183,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the cluster's services given --inline-step-ms MS (default: theirs)")  # fmt: skip
     p.add_argument("--shared-memory", action="store_true",
                    help="the cluster's feature rows through shared memory (router flag)")  # fmt: skip
+    p.add_argument("--pin", action="store_true",
+                   help="one core per device, as bench.hop --pin places each side")  # fmt: skip
     p.add_argument("--out", help="default: a new temp dir")
     args = p.parse_args(argv)
     args.sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -199,7 +223,17 @@ def main(argv: list[str] | None = None) -> int:
         models = build_models(out / "models")
         args.target_model, args.draft_model = models.target, models.draft
     spec = SpecParams(*(int(x) for x in args.spec.split(",")))
-    started = time.time()
+    started, placed = time.time(), (os.sched_getaffinity(0), torch.get_num_threads())
+    try:
+        return _run(args, spec, out, traces, started)
+    finally:  # `--pin` moved this process (a caller, a test, goes on where it was)
+        os.sched_setaffinity(0, placed[0])
+        torch.set_num_threads(placed[1])
+
+
+def _run(
+    args: argparse.Namespace, spec: SpecParams, out: Path, traces: Path, started: float
+) -> int:
     results: dict[str, Any] = {}
     if not args.no_in_process:
         results[IN_PROCESS] = in_process(args, spec, traces)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import faulthandler
+import functools
 import json
 import os
 import subprocess
@@ -134,7 +135,8 @@ class ServiceWindow:
             prof, self.prof = self.prof, None
             stop_device_profile(prof, trace)
         body = {"process": self.kind, "anchor_ns": self.anchor, "trace": trace and str(trace),
-                "error": self.error, "spans": self.spans.take()}  # fmt: skip
+                "error": self.error, "spans": self.spans.take(),
+                "cpus": sorted(os.sched_getaffinity(0))}  # fmt: skip
         tmp = self.prefix.with_suffix(".tmp")
         tmp.write_text(json.dumps(body))
         tmp.rename(self.prefix.with_suffix(".json"))
@@ -159,6 +161,7 @@ class TimelineSpawn:
     out_dir: Path
     tag: str = "run"
     device: bool = False  # the model services record the device's activity too
+    cpus: dict[str, list[int]] = field(default_factory=dict)  # `bench.worker.TWO_DEVICES`
     started: dict[str, tuple[subprocess.Popen, Path]] = field(default_factory=dict)
 
     def __call__(self, children: list, kind: str, flags: list[str]) -> str:
@@ -167,7 +170,10 @@ class TimelineSpawn:
         port, prefix = free_port(), self.out_dir / f"{self.tag}-{kind}"
         service = [kind, "--host", LOOPBACK, "--port", str(port), *flags]
         env = {**os.environ, PROFILE_ENV: "1"} if self.device else None
-        proc = subprocess.Popen([sys.executable, "-m", MODULE, str(prefix), *service], env=env)
+        cpus = self.cpus.get(kind)
+        place = None if cpus is None else functools.partial(os.sched_setaffinity, 0, cpus)
+        cmd = [sys.executable, "-m", MODULE, str(prefix), *service]
+        proc = subprocess.Popen(cmd, env=env, preexec_fn=place)
         children.append(Child(kind, f"{LOOPBACK}:{port}", proc))
         self.started[kind] = (proc, prefix)
         return f"{LOOPBACK}:{port}"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -135,9 +136,14 @@ def test_cluster_run_times_every_process(tmp_path: Path) -> None:
     from specmesh.bench.round_timeline import main
 
     args = ["--batch-sizes", "1", "--max-new-tokens", "8", "--cluster", "--no-in-process"]
-    assert main([*args, "--out", str(tmp_path)]) == 0
+    pin = len(os.sched_getaffinity(0)) >= 2 and {0, 1} <= os.sched_getaffinity(0)
+    placed = os.sched_getaffinity(0)
+    assert main([*args, *(["--pin"] if pin else []), "--out", str(tmp_path)]) == 0
+    assert os.sched_getaffinity(0) == placed  # the run gave this process its cores back
     summary = json.loads((tmp_path / "timeline.json").read_text())["results"]["cluster"]["b1"]
     summary = summary["spans_only"]
+    if pin:  # one core per device: the target on 0, the draft and the router on 1
+        assert summary["cpus"] == {"target": [0], "draft": [1], "router": [1]}
     seen = {(row["process"], row["stage"]) for row in summary["stages"]}
     assert {("draft", "draft.rpc_batch"), ("target", "target.rpc_batch"),
             ("router", "router.verify_call"), ("draft", "draft.propose")} <= seen  # fmt: skip
