@@ -81,6 +81,7 @@ def run_job(job: Job) -> dict[str, Any]:
 async def _run_router_side(job: Job) -> dict[str, Any]:
     from specmesh.bench.stacks import engine_runtime, inprocess_backend, local_deployment
     from specmesh.defaults import ModelChoice
+    from specmesh.rpc.heap import frozen_startup_heap
 
     run = job.run
     models = ModelChoice(job.target, job.draft, run.draft_kind)
@@ -90,13 +91,16 @@ async def _run_router_side(job: Job) -> dict[str, Any]:
         models = dataclasses.replace(models, draft_kind=kind)
         spawn = _placed_spawn(job)
         async with local_deployment(models, spec, runtime, run.speculation, spawn=spawn) as cluster:
-            return await cluster.run(run, job.prompts)
+            with frozen_startup_heap("bench driver"):  # as each of its services
+                return await cluster.run(run, job.prompts)
     if run.backend.startswith("engine:"):
         runtime = engine_runtime(runtime, run.backend.removeprefix("engine:"))
     elif run.backend != "inprocess":
         raise ValueError(f"the worker runs no {run.backend!r} side")
     specs = (run.spec,) if run.spec else ()
-    return await inprocess_backend(models, runtime, specs, name=run.backend).run(run, job.prompts)
+    backend = inprocess_backend(models, runtime, specs, name=run.backend)
+    with frozen_startup_heap("bench in process"):  # as a cluster's services, once ready
+        return await backend.run(run, job.prompts)
 
 
 def _placed_spawn(job: Job) -> Any:

@@ -45,6 +45,7 @@ from specmesh.router.router_config import RouterConfig
 from specmesh.router.smg_worker import add_smg_worker
 from specmesh.router.structured import ConstraintChecker
 from specmesh.router.tokenizer import fetch_tokenizer, load_tokenizer, resolve_seed
+from specmesh.rpc.heap import frozen_startup_heap
 from specmesh.rpc.malformed import add_servicer
 from specmesh.rpc.security import TlsFiles, api_key_interceptors, model_name
 from specmesh.rpc.service_common import ServiceHost
@@ -346,7 +347,8 @@ async def serve(settings: RouterSettings, grace_s: float = 30.0) -> None:
         await asyncio.wait({start, signalled}, return_when=asyncio.FIRST_COMPLETED)
         if start.done():
             start.result()  # a start-up failure ends the process
-            await signalled
+            with frozen_startup_heap(service.host.service_name):
+                await signalled
     finally:
         start.cancel()
         if not signalled.done():

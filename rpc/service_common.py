@@ -27,6 +27,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 from specmesh.protocol.codec import GRPC_MAX_MESSAGE_BYTES
 from specmesh.protocol.errors import SpecmeshError
 from specmesh.rpc.grpc_options import connection_cap, server_options
+from specmesh.rpc.heap import frozen_startup_heap
 from specmesh.rpc.held_batches import Hold, StepAnswers, batch_rids
 from specmesh.rpc.inline_steps import InlineSteps, for_device
 from specmesh.rpc.malformed import add_servicer
@@ -387,5 +388,6 @@ async def serve_model(
     log.info("%s listening on %s (%s, at most %d connections); loading", host.service_name,
              host.address, tls, host.max_connections)  # fmt: skip
     await servicer.attach(await asyncio.to_thread(load), warm_up)
-    log.info("%s ready on port %d", host.service_name, host.port)
-    await host.run_until_signal(grace_s)
+    with frozen_startup_heap(host.service_name):
+        log.info("%s ready on port %d", host.service_name, host.port)
+        await host.run_until_signal(grace_s)

@@ -41,16 +41,17 @@ class Service:
 
 
 class Services:
-    """Child processes ``python -m specmesh <kind>``, logs in ``log_dir`` (a restarted service
-    appends to its predecessor's log), all stopped at the end."""
+    """Child processes ``python -m specmesh <kind>``, logs (at ``log_level``) in ``log_dir`` (a
+    restarted service appends to its predecessor's log), all stopped at the end."""
 
-    def __init__(self, log_dir: Path) -> None:
-        self.log_dir = log_dir
+    def __init__(self, log_dir: Path, log_level: str = "WARNING") -> None:
+        self.log_dir, self.log_level = log_dir, log_level
         self.running: dict[str, Service] = {}
 
     def start(self, name: str, kind: str, *flags: str, port: int | None = None) -> str:
         port = port or free_port()
-        cmd = [sys.executable, "-m", "specmesh", kind, "--host", "127.0.0.1", "--port", str(port)]
+        cmd = [sys.executable, "-m", "specmesh", "--log-level", self.log_level, kind]
+        cmd += ["--host", "127.0.0.1", "--port", str(port)]
         with open(self.log_dir / f"{name}.log", "a") as log:  # the child keeps its own copy
             proc = subprocess.Popen([*cmd, *flags], stdout=log, stderr=subprocess.STDOUT)
         self.running[name] = Service(kind, flags, port, proc)

@@ -86,5 +86,8 @@ def test_idle_connections_past_the_fd_limit_leave_the_router_serving(
     lines = text.splitlines()
     assert len(lines) <= MAX_LOG_LINES, "\n".join(lines[:40])
     assert not any("Traceback" in line or "out of system resource" in line for line in lines)
+    # served with its start-up heap out of the collector's passes (`rpc.heap`), handed back
+    assert re.search(r"Generation: \d+ start-up objects out of the garbage collector's", text)
+    assert "leaked" not in text, text
     cap = re.search(r"at most (\d+) connections \(open files limit (\d+)\)", text)
     assert cap and int(cap.group(1)) < int(cap.group(2)) == MAX_OPEN_FILES, text
