@@ -15,8 +15,10 @@ time, greedy, ``PROMPT_LEN`` prompt tokens, ``MAX_NEW_TOKENS`` new ones. ``--onl
 plain or the EAGLE-3 configurations alone.
 
 Beside each ratio: the gRPC floor of its round (`bench.hop_floor`: a bare `grpc.aio` echo on
-this machine, one round trip per service the round calls) and the best ratio a round that calls
-its services one after the other could reach over that floor.
+this machine, one round trip per service the round calls), the best ratio a round that calls
+its services one after the other could reach over that floor, and what two processes taking
+turns reach here with no wire at all (`bench.alternation`, sized to the mode's in-process
+round, placed as the sides are): on a machine whose idle cores go cold that alone is below 1.
 
 A round is one streamed chunk after the first (prefill's) token: a decode step, or one draft +
 verify. ms/round = (last chunk - first chunk) / rounds, over a run's requests.
@@ -44,7 +46,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from specmesh.bench import hop_floor
+from specmesh.bench import alternation, hop_floor
 from specmesh.bench.hop_profile import ProfiledSpawn, top_functions
 from specmesh.bench.metrics import aggregate, ratio_spread, spread
 from specmesh.bench.report import write_json
@@ -169,6 +171,7 @@ def measure(
     by_label: dict[str, list[dict[str, Any]]] = {}
     configs = plan(num_requests, only, inline_step_ms)
     order = [(r, c) for r in range(repeats) for c in configs]  # interleaved
+    turns: dict[str, list[tuple[float, float]]] = {}  # in-process label -> per repeat
     for i, (repeat, c) in enumerate(order):
         runtime = {} if c.inline_step_ms is None else {"inline_step_ms": c.inline_step_ms}
         cpus = {} if not pin else TWO_DEVICES if c.run.backend == "cluster" else ONE_DEVICE
@@ -180,7 +183,16 @@ def measure(
         by_label.setdefault(c.label, []).append(res)
         print(f"[hop {i + 1}/{len(order)}] {c.label}: {res['tokens_per_s']:.1f} tok/s, "
               f"{res['ms_per_round']:.2f} ms/round", file=sys.stderr, flush=True)  # fmt: skip
-    return [_config(runs) for runs in by_label.values()]
+        if c.run.backend == "inprocess":  # two processes taking turns, sized to this round
+            runs = turns.setdefault(c.label, [])  # sized once, to its first round
+            layers = runs[0][0] if runs else alternation.sized(res["ms_per_round"], pin)
+            runs.append((layers, alternation.once(layers, pin=pin)))
+    out = [_config(runs) for runs in by_label.values()]
+    for c in out:
+        if c["label"] in turns:
+            sizes, runs = zip(*turns[c["label"]], strict=True)
+            c["turns"] = alternation.summary(list(runs), list(sizes), alternation.ROUNDS, pin)
+    return out
 
 
 def _config(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -217,14 +229,18 @@ def format_tables(configs: list[dict[str, Any]], comparisons: list[dict[str, Any
             f" | {c['mean_accept_len']:.2f} | {1e3 * c['ttft_s_mean']:.1f} |"
         )
     lines += ["", "| mode | cluster / in process, tok/s (min - max) | hop ms/round (min - max) "
-              "| gRPC floor ms/round | best sequential ratio |", "|---|---|---|---|---|"]  # fmt: skip
+              "| gRPC floor ms/round | best sequential ratio | two processes taking turns, no "
+              "wire (min - max) |", "|---|---|---|---|---|---|"]  # fmt: skip
     for c in comparisons:
+        turns = c.get("turns")
         lines.append(
             f"| {c['mode']} | {c['ratio']:.2f} ({c['ratio_min']:.2f} - {c['ratio_max']:.2f}) | "
             f"{c['extra_ms_per_round']:+.2f} ({c['extra_ms_per_round_min']:.2f} - "
             f"{c['extra_ms_per_round_max']:.2f}) | {c['floor_ms_per_round']:.2f} | "
-            f"{c['best_sequential_ratio']:.2f} |"
-        )
+            f"{c['best_sequential_ratio']:.2f} | "
+            + (f"{turns['ratio']:.2f} ({turns['ratio_min']:.2f} - {turns['ratio_max']:.2f}) |"
+               if turns else "- |")
+        )  # fmt: skip
     return "\n".join(lines)
 
 
@@ -236,12 +252,14 @@ def with_floor(
     ratio a round calling its services in sequence could reach: in process / (in process +
     floor), per round."""
     small, rows = (f["round_trip_ms"] for f in floor)
-    local = {c["label"]: c["ms_per_round"]["median"] for c in configs}
+    by_label = {c["label"]: c for c in configs}
+    local = {label: c["ms_per_round"]["median"] for label, c in by_label.items()}
     for c in comparisons:
         mode = next(m for m in MODES if m[0] == c["mode"])
         floor_ms = small + (rows if mode[0] == DRAFT_KIND else 0.0)
         c["floor_ms_per_round"] = floor_ms
         c["best_sequential_ratio"] = local[mode[2]] / (local[mode[2]] + floor_ms)
+        c["turns"] = by_label[mode[2]].get("turns")  # `measure`: beside each in-process run
     return comparisons
 
 

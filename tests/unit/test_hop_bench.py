@@ -3,6 +3,8 @@ a real echo server process and a `grpc.aio` client (no timing is asserted beyond
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from specmesh.bench import hop, hop_floor
@@ -49,3 +51,36 @@ def test_inline_step_ms_adds_one_eagle3_cluster_whose_services_get_it() -> None:
     assert extra.run.backend == "cluster" and extra.inline_step_ms == 20
     assert extra.label == "cluster eagle3 --inline-step-ms 20"
     assert len({c.label for c in inline}) == len(inline)  # its runs are reported apart
+
+
+def test_each_mode_gets_the_turn_taking_ratio_of_its_in_process_round() -> None:
+    turns = {"ratio": 0.57, "ratio_min": 0.4, "ratio_max": 0.6}
+    configs = [_config("inprocess plain", 1.0, 900.0), _config("cluster plain", 1.2, 750.0),
+               _config("cluster plain --no-run-ahead", 1.3, 700.0),
+               _config("inprocess eagle3", 3.0, 300.0) | {"turns": turns},
+               _config("cluster eagle3", 4.0, 225.0)]  # fmt: skip
+    floor = [{"round_trip_ms": 0.25}, {"round_trip_ms": 0.5}]
+    comparisons = hop.with_floor(hop.compare(configs), configs, floor)
+    by_mode = {c["mode"]: c for c in comparisons}
+    assert by_mode["eagle3"]["turns"] is turns  # beside the in-process run it was sized to
+    assert by_mode["plain"]["turns"] is None is by_mode["plain --no-run-ahead"]["turns"]
+    table = hop.format_tables([{**c, "tokens_per_s": 1.0, "tokens_per_s_min": 1.0,
+                                "tokens_per_s_max": 1.0, "mean_accept_len": 1.0,
+                                "ttft_s_mean": 0.0, "ms_per_round": {"median": 1.0, "min": 1.0,
+                                "max": 1.0}} for c in configs], comparisons)  # fmt: skip
+    assert "| 0.57 (0.40 - 0.60) |" in table and "taking turns, no wire" in table
+    assert table.count("| - |") == 2  # plain's two modes: not measured
+
+
+def test_two_processes_take_turns_against_one() -> None:
+    from specmesh.bench import alternation
+
+    pin = {0, 1} <= os.sched_getaffinity(0)
+    placed = os.sched_getaffinity(0)
+    out = alternation.measure(layers=1, rounds=5, repeats=2, pin=pin)
+    assert os.sched_getaffinity(0) == placed  # the driver is back where it was
+    assert out["one_process_ms"]["min"] > 0 and out["two_processes_ms"]["min"] > 0
+    assert len(out["ratio_runs"]) == 2 and all(r > 0 for r in out["ratio_runs"])
+    assert "| one / two |" in alternation.format_alternation(out)
+    assert alternation.layers_for(200.0) > alternation.layers_for(0.01) == 1
+    assert alternation.sized(200.0, pin) > 1
