@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from specmesh.draft_service.node_records import (
@@ -154,10 +155,11 @@ class TreeDrafter:
         """A node forwarded at ``step`` has position ``last_pos + position_offset(step)``."""
         return step
 
-    def prefix_columns(self, step: int, st: RootState, width: int) -> torch.Tensor:
+    def prefix_columns(self, step: int, st: RootState, width: int) -> np.ndarray:
         """``[width]`` bool: the KV token indices below ``spec_base`` a node forwarded at
-        ``step`` sees (the committed prefix, or a pre-drafted tree's prefix and path)."""
-        cols = torch.zeros(width, dtype=torch.bool)
+        ``step`` sees (the committed prefix, or a pre-drafted tree's prefix and path). A host
+        array: a search lays out every request's at once (`step_batch`), no operator each."""
+        cols = np.zeros(width, dtype=bool)
         cols[: st.spec_base if st.prefix_len is None else st.prefix_len] = True
         if st.visible:
             cols[list(st.visible)] = True
@@ -176,7 +178,7 @@ class TreeDrafter:
         speculative region, ``seen [topk, S]`` (its forwarded ancestors and itself)."""
         k = self.spec.topk
         start = st.spec_base + (step - 1) * k
-        mask = self.prefix_columns(step, st, start + k).repeat(k, 1)
+        mask = torch.from_numpy(np.tile(self.prefix_columns(step, st, start + k), (k, 1)))
         mask[:, st.spec_base :] = seen[:, : step * k]
         position = torch.full((k,), st.last_pos + self.position_offset(step))
         return BatchItem(rid, tokens, start, position, mask)

@@ -58,7 +58,10 @@ class DraftExtendGraph:
         """(hidden, logits) of each request's last real row (``fits(items)`` must hold); copies,
         so they outlive the next replay."""
         w = self.width
-        padded = [_with_filler(it, w) for it in items]
+        ids = np.zeros((len(items), w), dtype=np.int64)  # filler rows: token 0
+        for b, it in enumerate(items):
+            ids[b, : it.q_len] = it.input_ids.numpy()
+        padded = [BatchItem(it.rid, torch.from_numpy(ids[b]), it.start) for b, it in enumerate(items)]  # fmt: skip
         feats = features.new_zeros(len(items) * w, features.shape[1])
         # The real rows of the padded batch, and each request's last: one copy to the device.
         starts = np.arange(len(items)) * w
@@ -73,8 +76,3 @@ class DraftExtendGraph:
         feats.index_copy_(0, real_rows, features)
         hidden, logits = self.runner.run(padded, feats)
         return hidden[last], logits[last]
-
-
-def _with_filler(it: BatchItem, width: int) -> BatchItem:
-    filler = torch.zeros(width - it.q_len, dtype=it.input_ids.dtype)
-    return BatchItem(it.rid, torch.cat([it.input_ids, filler]), it.start)

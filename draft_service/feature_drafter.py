@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from specmesh.draft_service.drafter import RootState, TreeDrafter, forward_draft
@@ -40,7 +41,7 @@ def rotated_rows(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Token ids ``committed[1:] + [next]`` and, for multimodal input, embeddings
     ``mm_input_embeds[1:] ++ embed(next)``, for ONE request."""
-    ids = torch.tensor([*inp.committed_ids[1:], inp.next_token], dtype=torch.int64)
+    ids = torch.from_numpy(np.array([*inp.committed_ids[1:], inp.next_token], dtype=np.int64))
     if inp.mm_input_embeds is None:
         if inp.is_multimodal and inp.new:
             raise InvalidRequestError(
@@ -90,15 +91,18 @@ class FeatureDrafter(TreeDrafter):
                 if self.prefixes is not None:
                     self.prefixes.start(inp, [*inp.committed_ids, inp.next_token])
             start = self.cache.get(inp.rid).committed_len
-            skip = start if inp.new else 0  # rows the prefix cache had
-            embeds = None if embeds is None else embeds[skip:]
-            items.append(BatchItem(inp.rid, ids[skip:], start, input_embeds=embeds))
-            feats.append(inp.features[skip:])
+            rows = inp.features
+            if skip := start if inp.new else 0:  # rows the prefix cache had
+                ids, rows = ids[skip:], rows[skip:]
+                embeds = None if embeds is None else embeds[skip:]
+            items.append(BatchItem(inp.rid, ids, start, input_embeds=embeds))
+            feats.append(rows)
         hidden, logits = self._forward_extend(items, torch.cat(feats))
-        for b, (it, inp) in enumerate(zip(items, inputs, strict=True)):
+        rows = zip(items, inputs, hidden.unbind(), logits.unbind(), strict=True)
+        for it, inp, h, lg in rows:  # each request's own row, as views
             end = it.start + it.q_len
             self.cache.commit(it.rid, end)
-            self.roots[it.rid] = RootState(end - 1, end, hidden[b], logits[b])
+            self.roots[it.rid] = RootState(end - 1, end, h, lg)
             if self.prefixes is not None and inp.new:  # `DraftPrefixes.keep`: starts only
                 self.prefixes.keep(inp, [*inp.committed_ids, inp.next_token])
 

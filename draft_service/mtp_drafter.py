@@ -35,6 +35,7 @@ layers again when num_steps > L (tested against transformers' decoder layer).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from specmesh.draft_service.drafter import RootState, TreeDrafter, forward_draft
@@ -149,8 +150,8 @@ class MTPDrafter(TreeDrafter):
     def position_offset(self, step: int) -> int:
         return self.num_layers * (step // self.num_layers)
 
-    def prefix_columns(self, step: int, st: RootState, width: int) -> torch.Tensor:
-        cols = torch.zeros(width, dtype=torch.bool)
+    def prefix_columns(self, step: int, st: RootState, width: int) -> np.ndarray:
+        cols = np.zeros(width, dtype=bool)
         cols[: st.spec_base] = True
         if self.layer_of(step) > 0:
             cols[st.last_pos] = False  # the extend's greedy guess of this node's step-l row

@@ -126,9 +126,9 @@ class StepBatch:
         buf.kv_indptr[: bs + 1].copy_(self.kv_indptr)
         buf.kv_indices[:kv_raw].copy_(self.kv_indices)
         buf.mask_indptr[: bs + 1].copy_(self.mask_indptr)
-        prefix = [self.drafter.prefix_columns(step, st, n).repeat(q)
+        prefix = [np.tile(self.drafter.prefix_columns(step, st, n), q)
                   for st, n in zip(self.states, self.kv_lens, strict=True)]  # fmt: skip
-        buf.custom_mask[: kv_raw * q].copy_(torch.cat(prefix))
+        buf.custom_mask[: kv_raw * q].copy_(torch.from_numpy(np.concatenate(prefix)))
         if num_pad:
             runner.fill_padding(bs, num_pad, kv_raw, kv_raw * q)
         cpu = [*self.kv_lens, *[q] * num_pad] if runner.backend.needs_cpu_metadata else None
