@@ -59,9 +59,10 @@ class DraftExtendGraph:
         so they outlive the next replay."""
         w = self.width
         ids = np.zeros((len(items), w), dtype=np.int64)  # filler rows: token 0
-        for b, it in enumerate(items):
-            ids[b, : it.q_len] = it.input_ids.numpy()
-        padded = [BatchItem(it.rid, torch.from_numpy(ids[b]), it.start) for b, it in enumerate(items)]  # fmt: skip
+        padded = []
+        for row, it in zip(ids, items, strict=True):  # host ids (`rotated_rows`)
+            row[: it.q_len] = it.input_ids.numpy()
+            padded.append(BatchItem(it.rid, torch.from_numpy(row), it.start))
         feats = features.new_zeros(len(items) * w, features.shape[1])
         # The real rows of the padded batch, and each request's last: one copy to the device.
         starts = np.arange(len(items)) * w
