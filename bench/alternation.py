@@ -36,10 +36,9 @@ TURN, STOP = b"t", b""
 
 
 def _work(layers: int) -> Callable[[], object]:
-    """``layers`` forwards of a small transformer layer, on one torch thread."""
+    """``layers`` forwards of a small transformer layer."""
     import torch
 
-    torch.set_num_threads(1)
     torch.manual_seed(0)
     layer = torch.nn.TransformerEncoderLayer(64, 4, 128, batch_first=True).eval()
     x = torch.randn(1, 9, 64)
@@ -59,9 +58,18 @@ def _place(cpus: list[int] | None) -> None:
         os.sched_setaffinity(0, cpus)
 
 
+def _worker(cpus: list[int] | None) -> None:
+    """A measuring process: on ``cpus``, one torch thread (as each model service of a cluster
+    on two cores)."""
+    import torch
+
+    _place(cpus)
+    torch.set_num_threads(1)
+
+
 def _take_turns(conn: Connection, cpus: list[int] | None, layers: int) -> None:
     """A half: its work each time it is given the turn, then the turn back."""
-    _place(cpus)
+    _worker(cpus)
     work = _work(layers)
     while conn.recv_bytes() == TURN:
         work()
@@ -70,7 +78,7 @@ def _take_turns(conn: Connection, cpus: list[int] | None, layers: int) -> None:
 
 def _alone(conn: Connection, cpus: list[int] | None, layers: int, rounds: int) -> None:
     """Both halves in this one process, round after round; sends the rounds' seconds."""
-    _place(cpus)
+    _worker(cpus)
     first, second = _work(layers), _work(layers)
     seconds = []
     for i in range(WARM_UP + rounds):
@@ -137,7 +145,7 @@ def layers_for(round_ms: float) -> int:
 
 
 def _sizer(conn: Connection, cpus: list[int] | None, round_ms: float) -> None:
-    _place(cpus)
+    _worker(cpus)
     conn.send(layers_for(round_ms))
 
 
