@@ -17,10 +17,10 @@ Other C libraries (musl, macOS) are left alone.
 `frozen_startup_heap` takes the objects a service holds for its whole life (imported modules,
 the model's modules, graphs, protobuf descriptors, gRPC's machinery: some hundreds of thousands)
 out of Python's cyclic garbage collector once the service is ready (``gc.freeze``; SGLang and
-vLLM freeze theirs after warm-up too). Without it each full collection walks them all: about
-90 ms here, a stall of whatever round it lands in. The process entries serve inside it (`serve_model`,
-the router's `serve`); a process that starts services in process (a test) keeps its collector
-as it was.
+vLLM freeze theirs after warm-up too). Without it each full collection walks them all: 90 -
+150 ms here, a stall of whatever round it lands in. The process entries serve inside it
+(`serve_model`, the router's `serve`); a process that starts services in process (a test)
+keeps its collector as it was.
 """
 
 from __future__ import annotations
