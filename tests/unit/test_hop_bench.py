@@ -77,10 +77,10 @@ def test_two_processes_take_turns_against_one() -> None:
 
     pin = {0, 1} <= os.sched_getaffinity(0)
     placed = os.sched_getaffinity(0)
-    out = alternation.measure(layers=1, rounds=5, repeats=2, pin=pin)
+    out = alternation.measure(layers=1, rounds=5, repeats=1, pin=pin)
     assert os.sched_getaffinity(0) == placed  # the driver is back where it was
     assert out["one_process_ms"]["min"] > 0 and out["two_processes_ms"]["min"] > 0
-    assert len(out["ratio_runs"]) == 2 and all(r > 0 for r in out["ratio_runs"])
+    assert len(out["ratio_runs"]) == 1 and out["ratio_runs"][0] > 0
     assert "| one / two |" in alternation.format_alternation(out)
     assert alternation.layers_for(200.0) > alternation.layers_for(0.01) == 1
     assert alternation.sized(200.0, pin) > 1
