@@ -171,7 +171,8 @@ def measure(
     by_label: dict[str, list[dict[str, Any]]] = {}
     configs = plan(num_requests, only, inline_step_ms)
     order = [(r, c) for r in range(repeats) for c in configs]  # interleaved
-    turns: dict[str, list[tuple[float, float]]] = {}  # in-process label -> per repeat
+    # in-process label -> per repeat: (layers, (one process ms, two processes ms))
+    turns: dict[str, list[tuple[int, tuple[float, float]]]] = {}
     for i, (repeat, c) in enumerate(order):
         runtime = {} if c.inline_step_ms is None else {"inline_step_ms": c.inline_step_ms}
         cpus = {} if not pin else TWO_DEVICES if c.run.backend == "cluster" else ONE_DEVICE

@@ -98,8 +98,8 @@ class FeatureDrafter(TreeDrafter):
             items.append(BatchItem(inp.rid, ids, start, input_embeds=embeds))
             feats.append(rows)
         hidden, logits = self._forward_extend(items, torch.cat(feats))
-        rows = zip(items, inputs, hidden.unbind(), logits.unbind(), strict=True)
-        for it, inp, h, lg in rows:  # each request's own row, as views
+        lasts = zip(items, inputs, hidden.unbind(), logits.unbind(), strict=True)
+        for it, inp, h, lg in lasts:  # each request's own last row, as views
             end = it.start + it.q_len
             self.cache.commit(it.rid, end)
             self.roots[it.rid] = RootState(end - 1, end, h, lg)
